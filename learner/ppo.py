@@ -1,0 +1,148 @@
+"""PPO math on response-aligned tensors: GAE, masked whitening, clipped policy and value losses.
+
+Pure torch. Shapes: B sequences, T response positions; ``mask`` is [B, T] float 0/1, a prefix per row.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Aggregation = Literal["token_mean", "sequence_mean"]
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """Scalar sum of ``x`` [B, T] over masked positions."""
+    return (x * mask).sum()
+
+
+def masked_mean(x: Tensor, mask: Tensor, aggregation: Aggregation = "token_mean") -> Tensor:
+    """Scalar mean of ``x`` [B, T] over masked positions.
+
+    ``token_mean``: every response token weighs the same (sum x*mask / sum mask).
+    ``sequence_mean``: each row is averaged over its own tokens, then rows with any token are averaged,
+    so long and short responses weigh the same. Returns 0 when the mask is empty.
+    """
+    if aggregation == "token_mean":
+        return masked_sum(x, mask) / mask.sum().clamp(min=1)
+    if aggregation == "sequence_mean":
+        lengths = mask.sum(dim=-1)
+        per_row = (x * mask).sum(dim=-1) / lengths.clamp(min=1)
+        return per_row.sum() / (lengths > 0).sum().clamp(min=1)
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected 'token_mean' or 'sequence_mean'")
+
+
+def masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    """Scalar unbiased variance of ``x`` [B, T] over masked positions."""
+    n = mask.sum()
+    mean = masked_sum(x, mask) / n.clamp(min=1)
+    return masked_sum((x - mean).square(), mask) / (n - 1).clamp(min=1)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """[B, T] ``x`` normalised to unit variance (and zero mean if ``shift_mean``) over masked positions.
+    Masked-out positions are 0 in the result."""
+    mean = masked_sum(x, mask) / mask.sum().clamp(min=1)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def gae_advantages(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over response tokens, right to left.
+
+    Args:
+        rewards: [B, T] per-token rewards (KL penalty plus the score at the last token).
+        values: [B, T] value estimates V(s_t) for the state before token t.
+        mask: [B, T] response mask; the state after the last response token is terminal (V = 0).
+        gamma, lam: discount and GAE lambda.
+    Returns:
+        (advantages [B, T], returns [B, T]), both 0 where ``mask`` is 0; returns = advantages + values.
+    """
+    if not (rewards.shape == values.shape == mask.shape):
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and mask {tuple(mask.shape)} "
+            "must share one [B, T] shape"
+        )
+    rewards, values = rewards * mask, values * mask
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_advantage = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = (delta + gamma * lam * next_advantage) * mask[:, t]
+        advantages[:, t] = next_advantage
+        next_value = values[:, t]
+    return advantages, (advantages + values) * mask
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_range: float = 0.2,
+    aggregation: Aggregation = "token_mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped surrogate: mean of max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps)).
+
+    Args:
+        logprobs: [B, T] current policy log-probs of the sampled tokens (with grad).
+        old_logprobs: [B, T] log-probs of the policy that collected the batch.
+        advantages: [B, T]; mask: [B, T].
+    Returns:
+        (scalar loss, {"clipfrac", "approx_kl"}) where approx_kl is the k3 estimate of
+        KL(old || new), as CleanRL logs it.
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask, aggregation)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean(((ratio - 1.0).abs() > clip_range).to(ratio.dtype), mask),
+            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip_range_value: float = 0.2,
+    aggregation: Aggregation = "token_mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss: 0.5 * mean of max((V - R)^2, (V_clip - R)^2), V_clip = old_V +- clip.
+
+    Args: values, old_values, returns, mask: [B, T].
+    Returns: (scalar loss, {"vf_clipfrac"}).
+    """
+    clipped_values = old_values + (values - old_values).clamp(-clip_range_value, clip_range_value)
+    unclipped_error = (values - returns).square()
+    clipped_error = (clipped_values - returns).square()
+    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask, aggregation)
+    with torch.no_grad():
+        stats = {"vf_clipfrac": masked_mean((clipped_error > unclipped_error).to(values.dtype), mask)}
+    return loss, stats
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """[B, T] entropy of the categorical distributions given by ``logits`` [B, T, V]."""
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    return -(log_p.exp() * log_p).sum(dim=-1)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over masked positions; nan when the returns have no variance."""
+    var_returns = masked_var(returns, mask)
+    if var_returns <= 0:
+        return float("nan")
+    return float(1.0 - masked_var(returns - values, mask) / var_returns)

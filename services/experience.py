@@ -1,0 +1,125 @@
+"""The one batch container that flows between roles, and the forward pass that reads it.
+
+A ``RolloutBatch`` holds B episodes. Prompts are left-padded to P, responses right-padded to T, so the
+response always starts at column P of ``cat(prompt_ids, response_ids)``. Every response tensor is
+response-aligned [B, T]. Each row carries the ``policy_version`` and ``kl_coef`` it was produced under,
+so concatenating chunks keeps the stamps. ``tensordict``'s tensorclass gives indexing, ``torch.cat``,
+``torch.stack`` and device moves for free.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import tensorclass
+from torch import Tensor
+
+FINISH_STOP, FINISH_LENGTH = 0, 1  # finish_reason codes: EOS (or a stop) vs the max_new_tokens cap
+
+
+@tensorclass
+class RolloutBatch:
+    prompt_ids: Tensor  # [B, P] long, left-padded with the pad id
+    prompt_mask: Tensor  # [B, P] float 0/1
+    response_ids: Tensor  # [B, T] long, right-padded
+    response_mask: Tensor  # [B, T] float 0/1: 1 up to and including the first EOS
+    rollout_logprobs: Tensor  # [B, T] the engine's sampled-token log-probs (diagnostic only)
+    finish_reason: Tensor  # [B] long: FINISH_STOP or FINISH_LENGTH
+    policy_version: Tensor  # [B] long: weights version that generated the row
+    kl_coef: Tensor  # [B] float: beta in force when the row was generated
+    prompt_index: Tensor  # [B] long: index into the task's prompt list
+
+    @property
+    def response_lengths(self) -> Tensor:
+        return self.response_mask.sum(-1).long()
+
+
+def pad_right(rows: list[list], pad: float, width: int | None = None, dtype=torch.long) -> Tensor:
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.full((len(rows), width), pad, dtype=dtype)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
+    return out
+
+
+def pad_left(rows: list[list], pad: float, width: int | None = None, dtype=torch.long) -> Tensor:
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.full((len(rows), width), pad, dtype=dtype)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, width - len(row) :] = torch.as_tensor(row, dtype=dtype)
+    return out
+
+
+def make_batch(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    logprobs: list[list[float]],
+    finish_reasons: list[int],
+    prompt_index: list[int],
+    pad_id: int,
+    policy_version: int,
+    kl_coef: float,
+    response_width: int | None = None,
+) -> RolloutBatch:
+    """Assemble engine outputs into a RolloutBatch (``response_width`` pads T to a fixed size, so chunks
+    of one iteration concatenate)."""
+    b = len(prompts)
+    return RolloutBatch(
+        prompt_ids=pad_left(prompts, pad_id),
+        prompt_mask=pad_left([[1] * len(p) for p in prompts], 0, dtype=torch.float32),
+        response_ids=pad_right(responses, pad_id, response_width),
+        response_mask=pad_right([[1] * len(r) for r in responses], 0, response_width, dtype=torch.float32),
+        rollout_logprobs=pad_right(logprobs, 0.0, response_width, dtype=torch.float32),
+        finish_reason=torch.tensor(finish_reasons, dtype=torch.long),
+        policy_version=torch.full((b,), policy_version, dtype=torch.long),
+        kl_coef=torch.full((b,), kl_coef, dtype=torch.float32),
+        prompt_index=torch.tensor(prompt_index, dtype=torch.long),
+        batch_size=[b],
+    )
+
+
+def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
+    """Concatenate chunks, left-padding prompts to a common width first."""
+    width = max(b.prompt_ids.shape[1] for b in batches)
+    aligned = []
+    for b in batches:
+        extra = width - b.prompt_ids.shape[1]
+        if extra:
+            b = b.clone()
+            # the pad id never matters: padded positions are masked out of attention
+            b.prompt_ids = torch.nn.functional.pad(b.prompt_ids, (extra, 0), value=0)
+            b.prompt_mask = torch.nn.functional.pad(b.prompt_mask, (extra, 0), value=0.0)
+        aligned.append(b)
+    return torch.cat(aligned)
+
+
+def model_inputs(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """(input_ids, attention_mask, position_ids), each [B, P + T], for a forward over prompt + response."""
+    input_ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
+    attention_mask = torch.cat([batch.prompt_mask, batch.response_mask], dim=1)
+    # positions count real tokens only, so left padding does not shift them
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0).long()
+    return input_ids, attention_mask.long(), position_ids
+
+
+def response_forward(model, batch: RolloutBatch, temperature: float = 1.0, hidden: bool = False):
+    """One forward over prompt + response.
+
+    Returns (logprobs [B, T] of the sampled response tokens under ``softmax(logits / temperature)``,
+    logits [B, T, V] that predict each response token, last hidden states [B, T, H] or None).
+    """
+    input_ids, attention_mask, position_ids = model_inputs(batch)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        output_hidden_states=hidden,
+        use_cache=False,
+    )
+    p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    # logits at position i predict token i + 1: response token j is predicted from column P + j - 1
+    logits = out.logits[:, p - 1 : p + t - 1].float() / temperature
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    states = out.hidden_states[-1][:, p - 1 : p + t - 1] if hidden else None
+    return logprobs, logits, states

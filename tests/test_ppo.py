@@ -1,0 +1,119 @@
+"""Unit tests of learner/ppo.py against hand-computed values and naive loops."""
+
+import pytest
+import torch
+
+from learner.ppo import (
+    entropy_from_logits,
+    explained_variance,
+    gae_advantages,
+    masked_mean,
+    masked_whiten,
+    policy_loss,
+    value_loss,
+)
+
+
+def _naive_gae(rewards, values, lengths, gamma, lam):
+    """Per-sequence Python loop over the real tokens only."""
+    adv = torch.zeros_like(rewards)
+    for b, n in enumerate(lengths):
+        last = 0.0
+        for t in reversed(range(n)):
+            next_v = float(values[b, t + 1]) if t + 1 < n else 0.0
+            delta = float(rewards[b, t]) + gamma * next_v - float(values[b, t])
+            last = delta + gamma * lam * last
+            adv[b, t] = last
+    return adv
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.99, 0.9), (1.0, 1.0), (0.5, 0.0)])
+def test_gae_matches_naive_loop(gamma, lam):
+    g = torch.Generator().manual_seed(3)
+    b, t = 7, 9
+    lengths = [9, 0, 1, 4, 9, 2, 6]
+    mask = (torch.arange(t) < torch.tensor(lengths)[:, None]).double()
+    rewards = torch.randn(b, t, generator=g, dtype=torch.float64)
+    values = torch.randn(b, t, generator=g, dtype=torch.float64)
+    adv, ret = gae_advantages(rewards, values, mask, gamma, lam)
+    expected = _naive_gae(rewards, values, lengths, gamma, lam)
+    assert torch.allclose(adv, expected, atol=1e-12)
+    assert torch.allclose(ret, (expected + values) * mask, atol=1e-12)
+
+
+def test_gae_golden():
+    # one sequence of 2 real tokens and a pad; gamma=1, lam=1: A_t = sum of future rewards - V_t
+    rewards = torch.tensor([[0.5, 1.0, 9.0]])
+    values = torch.tensor([[0.2, 0.3, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    adv, ret = gae_advantages(rewards, values, mask, 1.0, 1.0)
+    assert torch.allclose(adv, torch.tensor([[1.3, 0.7, 0.0]]))
+    assert torch.allclose(ret, torch.tensor([[1.5, 1.0, 0.0]]))
+
+
+def test_gae_rejects_shape_mismatch():
+    with pytest.raises(ValueError, match="one \\[B, T\\] shape"):
+        gae_advantages(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
+
+
+def test_masked_mean_token_and_sequence():
+    x = torch.tensor([[1.0, 2.0, 3.0], [10.0, 0.0, 0.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert masked_mean(x, mask) == pytest.approx(16 / 4)
+    assert masked_mean(x, mask, "sequence_mean") == pytest.approx((2.0 + 10.0) / 2)
+    assert masked_mean(x, torch.zeros_like(mask)) == 0.0
+    with pytest.raises(ValueError, match="aggregation"):
+        masked_mean(x, mask, "batch")
+
+
+def test_masked_whiten():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 6, generator=g, dtype=torch.float64) * 3 + 2
+    mask = (torch.arange(6) < torch.tensor([6, 3, 0, 1, 5])[:, None]).double()
+    w = masked_whiten(x, mask)
+    real = w[mask.bool()]
+    assert float(real.mean()) == pytest.approx(0.0, abs=1e-12)
+    assert float(real.var()) == pytest.approx(1.0, rel=1e-6)
+    assert (w[~mask.bool()] == 0).all()
+    kept = masked_whiten(x, mask, shift_mean=False)[mask.bool()]
+    assert float(kept.mean()) == pytest.approx(float(x[mask.bool()].mean()), rel=1e-9)
+
+
+def test_policy_loss_golden():
+    old = torch.zeros(1, 3)
+    new = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))  # ratios 1.5, 0.5, 1.1
+    adv = torch.tensor([[1.0, 1.0, -2.0]])
+    mask = torch.ones(1, 3)
+    loss, stats = policy_loss(new, old, adv, mask, clip_range=0.2)
+    # per token max(-A r, -A clip(r)): max(-1.5, -1.2) = -1.2; max(-0.5, -0.8) = -0.5; max(2.2, 2.2) = 2.2
+    assert float(loss) == pytest.approx((-1.2 - 0.5 + 2.2) / 3)
+    assert float(stats["clipfrac"]) == pytest.approx(2 / 3)
+    r = torch.tensor([1.5, 0.5, 1.1])
+    assert float(stats["approx_kl"]) == pytest.approx(float(((r - 1) - r.log()).mean()))
+
+
+def test_policy_loss_gradient_vanishes_when_clipped():
+    old = torch.zeros(1, 2)
+    new = torch.log(torch.tensor([[1.5, 1.0]])).requires_grad_()
+    loss, _ = policy_loss(new, old, torch.ones(1, 2), torch.ones(1, 2))
+    loss.backward()
+    assert new.grad[0, 0] == 0 and new.grad[0, 1] != 0
+
+
+def test_value_loss_golden():
+    values = torch.tensor([[1.0, 0.0]])
+    old_values = torch.tensor([[0.0, 0.0]])
+    returns = torch.tensor([[0.0, 1.0]])
+    loss, stats = value_loss(values, old_values, returns, torch.ones(1, 2), clip_range_value=0.2)
+    # token 0: unclipped (1-0)^2=1, clipped (0.2-0)^2=0.04 -> 1; token 1: both (0-1)^2 = 1
+    assert float(loss) == pytest.approx(0.5 * (1 + 1) / 2)
+    assert float(stats["vf_clipfrac"]) == 0.0
+
+
+def test_entropy_and_explained_variance():
+    logits = torch.zeros(2, 3, 4)
+    assert torch.allclose(entropy_from_logits(logits), torch.full((2, 3), torch.log(torch.tensor(4.0))))
+    returns = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert explained_variance(torch.zeros_like(returns), returns, mask) == pytest.approx(0.0)
