@@ -22,7 +22,7 @@ class Section(BaseModel):
 class ModelConfig(Section):
     path: str | None = Field(None, description="HF model dir (config, weights, tokenizer); none = task recipe + SFT")
     cache_dir: str = Field("~/.cache/tether", description="where SFT warm starts are cached by config hash")
-    sft_steps: PositiveInt = Field(600, description="SFT warm-start optimizer steps on the task's corpus")
+    sft_steps: PositiveInt = Field(400, description="SFT warm-start optimizer steps on the task's corpus")
     sft_batch_size: PositiveInt = Field(100, description="SFT warm-start batch size")
     sft_lr: PositiveFloat = Field(1e-3, description="SFT warm-start learning rate")
 

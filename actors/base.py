@@ -1,0 +1,26 @@
+"""What every actor shares: a role name and the (policy_version, kl_coef) state the driver broadcasts."""
+
+from __future__ import annotations
+
+
+class VersionedActor:
+    role = "actor"
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.policy_version = 0
+        self.kl_coef = 0.0
+
+    def set_state(self, policy_version: int, kl_coef: float) -> dict:
+        self.policy_version, self.kl_coef = int(policy_version), float(kl_coef)
+        return self.get_state()
+
+    def get_state(self) -> dict:
+        return {
+            "name": f"{self.role}-{self.index}",
+            "policy_version": self.policy_version,
+            "kl_coef": self.kl_coef,
+        }
+
+    def ready(self) -> bool:
+        return True

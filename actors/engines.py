@@ -1,0 +1,154 @@
+"""Generation engines behind one interface: vLLM (CPU build or CUDA) and transformers ``generate``.
+
+Each engine samples responses with their sampled-token log-probs, scores given sequences
+(log-prob of every token after the prompt), and loads new weights in place.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from services.experience import FINISH_LENGTH, FINISH_STOP
+
+
+@dataclass
+class Generation:
+    response_ids: list[int]  # up to and including the first EOS
+    logprobs: list[float]  # sampled-token log-probs after temperature
+    finish_reason: int  # FINISH_STOP or FINISH_LENGTH
+
+
+@dataclass
+class SamplingSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+class VLLMEngine:
+    """vLLM in the actor's own process (single-process mode: 2-5 s starts, tensors pass directly)."""
+
+    def __init__(self, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int, dtype: str = "float32",
+                 cpu_core: int | None = None) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if not cuda_available():
+            # 'auto' pins every engine to core 0; pin each engine to its own core instead
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cpu_core if cpu_core is not None else 0))
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_dir,
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_mib << 20,
+            # log-probs of the distribution actually sampled from (after temperature)
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="actors.vllm_extension.WeightSyncExtension",
+            **({"gpu_memory_utilization": 0.3} if cuda_available() else {}),
+        )
+        self.eos_id = self.llm.get_tokenizer().eos_token_id
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seeds: list[int]) -> list[Generation]:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = [
+            SamplingParams(
+                temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
+                logprobs=0, seed=seed,
+            )
+            for seed in seeds
+        ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        generations = []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids, strict=True)]
+            reason = FINISH_LENGTH if completion.finish_reason == "length" else FINISH_STOP
+            generations.append(Generation(ids, logprobs, reason))
+        return generations
+
+    def score(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
+        """Log-prob of each token after the prompt, via ``prompt_logprobs`` (temperature 1)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+        scored = []
+        for out, seq, plen in zip(outputs, sequences, prompt_lengths, strict=True):
+            scored.append([out.prompt_logprobs[i][seq[i]].logprob for i in range(plen, len(seq))])
+        return scored
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.llm.collective_rpc("load_policy_weights", args=(weights,))
+        # cached keys were computed by the old weights
+        self.llm.reset_prefix_cache()
+
+
+class HFEngine:
+    """transformers ``generate``: the fallback engine, and the reference for what vLLM must match."""
+
+    def __init__(self, model_dir: str, seed: int, dtype: str = "float32") -> None:
+        from services.models import load_causal_lm, load_tokenizer
+
+        self.device = "cuda" if cuda_available() else "cpu"
+        self.model = load_causal_lm(model_dir, dtype).to(self.device)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seeds: list[int]) -> list[Generation]:
+        from services.experience import pad_left
+
+        torch.manual_seed(seeds[0] if seeds else 0)
+        input_ids = pad_left(prompts, self.pad_id).to(self.device)
+        attention_mask = pad_left([[1] * len(p) for p in prompts], 0).to(self.device)
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
+            max_new_tokens=sampling.max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+            output_scores=True, return_dict_in_generate=True,
+        )
+        new_tokens = out.sequences[:, input_ids.shape[1]:]
+        # processed scores: logits after temperature/top-p, i.e. the distribution sampled from
+        logprobs = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], dim=1)
+        token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        generations = []
+        for ids, lps in zip(new_tokens.tolist(), token_logprobs.tolist(), strict=True):
+            if self.eos_id in ids:
+                end = ids.index(self.eos_id) + 1
+                generations.append(Generation(ids[:end], lps[:end], FINISH_STOP))
+            else:
+                generations.append(Generation(ids, lps, FINISH_LENGTH))
+        return generations
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
+        scored = []
+        for seq, plen in zip(sequences, prompt_lengths, strict=True):
+            ids = torch.tensor([seq], device=self.device)
+            logprobs = torch.log_softmax(self.model(input_ids=ids).logits[0, :-1].float(), -1)
+            scored.append(logprobs[torch.arange(plen - 1, len(seq) - 1), ids[0, plen:]].tolist())
+        return scored
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(weights, strict=True)
+
+
+def make_engine(kind: str, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int,
+                dtype: str = "float32", cpu_core: int | None = None):
+    if kind == "vllm":
+        return VLLMEngine(model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core)
+    if kind == "hf":
+        return HFEngine(model_dir, seed, dtype)
+    raise ValueError(f"unknown rollout engine {kind!r}; expected 'vllm' or 'hf'")

@@ -1,0 +1,48 @@
+"""ReferenceActor: a frozen copy of the initial policy that returns ref log-probs of response tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from actors.base import VersionedActor
+from services.experience import RolloutBatch, response_forward
+
+
+class ReferenceActor(VersionedActor):
+    role = "reference"
+
+    def __init__(self, index: int, model_dir: str, backend: str = "hf", dtype: str = "float32",
+                 max_model_len: int = 64, kv_cache_mib: int = 128, temperature: float = 1.0) -> None:
+        super().__init__(index)
+        self.backend = backend
+        self.temperature = temperature
+        if backend == "hf":
+            from services.models import load_causal_lm
+
+            self.model = load_causal_lm(model_dir, dtype)
+            self.model.requires_grad_(False)
+        elif backend == "vllm":
+            from actors.engines import VLLMEngine
+
+            if temperature != 1.0:
+                raise ValueError("reference.backend='vllm' scores at temperature 1; use backend 'hf'")
+            self.engine = VLLMEngine(model_dir, 0, max_model_len, kv_cache_mib, dtype, cpu_core=None)
+        else:
+            raise ValueError(f"unknown reference backend {backend!r}; expected 'hf' or 'vllm'")
+
+    @torch.no_grad()
+    def score(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B, T] ref log-probs of the response tokens (0 at padding)."""
+        if self.backend == "hf":
+            logprobs, _, _ = response_forward(self.model, batch, self.temperature)
+            return logprobs * batch.response_mask
+        sequences, prompt_lengths = [], []
+        for p_ids, p_mask, r_ids, n in zip(batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                           batch.response_lengths, strict=True):
+            prompt = p_ids[p_mask.bool()].tolist()
+            sequences.append(prompt + r_ids[: int(n)].tolist())
+            prompt_lengths.append(len(prompt))
+        out = torch.zeros_like(batch.rollout_logprobs)
+        for row, scored in enumerate(self.engine.score(sequences, prompt_lengths)):
+            out[row, : len(scored)] = torch.tensor(scored)
+        return out

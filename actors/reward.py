@@ -1,0 +1,77 @@
+"""RewardActor: scores a chunk with the task's reward function or a sequence-classification model."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from actors.base import VersionedActor
+from services.experience import RolloutBatch
+
+
+class RewardError(RuntimeError):
+    pass
+
+
+class RewardActor(VersionedActor):
+    role = "reward"
+
+    def __init__(self, index: int, task_name: str, task_options: dict, tokenizer_dir: str, kind: str = "function",
+                 model_path: str | None = None, score_clip: float | None = None) -> None:
+        super().__init__(index)
+        from services.models import load_tokenizer
+        from services.tasks import get_task
+
+        self.task = get_task(task_name, **task_options)
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.kind = kind
+        self.score_clip = score_clip
+        if kind == "model":
+            from transformers import AutoModelForSequenceClassification
+
+            self.model = AutoModelForSequenceClassification.from_pretrained(model_path).eval()
+            self.model_tokenizer = load_tokenizer(model_path)
+
+    def decode(self, batch: RolloutBatch) -> tuple[list[str], list[str]]:
+        prompts, completions = [], []
+        for p_ids, p_mask, r_ids, n in zip(batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                           batch.response_lengths, strict=True):
+            prompts.append(self.tokenizer.decode(p_ids[p_mask.bool()].tolist(), skip_special_tokens=True))
+            completions.append(self.tokenizer.decode(r_ids[: int(n)].tolist(), skip_special_tokens=True))
+        return prompts, completions
+
+    def score(self, batch: RolloutBatch, chunk_index: int = -1) -> torch.Tensor:
+        """[B] scores; raises RewardError naming the task, chunk and sample when a score is bad."""
+        prompts, completions = self.decode(batch)
+        where = f"task {self.task.name!r}, chunk {chunk_index}"
+        if self.kind == "model":
+            scores = self.model_scores(prompts, completions)
+        else:
+            try:
+                scores = list(self.task.reward(prompts, completions))
+            except Exception as err:
+                raise RewardError(f"reward function of {where} raised {type(err).__name__}: {err}") from err
+        if len(scores) != len(prompts):
+            raise RewardError(f"reward function of {where} returned {len(scores)} scores for {len(prompts)} samples")
+        for i, s in enumerate(scores):
+            if not isinstance(s, int | float) or not math.isfinite(s):
+                raise RewardError(f"reward function of {where} returned {s!r} for sample {i} "
+                                  f"(prompt {prompts[i]!r}, completion {completions[i]!r})")
+        out = torch.tensor(scores, dtype=torch.float32)
+        return out.clamp(-self.score_clip, self.score_clip) if self.score_clip else out
+
+    @torch.no_grad()
+    def model_scores(self, prompts: list[str], completions: list[str]) -> list[float]:
+        """The classifier's logit at each sequence's last real token (right padding)."""
+        tok = self.model_tokenizer
+        enc = tok([p + c for p, c in zip(prompts, completions, strict=True)], return_tensors="pt", padding=True,
+                  padding_side="right")
+        logits = self.model(**enc).logits[:, 0]
+        return [float(x) for x in logits]
+
+    def evaluate(self, batch: RolloutBatch) -> dict[str, float]:
+        """The task's eval metrics over a chunk, as sums weighted by its size (so chunks merge)."""
+        prompts, completions = self.decode(batch)
+        metrics = self.task.evaluate(prompts, completions)
+        return {"count": float(len(prompts)), **{k: v * len(prompts) for k, v in metrics.items()}}

@@ -1,0 +1,53 @@
+"""RolloutActor: holds one generation engine, emits RolloutBatch chunks stamped with its state."""
+
+from __future__ import annotations
+
+import time
+
+from actors.base import VersionedActor
+from actors.engines import SamplingSettings, make_engine
+from services.experience import RolloutBatch, make_batch
+
+
+class RolloutActor(VersionedActor):
+    role = "rollout"
+
+    def __init__(self, index: int, engine: str, model_dir: str, seed: int, max_model_len: int,
+                 kv_cache_mib: int, dtype: str = "float32", cpu_core: int | None = None) -> None:
+        super().__init__(index)
+        self.engine_kind = engine
+        self.engine = make_engine(engine, model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core)
+        self.last_tokens_per_second = 0.0
+
+    def generate(self, prompts: list[list[int]], prompt_index: list[int], seeds: list[int],
+                 sampling: SamplingSettings, pad_id: int) -> RolloutBatch:
+        start = time.perf_counter()
+        generations = self.engine.generate(prompts, sampling, seeds)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(g.response_ids) for g in generations)
+        self.last_tokens_per_second = tokens / max(seconds, 1e-9)
+        return make_batch(
+            prompts=prompts,
+            responses=[g.response_ids for g in generations],
+            logprobs=[g.logprobs for g in generations],
+            finish_reasons=[g.finish_reason for g in generations],
+            prompt_index=prompt_index,
+            pad_id=pad_id,
+            policy_version=self.policy_version,
+            kl_coef=self.kl_coef,
+            response_width=sampling.max_new_tokens,
+        )
+
+    def update_weights(self, weights: dict, policy_version: int, kl_coef: float) -> float:
+        """Load new weights in place and take their version; returns the seconds it took."""
+        start = time.perf_counter()
+        self.engine.load_weights(weights)
+        self.set_state(policy_version, kl_coef)
+        return time.perf_counter() - start
+
+    def probe(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
+        """The engine's log-probs of given sequences, to compare with the learner's after a sync."""
+        return self.engine.score(sequences, prompt_lengths)
+
+    def stats(self) -> dict:
+        return {**self.get_state(), "tokens_per_second": self.last_tokens_per_second}

@@ -1,0 +1,143 @@
+"""Scaffolding: connect to Ray, check that each role's resources exist, place and start the actors."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+from learner.config import JobConfig, RoleResources
+
+# Every Ray process of tether stays on loopback and sends nothing home (PLATFORM.md).
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+for _key, _value in RAY_ENV.items():
+    os.environ.setdefault(_key, _value)
+
+import ray  # noqa: E402  (after the environment above)
+from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Fail fast on an address nothing listens on, instead of Ray's long retry loop."""
+    if address in ("local",):
+        return
+    parsed = urlparse(address if "://" in address else f"ray://{address}")
+    host, port = parsed.hostname, parsed.port
+    if not host or not port:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(2.0, timeout_s)):
+                return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise ClusterError(f"cannot reach the Ray cluster at {address!r} within {timeout_s:.0f}s: {err}") from err
+            time.sleep(0.5)
+
+
+def connect(cfg: JobConfig, log=print) -> None:
+    """Join the configured cluster, the one `ray job submit` runs us in, or start a local Ray."""
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    env_vars = {**RAY_ENV, "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "")}
+    env_vars = {k: v for k, v in env_vars.items() if v}
+    if address:
+        _check_reachable(address, cfg.cluster.connect_timeout_s)
+        ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
+        log(f"ray: joined {address}")
+    else:
+        ray.init(
+            num_cpus=cfg.cluster.num_cpus or os.cpu_count(),
+            object_store_memory=cfg.cluster.object_store_mib << 20,
+            include_dashboard=False,
+            runtime_env={"env_vars": env_vars},
+            _node_ip_address="127.0.0.1",
+        )
+        log("ray: started a local Ray (no cluster.address and no RAY_ADDRESS)")
+
+
+def check_role_resources(cfg: JobConfig) -> None:
+    """Each role's request must fit what the cluster has at all; otherwise Ray would wait forever."""
+    available = ray.cluster_resources()
+    roles = {
+        "rollout": (cfg.cluster.rollout, cfg.rollout.num_engines),
+        "reference": (cfg.cluster.reference, cfg.reference.num_actors),
+        "reward": (cfg.cluster.reward, cfg.reward.num_actors),
+        "learner": (cfg.cluster.learner, cfg.learner.world_size),
+    }
+    for role, (res, count) in roles.items():
+        wanted = {"CPU": res.num_cpus, "GPU": res.num_gpus, **res.resources}
+        for name, amount in wanted.items():
+            if amount and available.get(name, 0) < amount:
+                raise ClusterError(
+                    f"role {role!r} requests {name}={amount} per actor, but the cluster has "
+                    f"{available.get(name, 0)} {name} in total"
+                    + (" (a CPU-only cluster: set cluster.<role>.num_gpus=0)" if name == "GPU" else "")
+                )
+
+
+def _options(res: RoleResources) -> dict:
+    return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "resources": dict(res.resources)}
+
+
+@dataclass
+class Placement:
+    """One placement group with a bundle per actor, grouped by role."""
+
+    group: object
+    bundles: dict[str, list[int]] = field(default_factory=dict)
+
+    def strategy(self, role: str, i: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=self.group,
+                                                placement_group_bundle_index=self.bundles[role][i])
+
+    def remove(self) -> None:
+        remove_placement_group(self.group)
+
+
+def reserve(cfg: JobConfig) -> Placement:
+    """Reserve a bundle for every actor of every role, or fail naming the wait."""
+    check_role_resources(cfg)
+    roles = [
+        ("rollout", cfg.cluster.rollout, cfg.rollout.num_engines),
+        ("reference", cfg.cluster.reference, cfg.reference.num_actors),
+        ("reward", cfg.cluster.reward, cfg.reward.num_actors),
+        ("learner", cfg.cluster.learner, cfg.learner.world_size),
+    ]
+    bundles, index = [], {}
+    for role, res, count in roles:
+        bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {}), **res.resources}
+        bundle = {k: v for k, v in bundle.items() if v}
+        index[role] = list(range(len(bundles), len(bundles) + count))
+        bundles += [bundle or {"CPU": 0.01}] * count
+    group = placement_group(bundles, strategy="PACK", name=f"tether-{cfg.run.name}")
+    try:
+        ray.get(group.ready(), timeout=cfg.cluster.placement_timeout_s)
+    except ray.exceptions.GetTimeoutError as err:
+        remove_placement_group(group)
+        raise ClusterError(
+            f"the cluster could not place all roles within {cfg.cluster.placement_timeout_s:.0f}s "
+            f"(bundles: {bundles}); free resources: {ray.available_resources()}"
+        ) from err
+    return Placement(group, index)
+
+
+def start_actor(cls, role: str, i: int, res: RoleResources, placement: Placement | None, *args,
+                max_restarts: int = 0, **kwargs):
+    """Start ``cls`` as a Ray actor named ``{role}-{i}`` (``learner-rank-{i}`` for ranks)."""
+    name = f"learner-rank-{i}" if role == "learner" else f"{role}-{i}"
+    options = _options(res) | {"name": name, "max_restarts": max_restarts, "max_task_retries": 0}
+    if placement is not None:
+        options["scheduling_strategy"] = placement.strategy(role, i)
+    return ray.remote(cls).options(**options).remote(*args, **kwargs)

@@ -1,0 +1,274 @@
+"""One DeepSpeed ZeRO rank of the learner, run as a Ray actor without the ``deepspeed`` launcher.
+
+Each rank fetches its shard of chunk refs itself, recomputes old log-probs and values, builds
+KL-penalised rewards at the current beta, runs GAE and the PPO epochs, and returns additive sums so the
+driver's statistics are exact over the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from learner.kl import check_finite, kl_estimate, kl_penalized_rewards, kl_sums
+from learner.ppo import (
+    entropy_from_logits,
+    gae_advantages,
+    masked_mean,
+    policy_loss,
+    value_loss,
+)
+from services.experience import RolloutBatch, concat_batches, model_inputs
+
+
+class PolicyWithValueHead(nn.Module):
+    """The causal LM plus a value head (hidden -> 2*hidden -> ReLU -> 1) on the last hidden state."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        hidden = lm.config.hidden_size
+        self.value_head = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.ReLU(), nn.Linear(2 * hidden, 1))
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_width: int,
+                temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+        """Returns (logits [B, T, V] predicting each response token, values [B, T])."""
+        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      output_hidden_states=True, use_cache=False)
+        span = slice(prompt_width - 1, input_ids.shape[1] - 1)
+        logits = out.logits[:, span].float() / temperature
+        values = self.value_head(out.hidden_states[-1][:, span]).squeeze(-1).float()
+        return logits, values
+
+
+def token_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
+    """[B, T] log-softmax of ``logits`` [B, T, V] at ``ids`` [B, T]."""
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+class LearnerRank:
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port, for rank 0 to serve as the rendezvous."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int, model_dir: str, learner_cfg: dict, ppo_cfg: dict,
+              kl_cfg: dict, temperature: float, seed: int) -> int:
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        import deepspeed
+
+        world_size = self.world_size
+        self.ppo, self.kl, self.learner = ppo_cfg, kl_cfg, learner_cfg
+        self.temperature = temperature
+        self.seed = seed
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            # the shared-memory allreduce op costs an ~80 s JIT build and gloo needs none of it
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False)
+        self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+
+        from services.models import load_causal_lm
+
+        torch.manual_seed(seed)  # same value-head init on every rank
+        model = PolicyWithValueHead(load_causal_lm(model_dir, "float32"))
+        from torch.optim import AdamW
+
+        optimizer = AdamW(model.parameters(), lr=ppo_cfg["lr"], betas=tuple(ppo_cfg["adam_betas"]),
+                          weight_decay=ppo_cfg["weight_decay"], eps=1e-8)
+        micro = ppo_cfg["minibatch_size"] // world_size
+        ds_config = {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": micro * world_size,
+            "gradient_clipping": ppo_cfg["max_grad_norm"],
+            "zero_optimization": {"stage": learner_cfg["zero_stage"]},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": learner_cfg["dtype"] == "bfloat16"},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.updates = 0
+        return self.rank
+
+    # ------------------------------------------------------------------ one PPO update on this rank's shard
+
+    def train(self, chunk_refs: list, ref_logprob_refs: list, score_refs: list, kl_coef: float,
+              iteration: int) -> dict:
+        """Runs on every rank at once, each with its own chunk refs; returns additive sums."""
+        import ray
+
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        parts, old_logprobs, old_values, ref_logprobs, scores = [], [], [], [], []
+        wait = 0.0
+        # chunk by chunk, in order: the forward on chunk i overlaps generation of chunks after it
+        for chunk_ref, ref_ref, score_ref in zip(chunk_refs, ref_logprob_refs, score_refs, strict=True):
+            t0 = time.perf_counter()
+            chunk, chunk_ref_logprobs, chunk_scores = ray.get([chunk_ref, ref_ref, score_ref])
+            wait += time.perf_counter() - t0
+            logprobs, values, _ = self._forward(chunk, grad=False)
+            parts.append(chunk)
+            old_logprobs.append(logprobs)
+            old_values.append(values)
+            ref_logprobs.append(chunk_ref_logprobs)
+            scores.append(chunk_scores)
+        timings["wait_seconds"] = wait
+        timings["forward_seconds"] = time.perf_counter() - start - wait
+
+        batch = concat_batches(parts)
+        mask = batch.response_mask
+        old_logprobs = torch.cat(_pad_cols(old_logprobs, mask.shape[1])) * mask
+        old_values = torch.cat(_pad_cols(old_values, mask.shape[1])) * mask
+        ref_logprobs = torch.cat(_pad_cols(ref_logprobs, mask.shape[1])) * mask
+        scores = torch.cat(scores)
+        check_finite(f"rank {self.rank} values", old_values)
+
+        in_reward = self.kl["placement"] == "reward"
+        rewards, kl = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask,
+                                           kl_coef if in_reward else 0.0, self.kl["estimator"])
+        advantages, returns = gae_advantages(rewards, old_values, mask, self.ppo["gamma"], self.ppo["lam"])
+        if self.ppo["whiten_advantages"]:
+            advantages = self._global_whiten(advantages, mask)
+
+        t0 = time.perf_counter()
+        ppo_stats = self._ppo_epochs(batch, old_logprobs, old_values, ref_logprobs, advantages, returns,
+                                     kl_coef, iteration)
+        timings["update_seconds"] = time.perf_counter() - t0
+        self.updates += 1
+
+        lengths = mask.sum(-1)
+        sums = kl_sums(old_logprobs, ref_logprobs, mask, self.kl["estimator"])
+        sums.update({
+            "score_sum": float(scores.sum()),
+            "reward_sum": float((rewards * mask).sum()),  # penalty plus score, per episode summed
+            "length_sum": float(lengths.sum()),
+            "truncated": float((batch.finish_reason == 1).sum()),
+            "mismatch_abs_sum": float(((old_logprobs - batch.rollout_logprobs).abs() * mask).sum()),
+            "mismatch_max": float(((old_logprobs - batch.rollout_logprobs).abs() * mask).max()) if mask.any() else 0.0,
+            "value_sum": float((old_values * mask).sum()),
+            "return_sum": float((returns * mask).sum()),
+        })
+        versions = batch.policy_version
+        return {
+            "sums": sums,
+            "ppo": ppo_stats,
+            "timings": timings,
+            "policy_versions": sorted(set(versions.tolist())),
+            "kl_coefs": sorted(set(batch.kl_coef.tolist())),
+            "rank": self.rank,
+        }
+
+    def _forward(self, batch: RolloutBatch, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+        input_ids, attention_mask, position_ids = (x.to(self.device) for x in model_inputs(batch))
+        with torch.set_grad_enabled(grad):
+            logits, values = self.engine(input_ids, attention_mask, position_ids, batch.prompt_ids.shape[1],
+                                         self.temperature)
+            logprobs = token_logprobs(logits, batch.response_ids.to(self.device))
+        if not grad:
+            return logprobs.detach().cpu(), values.detach().cpu(), logits.detach()
+        return logprobs, values, logits
+
+    def _global_whiten(self, x: Tensor, mask: Tensor) -> Tensor:
+        """Whiten over the whole batch on all ranks, so W ranks see what 1 rank would."""
+        import torch.distributed as dist
+
+        moments = torch.tensor([float((x * mask).sum()), float((x * x * mask).sum()), float(mask.sum())],
+                               dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(moments)
+        total, total_sq, n = moments.tolist()
+        mean = total / max(n, 1)
+        var = (total_sq / max(n, 1) - mean**2) * n / max(n - 1, 1)
+        return ((x - mean) / np.sqrt(max(var, 0.0) + 1e-8) * mask).to(x.dtype)
+
+    def _ppo_epochs(self, batch, old_logprobs, old_values, ref_logprobs, advantages, returns, kl_coef,
+                    iteration) -> dict:
+        micro = self.ppo["minibatch_size"] // self.world_size
+        n = batch.shape[0]
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + iteration)
+        aggregation = self.ppo["loss_aggregation"]
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(self.ppo["epochs"]):
+            for rows in torch.randperm(n, generator=generator).split(micro):
+                mb = batch[rows]
+                mask = mb.response_mask.to(self.device)
+                logprobs, values, logits = self._forward(mb, grad=True)
+                pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[rows].to(self.device),
+                                                advantages[rows].to(self.device), mask,
+                                                self.ppo["clip_range"], aggregation)
+                vf_loss, vf_stats = value_loss(values, old_values[rows].to(self.device),
+                                               returns[rows].to(self.device), mask,
+                                               self.ppo["clip_range_value"], aggregation)
+                loss = pg_loss + self.ppo["vf_coef"] * vf_loss
+                if self.kl["placement"] == "loss":
+                    kl_term = masked_mean(kl_estimate(logprobs, ref_logprobs[rows].to(self.device),
+                                                      self.kl["estimator"]), mask, aggregation)
+                    loss = loss + kl_coef * kl_term
+                self.engine.backward(loss)
+                self.engine.step()
+                with torch.no_grad():
+                    entropy = masked_mean(entropy_from_logits(logits), mask)
+                for key, value in {"loss": loss, "policy_loss": pg_loss, "value_loss": vf_loss,
+                                   "entropy": entropy, **pg_stats, **vf_stats}.items():
+                    totals[key] = totals.get(key, 0.0) + float(value)
+                steps += 1
+        return {key: value / max(steps, 1) for key, value in totals.items()} | {"optimizer_steps": steps}
+
+    # ------------------------------------------------------------------ weights, probes, fixed-batch checks
+
+    def policy_state_dict(self, dtype: str = "float32") -> dict[str, Tensor] | None:
+        """Full policy weights (HF names) on rank 0, None elsewhere. Collective under ZeRO-3."""
+        import deepspeed
+
+        lm = self.engine.module.lm
+        params = list(lm.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=self.learner["zero_stage"] == 3):
+            if self.rank != 0:
+                return None
+            target = getattr(torch, dtype)
+            return {name: t.detach().to("cpu", target).clone() for name, t in lm.state_dict().items()}
+
+    def probe_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]] | None:
+        """This rank's log-probs of given sequences (temperature 1). Collective under ZeRO-3."""
+        from services.experience import make_batch
+
+        prompts = [s[:p] for s, p in zip(sequences, prompt_lengths, strict=True)]
+        responses = [s[p:] for s, p in zip(sequences, prompt_lengths, strict=True)]
+        batch = make_batch(prompts, responses, [[0.0] * len(r) for r in responses], [0] * len(prompts),
+                           list(range(len(prompts))), 0, 0, 0.0)
+        saved, self.temperature = self.temperature, 1.0
+        try:
+            logprobs, _, _ = self._forward(batch, grad=False)
+        finally:
+            self.temperature = saved
+        if self.rank != 0:
+            return None
+        return [row[: len(r)].tolist() for row, r in zip(logprobs, responses, strict=True)]
+
+    def save_checkpoint(self, path: str, tag: str) -> None:
+        self.engine.save_checkpoint(path, tag=tag)
+
+    def load_checkpoint(self, path: str, tag: str) -> None:
+        load_path, _ = self.engine.load_checkpoint(path, tag=tag)
+        if load_path is None:
+            raise FileNotFoundError(f"rank {self.rank}: no DeepSpeed checkpoint {tag!r} under {path}")
+
+
+def _pad_cols(tensors: list[Tensor], width: int) -> list[Tensor]:
+    return [torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.shape[1] < width else t for t in tensors]

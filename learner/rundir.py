@@ -1,0 +1,66 @@
+"""The run directory: config.yaml, metrics.jsonl, summary.json and curves.png."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from learner.config import JobConfig, config_to_yaml
+
+
+class RunDirectoryError(RuntimeError):
+    pass
+
+
+def prepare(cfg: JobConfig) -> Path:
+    """Create ``output_dir/name``; refuse one that already holds a run unless ``run.overwrite``."""
+    path = Path(cfg.run.output_dir) / cfg.run.name
+    if path.exists() and any(path.iterdir()):
+        if not cfg.run.overwrite:
+            raise RunDirectoryError(
+                f"run directory {path} already holds a run; pick another run.name or pass --run.overwrite"
+            )
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(config_to_yaml(cfg))
+    return path
+
+
+def append_metrics(path: Path, record: dict) -> None:
+    with open(path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def write_summary(path: Path, summary: dict) -> None:
+    (path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def plot_curves(path: Path, records: list[dict], target: float | None) -> None:
+    """reward, response KL (with its target) and beta against iteration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    it = [r["iteration"] for r in records]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(it, [r["reward_mean"] for r in records], label="reward (score - beta*KL)")
+    axes[0].plot(it, [r["score_mean"] for r in records], label="score")
+    evals = [r for r in records if "eval" in r]
+    for key in sorted({k for r in evals for k in r["eval"]}):
+        axes[0].plot([r["iteration"] for r in evals], [r["eval"][key] for r in evals], "o-", label=f"eval {key}")
+    axes[0].set_title("reward")
+    axes[1].plot(it, [r["kl_response_mean"] for r in records], label="response KL (nats)")
+    if target is not None:
+        axes[1].axhline(target, color="k", ls="--", label="target")
+    axes[1].set_title("response KL")
+    axes[2].plot(it, [r["kl_coef"] for r in records])
+    axes[2].set_title("beta (kl_coef)")
+    for ax in axes:
+        ax.set_xlabel("iteration")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path / "curves.png", dpi=100)
+    plt.close(fig)

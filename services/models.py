@@ -1,0 +1,127 @@
+"""Model and tokenizer recipes: local tokenizers, tiny models from a config, and the SFT warm start.
+
+Nothing here downloads anything. A policy is always materialised as a Hugging Face model directory
+(config, safetensors, tokenizer) so that vLLM, transformers and DeepSpeed all load the same files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+from services.tasks.base import Task
+
+EOS = "<|endoftext|>"
+
+
+def build_char_tokenizer(vocabulary: list[str]) -> PreTrainedTokenizerFast:
+    """One character per token over ``vocabulary``, plus <|endoftext|> as eos, bos and pad.
+    Like trlX's GPT-2 BPE with an empty merges file, but built locally."""
+    vocab = {ch: i for i, ch in enumerate(vocabulary)}
+    vocab[EOS] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    core.add_special_tokens([EOS])
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=EOS, bos_token=EOS, pad_token=EOS, model_max_length=1024
+    )
+
+
+def build_gpt2(tokenizer: PreTrainedTokenizerFast, model_config: dict, seed: int) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **model_config,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def save_model_dir(model, tokenizer, path: Path) -> Path:
+    """Write a HF model dir atomically: into a temp dir beside it, then rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def sft_warm_start(task: Task, tokenizer, seed: int, steps: int, batch_size: int, lr: float, log=print):
+    """Train the task's GPT-2 from random init on its SFT corpus (text + eos), next-token loss."""
+    model = build_gpt2(tokenizer, task.model_config or {}, seed)
+    corpus = [tokenizer(text)["input_ids"] + [tokenizer.eos_token_id] for text in task.sft_corpus()]
+    width = max(len(x) for x in corpus)
+    ids = torch.full((len(corpus), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(corpus), width), -100, dtype=torch.long)
+    for i, row in enumerate(corpus):
+        ids[i, : len(row)] = torch.tensor(row)
+        labels[i, : len(row)] = torch.tensor(row)
+    from torch.optim import AdamW
+
+    optimizer = AdamW(model.parameters(), lr=lr)
+    rng = np.random.default_rng(seed)
+    model.train()
+    start = time.perf_counter()
+    for step in range(steps):
+        rows = torch.as_tensor(rng.choice(len(corpus), size=min(batch_size, len(corpus)), replace=False))
+        loss = model(input_ids=ids[rows], attention_mask=(labels[rows] != -100).long(), labels=labels[rows]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"sft step {step + 1}/{steps} loss {loss.item():.4f} ({time.perf_counter() - start:.0f}s)")
+    model.eval()
+    return model
+
+
+def policy_dir(task: Task, model_path: str | None, cache_dir: str, seed: int, steps: int, batch_size: int,
+               lr: float, log=print) -> Path:
+    """The policy's HF model dir: ``model_path`` if given, else the task's SFT warm start, cached by a
+    hash of everything that determines it and built on a miss."""
+    if model_path:
+        path = Path(model_path).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {path} is not a Hugging Face model directory (no config.json)")
+        return path
+    if task.model_kind != "gpt2" or task.sft_corpus() is None:
+        raise ValueError(f"task {task.name!r} has no built-in model recipe; set model.path")
+    recipe = {
+        "task": task.name, "task_seed": getattr(task, "seed", None), "vocab": task.vocabulary,
+        "model": task.model_config, "seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr,
+        "format": 1,
+    }
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir).expanduser() / "sft" / f"{task.name}-{key}"
+    if (path / "config.json").is_file():
+        log(f"SFT warm start: cached at {path}")
+        return path
+    log(f"SFT warm start: training {task.name} GPT-2 from random init ({steps} steps) -> {path}")
+    tokenizer = build_char_tokenizer(task.vocabulary)
+    model = sft_warm_start(task, tokenizer, seed, steps, batch_size, lr, log=log)
+    (Path(cache_dir).expanduser() / "sft").mkdir(parents=True, exist_ok=True)
+    return save_model_dir(model, tokenizer, path)
+
+
+def load_tokenizer(path: str | Path):
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_causal_lm(path: str | Path, dtype: str = "float32"):
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    model.eval()
+    return model
