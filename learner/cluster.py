@@ -49,6 +49,9 @@ def _check_reachable(address: str, timeout_s: float) -> None:
 
 def connect(cfg: JobConfig, log=print) -> None:
     """Join the configured cluster, the one `ray job submit` runs us in, or start a local Ray."""
+    if ray.is_initialized():
+        log("ray: already connected")
+        return
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     env_vars = {**RAY_ENV, "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "")}
     env_vars = {k: v for k, v in env_vars.items() if v}
@@ -134,9 +137,9 @@ def reserve(cfg: JobConfig) -> Placement:
 
 
 def start_actor(cls, role: str, i: int, res: RoleResources, placement: Placement | None, *args,
-                max_restarts: int = 0, **kwargs):
-    """Start ``cls`` as a Ray actor named ``{role}-{i}`` (``learner-rank-{i}`` for ranks)."""
-    name = f"learner-rank-{i}" if role == "learner" else f"{role}-{i}"
+                max_restarts: int = 0, tag: str = "", **kwargs):
+    """Start ``cls`` as a Ray actor named ``{role}-{i}`` (``learner-rank-{i}`` for ranks), plus ``-{tag}``."""
+    name = (f"learner-rank-{i}" if role == "learner" else f"{role}-{i}") + (f"-{tag}" if tag else "")
     options = _options(res) | {"name": name, "max_restarts": max_restarts, "max_task_retries": 0}
     if placement is not None:
         options["scheduling_strategy"] = placement.strategy(role, i)

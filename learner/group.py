@@ -10,10 +10,10 @@ from learner.rank import LearnerRank
 
 
 class LearnerGroup:
-    def __init__(self, cfg: JobConfig, model_dir: str, placement: Placement | None) -> None:
+    def __init__(self, cfg: JobConfig, model_dir: str, placement: Placement | None, tag: str = "") -> None:
         self.world_size = cfg.learner.world_size
         self.ranks = [
-            start_actor(LearnerRank, "learner", i, cfg.cluster.learner, placement, i, self.world_size)
+            start_actor(LearnerRank, "learner", i, cfg.cluster.learner, placement, i, self.world_size, tag=tag)
             for i in range(self.world_size)
         ]
         master_addr, master_port = ray.get(self.ranks[0].address.remote())

@@ -226,7 +226,7 @@ class LearnerRank:
                     entropy = masked_mean(entropy_from_logits(logits), mask)
                 for key, value in {"loss": loss, "policy_loss": pg_loss, "value_loss": vf_loss,
                                    "entropy": entropy, **pg_stats, **vf_stats}.items():
-                    totals[key] = totals.get(key, 0.0) + float(value)
+                    totals[key] = totals.get(key, 0.0) + float(value.detach())
                 steps += 1
         return {key: value / max(steps, 1) for key, value in totals.items()} | {"optimizer_steps": steps}
 

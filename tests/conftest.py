@@ -1,0 +1,115 @@
+"""Shared fixtures: a real single-node Ray head on loopback (stopped by its own process group), and a
+tiny SFT-trained randomwalks policy built locally."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_metrics_report_interval_ms": "1000",
+}
+os.environ.update(RAY_ENV)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout_s}s")
+
+
+class RayHead:
+    """`ray start --head --block` as our own child in its own session: stopping it stops only what it started."""
+
+    def __init__(self, num_cpus: int = 4, object_store_mib: int = 512) -> None:
+        self.temp_dir = tempfile.mkdtemp(prefix="tr-", dir="/tmp")  # short: socket paths stay < 108 chars
+        self.port, self.dashboard_port, self.metrics_port = free_port(), free_port(), free_port()
+        cmd = [
+            str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+            "--node-ip-address=127.0.0.1", f"--port={self.port}", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}", f"--metrics-export-port={self.metrics_port}",
+            f"--num-cpus={num_cpus}", f"--object-store-memory={object_store_mib << 20}",
+            f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
+        ]
+        self.log = open(Path(self.temp_dir) / "head.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **RAY_ENV})
+        try:
+            wait_port(self.port, 60)
+            wait_port(self.dashboard_port, 60)
+        except TimeoutError:
+            self.stop()
+            raise
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the session we created: ray start and its children
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.log.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    head = RayHead()
+    yield head
+    head.stop()
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """SFT cache shared by the whole session (and across sessions when TETHER_TEST_CACHE is set)."""
+    path = os.environ.get("TETHER_TEST_CACHE") or str(tmp_path_factory.mktemp("tether-cache"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(cache_dir) -> str:
+    """A randomwalks GPT-2 with a short SFT warm start (enough for non-trivial log-probs)."""
+    from services.models import policy_dir
+    from services.tasks import get_task
+
+    return str(policy_dir(get_task("randomwalks"), None, cache_dir, seed=1, steps=60, batch_size=50, lr=1e-3,
+                          log=lambda _: None))
+
+
+def run_job(args: list[str], timeout_s: float = 900) -> subprocess.CompletedProcess:
+    """`python -m learner.main ARGS` as a user runs it; returns the finished process."""
+    return subprocess.run([sys.executable, "-m", "learner.main", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout_s, env={**os.environ, **RAY_ENV})

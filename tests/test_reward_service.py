@@ -1,0 +1,341 @@
+"""Tests of services/reward_service.py: a real server on 127.0.0.1 (port 0) scoring with the randomwalks
+task's reward, its client, and every rejection path (auth, size, shape, type, batch, time)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from services.reward_service import RewardClient, RewardServiceError, is_loopback, serve
+from services.tasks import get_task
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "test-token-0123456789"
+MAX_BYTES = 4096
+MAX_BATCH = 8
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def task():
+    return get_task("randomwalks")
+
+
+@pytest.fixture(scope="module")
+def server(task):
+    srv = serve(task.reward, host="127.0.0.1", port=0, token=TOKEN, max_request_bytes=MAX_BYTES,
+                max_batch=MAX_BATCH, timeout_s=5.0)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def make_server():
+    """Start servers with a custom reward function; all are closed at the end of the test."""
+    started = []
+
+    def make(fn, **kwargs):
+        kwargs.setdefault("host", "127.0.0.1")
+        srv = serve(fn, **kwargs)
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.close()
+
+
+def raw(server, method, path, body=b"", headers=None, token=TOKEN, content_type="application/json"):
+    """One raw HTTP request; returns (status, decoded JSON or None)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        hdrs = dict(headers or {})
+        if token is not None:
+            hdrs.setdefault("Authorization", f"Bearer {token}")
+        if content_type is not None:
+            hdrs.setdefault("Content-Type", content_type)
+        conn.request(method, path, body=body if method != "GET" else None, headers=hdrs)
+        response = conn.getresponse()
+        data = response.read()
+    finally:
+        conn.close()
+    try:
+        return response.status, json.loads(data)
+    except ValueError:
+        return response.status, None
+
+
+def post(server, payload, **kwargs):
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return raw(server, "POST", "/score", body, **kwargs)
+
+
+def samples(task, n):
+    """Real walks (valid, mostly non-optimal) plus a few invalid completions."""
+    walks = task.graph.walks[:n]
+    prompts = [w[0] for w in walks] + ["b", "c", "u"]
+    completions = [w[1:] for w in walks] + ["", "zz|", "a"]
+    return prompts, completions
+
+
+# ---------------------------------------------------------------- round trip
+
+
+def test_round_trip_equals_task_reward(server, task):
+    client = RewardClient(server.url, token=TOKEN)
+    prompts, completions = samples(task, 5)
+    assert len(prompts) <= MAX_BATCH
+    scores = client.score(prompts, completions)
+    assert scores == task.reward(prompts, completions)
+    assert all(isinstance(s, float) for s in scores)
+    assert len(set(scores)) > 1  # not a constant: the comparison means something
+    assert client.score([], []) == []
+    assert client.health() is True
+
+
+def test_health_and_routes(server):
+    assert raw(server, "GET", "/health") == (200, {"ok": True})
+    status, body = raw(server, "GET", "/nope")
+    assert status == 404 and "no such endpoint" in body["error"]
+    status, body = raw(server, "GET", "/score")
+    assert status == 405 and "POST" in body["error"]
+
+
+def test_server_binds_loopback_by_default(task):
+    with serve(task.reward) as srv:
+        assert srv.url.startswith("http://127.0.0.1:") and srv.port > 0
+        assert RewardClient(srv.url).score(["b"], ["a"]) == task.reward(["b"], ["a"])
+
+
+# ---------------------------------------------------------------- auth
+
+
+def test_missing_and_wrong_token_are_401(server, task):
+    payload = {"prompts": ["b"], "completions": ["a"]}
+    status, body = post(server, payload, token=None)
+    assert status == 401 and "Authorization" in body["error"]
+    status, body = post(server, payload, token="wrong-token")
+    assert status == 401 and "invalid bearer token" in body["error"]
+    status, _ = post(server, payload, headers={"Authorization": f"Basic {TOKEN}"})
+    assert status == 401
+    assert raw(server, "GET", "/health", token=None)[0] == 401
+
+    for client in (RewardClient(server.url), RewardClient(server.url, token="wrong-token")):
+        with pytest.raises(RewardServiceError) as info:
+            client.score(["b"], ["a"])
+        assert info.value.status == 401 and "401" in str(info.value)
+    assert "wrong-token" not in repr(RewardClient(server.url, token="wrong-token"))
+
+
+def test_non_loopback_bind_requires_token():
+    for host in ("0.0.0.0", "", "::", "192.0.2.1", "example.com"):
+        with pytest.raises(ValueError, match="without a token"):
+            serve(lambda p, c: [0.0] * len(p), host=host, port=0)
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("")
+    with pytest.raises(ValueError):
+        serve(lambda p, c: [], token="")
+
+
+# ---------------------------------------------------------------- size, type, shape
+
+
+def test_oversized_request_is_413(server):
+    big = {"prompts": ["b"], "completions": ["x" * (MAX_BYTES + 10)]}
+    status, body = post(server, big)
+    assert status == 413 and "max_request_bytes" in body["error"]
+    with pytest.raises(RewardServiceError) as info:
+        RewardClient(server.url, token=TOKEN).score(["b"], ["x" * (MAX_BYTES + 10)])
+    assert info.value.status == 413
+
+
+def test_missing_or_invalid_content_length(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.putrequest("POST", "/score")
+        conn.putheader("Authorization", f"Bearer {TOKEN}")
+        conn.putheader("Content-Type", "application/json")
+        conn.endheaders()
+        response = conn.getresponse()
+        assert response.status == 411 and "Content-Length" in json.loads(response.read())["error"]
+    finally:
+        conn.close()
+    status, body = post(server, b"{}", headers={"Content-Length": "5_0"})
+    assert status == 400 and "Content-Length" in body["error"]
+
+
+def test_content_type_must_be_json(server):
+    body = json.dumps({"prompts": ["b"], "completions": ["a"]}).encode()
+    for content_type in ("text/plain", "application/x-python-pickle", None):
+        status, answer = post(server, body, content_type=content_type)
+        assert status == 415 and "application/json" in answer["error"]
+    assert post(server, body, content_type="application/json; charset=utf-8")[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"not json at all", "not valid JSON"),
+        (b"\xff\xfe\x00", "UTF-8"),
+        (b'{"prompts": ["b"], "completions": [NaN]}', "not valid JSON"),
+        (b'["b", "a"]', "JSON object"),
+        ({"prompts": "b", "completions": ["a"]}, "'prompts' must be a list"),
+        ({"prompts": ["b"], "completions": [1]}, "completions[0] must be a string"),
+        ({"prompts": ["b"]}, "missing field 'completions'"),
+        ({"prompts": ["b"], "completions": ["a"], "pickle": "x"}, "unknown field"),
+        ({"prompts": ["b", "c"], "completions": ["a"]}, "differ in length"),
+    ],
+)
+def test_malformed_body_is_400(server, body, fragment):
+    status, answer = post(server, body)
+    assert status == 400
+    assert fragment in answer["error"]
+
+
+def test_batch_over_max_batch_is_rejected(server):
+    n = MAX_BATCH + 1
+    status, body = post(server, {"prompts": ["b"] * n, "completions": ["a"] * n})
+    assert status == 413 and f"max_batch={MAX_BATCH}" in body["error"]
+    with pytest.raises(RewardServiceError, match="max_batch"):
+        RewardClient(server.url, token=TOKEN).score(["b"] * n, ["a"] * n)
+
+
+# ---------------------------------------------------------------- a misbehaving reward function
+
+
+def test_reward_fn_errors_surface_with_sample_index(make_server):
+    def raises(prompts, completions):
+        raise RuntimeError("reward model exploded")
+
+    def nan_at_2(prompts, completions):
+        return [0.5, 1.0, float("nan"), 0.0][: len(prompts)]
+
+    def inf_at_0(prompts, completions):
+        return [math.inf] * len(prompts)
+
+    def too_few(prompts, completions):
+        return [0.0] * (len(prompts) - 1)
+
+    prompts, completions = ["b", "c", "d", "e"], ["a", "a", "a", "a"]
+    cases = [
+        (raises, "RuntimeError: reward model exploded"),
+        (nan_at_2, "sample index 2"),
+        (inf_at_0, "sample index 0"),
+        (too_few, "sample index 3 has no score"),
+    ]
+    for fn, fragment in cases:
+        client = RewardClient(make_server(fn, port=0).url)
+        with pytest.raises(RewardServiceError) as info:
+            client.score(prompts, completions)
+        assert info.value.status == 500, fn.__name__
+        assert fragment in info.value.message, (fn.__name__, info.value.message)
+
+
+def test_slow_reward_fn_is_504_within_bound(make_server):
+    release = threading.Event()
+
+    def slow(prompts, completions):
+        release.wait(10)  # "sleeps" far past the timeout; released at the end so no thread lingers
+        return [0.0] * len(prompts)
+
+    try:
+        srv = make_server(slow, port=0, timeout_s=0.5, max_concurrent=1)
+        client = RewardClient(srv.url, timeout_s=5)
+        start = time.monotonic()
+        with pytest.raises(RewardServiceError) as info:
+            client.score(["b"], ["a"])
+        elapsed = time.monotonic() - start
+        assert info.value.status == 504 and "timeout_s=0.5" in info.value.message
+        assert 0.4 < elapsed < 3.0
+        # the hung call still holds the only slot: the next request is refused in bounded time, not queued
+        start = time.monotonic()
+        with pytest.raises(RewardServiceError) as info:
+            client.score(["b"], ["a"])
+        assert info.value.status == 503 and time.monotonic() - start < 3.0
+    finally:
+        release.set()
+
+
+# ---------------------------------------------------------------- client-side validation
+
+
+class _BadAnswers(BaseHTTPRequestHandler):
+    answers: ClassVar[dict[str, bytes]] = {
+        "/nan/score": b'{"scores": [1.0, NaN]}',
+        "/short/score": b'{"scores": [1.0]}',
+        "/string/score": b'{"scores": [1.0, "2"]}',
+        "/html/score": b"<html>oops</html>",
+    }
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = self.answers[self.path]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_client_validates_answers():
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), _BadAnswers)
+    thread = threading.Thread(target=stub.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{stub.server_address[1]}"
+        for path, fragment in [("/nan", "not a JSON object"), ("/short", "got 1 scores for 2"),
+                               ("/string", "sample index 1"), ("/html", "not a JSON object")]:
+            with pytest.raises(RewardServiceError, match=fragment):
+                RewardClient(base + path).score(["b", "c"], ["a", "a"])
+    finally:
+        stub.shutdown()
+        stub.server_close()
+    with pytest.raises(ValueError):
+        RewardClient("http://127.0.0.1:1").score(["b"], [])
+    with pytest.raises(ValueError):
+        RewardClient("ftp://127.0.0.1:1")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_serves_task_reward(task):
+    env = {**os.environ, "TETHER_REWARD_TOKEN": TOKEN}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.reward_service", "--task", "randomwalks", "--port", "0"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"http://127\.0\.0\.1:\d+", line)
+        assert match, line
+        prompts, completions = samples(task, 4)
+        assert RewardClient(match.group(0), token=TOKEN).score(prompts, completions) == task.reward(
+            prompts, completions
+        )
+        with pytest.raises(RewardServiceError):
+            RewardClient(match.group(0)).score(prompts, completions)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=10) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.stdout.close()
