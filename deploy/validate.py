@@ -289,8 +289,8 @@ def validate_manifest(
             notes.append(f"skipped {_label(doc)} ({api_version}): not a KubeRay kind")
         return []
     errors = schema_errors(doc, schemas[kind])
-    if kind == "RayJob" and not errors:
-        errors += rayjob_checks(doc, Path(repo_root), notes)
+    if kind == "RayJob":  # the room check needs a schema-valid cluster spec
+        errors += rayjob_checks(doc, Path(repo_root), notes, check_capacity=not errors)
     return errors
 
 
@@ -343,11 +343,16 @@ def check_job_config(config: str, repo_root: Path) -> tuple[list[str], Any]:
     return [], cfg
 
 
-def rayjob_checks(doc: dict[str, Any], repo_root: Path, notes: list[str] | None = None) -> list[str]:
-    spec = doc.get("spec") or {}
+def rayjob_checks(
+    doc: dict[str, Any], repo_root: Path, notes: list[str] | None = None, check_capacity: bool = True
+) -> list[str]:
+    """RayJob checks beyond the schema: the YAML/JSON strings parse; the tether --config is valid and fits."""
+    spec = doc.get("spec")
+    if not isinstance(spec, dict):
+        return []
     errors: list[str] = []
     runtime_env = spec.get("runtimeEnvYAML")
-    if runtime_env is not None:
+    if isinstance(runtime_env, str):
         try:
             parsed = yaml.safe_load(runtime_env)
         except yaml.YAMLError as err:
@@ -355,7 +360,7 @@ def rayjob_checks(doc: dict[str, Any], repo_root: Path, notes: list[str] | None 
         else:
             if parsed is not None and not isinstance(parsed, dict):
                 errors.append("$.spec.runtimeEnvYAML: must be a YAML mapping")
-    if spec.get("entrypointResources") is not None:
+    if isinstance(spec.get("entrypointResources"), str):
         try:
             parsed = json.loads(spec["entrypointResources"])
         except json.JSONDecodeError as err:
@@ -364,12 +369,13 @@ def rayjob_checks(doc: dict[str, Any], repo_root: Path, notes: list[str] | None 
             if not isinstance(parsed, dict):
                 errors.append("$.spec.entrypointResources: must be a JSON object")
 
-    config = entrypoint_config(spec.get("entrypoint") or "")
+    entrypoint = spec.get("entrypoint")
+    config = entrypoint_config(entrypoint) if isinstance(entrypoint, str) else None
     if config is None:
         return errors
     config_errors, cfg = check_job_config(config, repo_root)
     errors += config_errors
-    if cfg is not None:
+    if cfg is not None and check_capacity:
         if "rayClusterSpec" in spec:
             errors += capacity_errors(cfg, spec["rayClusterSpec"], "$.spec.rayClusterSpec")
         elif notes is not None:

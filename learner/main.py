@@ -73,8 +73,7 @@ def run(cfg: JobConfig) -> dict:
     wall_start = time.perf_counter()
     # ---- everything that can be wrong with the input fails here, before any actor starts
     task = get_task(cfg.task.name, seed=cfg.task.seed)
-    run_path = rundir.prepare(cfg)
-    log(f"run directory {run_path}")
+    rundir.check_free(cfg)
     log("KL accounting: " + ", ".join(f"{k}={v}" for k, v in cfg.kl.model_dump().items()))
     model_dir = str(policy_dir(task, cfg.model.path, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps,
                                cfg.model.sft_batch_size, cfg.model.sft_lr, log=log))
@@ -86,6 +85,9 @@ def run(cfg: JobConfig) -> dict:
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p,
                                 cfg.rollout.max_new_tokens or task.max_new_tokens)
     max_model_len = cfg.task.max_prompt_tokens + sampling.max_new_tokens + 1
+
+    run_path = rundir.prepare(cfg)
+    log(f"run directory {run_path}")
 
     # ---- cluster and actors: each role on its own bundle
     cluster.connect(cfg, log=log)
@@ -276,7 +278,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg is None:
         return 0
-    summary = run(cfg)
+    from actors.reward import RewardError
+    from learner.cluster import ClusterError
+    from learner.rundir import RunDirectoryError
+
+    try:
+        summary = run(cfg)
+    except (ClusterError, RunDirectoryError, RewardError, FileNotFoundError, ValueError) as err:
+        print(f"[tether] error: {err}", file=sys.stderr, flush=True)
+        return 1
     return 0 if all(math.isfinite(v) for v in summary["eval_final"].values()) else 1
 
 

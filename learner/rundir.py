@@ -13,14 +13,20 @@ class RunDirectoryError(RuntimeError):
     pass
 
 
-def prepare(cfg: JobConfig) -> Path:
-    """Create ``output_dir/name``; refuse one that already holds a run unless ``run.overwrite``."""
+def check_free(cfg: JobConfig) -> Path:
+    """The run directory, refused if it already holds a run and ``run.overwrite`` is not set."""
     path = Path(cfg.run.output_dir) / cfg.run.name
-    if path.exists() and any(path.iterdir()):
-        if not cfg.run.overwrite:
-            raise RunDirectoryError(
-                f"run directory {path} already holds a run; pick another run.name or pass --run.overwrite"
-            )
+    if path.exists() and any(path.iterdir()) and not cfg.run.overwrite:
+        raise RunDirectoryError(
+            f"run directory {path} already holds a run; pick another run.name or pass --run.overwrite"
+        )
+    return path
+
+
+def prepare(cfg: JobConfig) -> Path:
+    """Create ``output_dir/name`` (replacing an old run only with ``run.overwrite``) with config.yaml."""
+    path = check_free(cfg)
+    if path.exists() and cfg.run.overwrite:
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(config_to_yaml(cfg))

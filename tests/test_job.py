@@ -1,0 +1,108 @@
+"""The job as a user runs it: `python -m learner.main ...` against a real local Ray head."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_job
+
+pytestmark = pytest.mark.integration
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def job_args(ray_head, cache_dir, out, name, *extra) -> list[str]:
+    return ["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir", str(out),
+            "--run.name", name, *extra]
+
+
+def test_default_job_learns(ray_head, cache_dir, tmp_path):
+    """The embedded default (randomwalks, SFT warm start, adaptive KL) lifts optimality well above the start."""
+    proc = run_job(job_args(ray_head, cache_dir, tmp_path, "learn", "--run.iterations", "10", "--run.eval_every", "5"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "learn" / "summary.json").read_text())
+    start, final = summary["eval_start"]["optimality"], summary["eval_final"]["optimality"]
+    assert final >= 0.7 and final > start + 0.25, (start, final)
+    assert "[tether] summary:" in proc.stdout
+    for name in ("config.yaml", "metrics.jsonl", "curves.png"):
+        assert (tmp_path / "learn" / name).is_file()
+
+
+@pytest.mark.parametrize("target, direction", [(0.001, "rises"), (1000.0, "falls")])
+def test_broadcast_and_controller(ray_head, cache_dir, tmp_path, target, direction):
+    """Every actor reports the driver's version and beta after each iteration, every batch carries
+    them, and beta moves toward the target: up when the KL is above it, down when below."""
+    proc = run_job(job_args(
+        ray_head, cache_dir, tmp_path, "ctl", "--run.seed", "1", "--model.sft_steps", "60",
+        "--model.sft_batch_size", "50", "--run.iterations", "4", "--run.eval_every", "100",
+        "--rollout.batch_size", "32", "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16",
+        "--ppo.lr", "2e-3", "--kl.target", str(target), "--kl.horizon", "1000",
+    ))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = read_metrics(tmp_path / "ctl")
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert r["batch_policy_versions"] == [r["policy_version"] - 1]
+        assert r["batch_kl_coefs"] == pytest.approx([r["kl_coef_used"]], rel=1e-6)
+        names = {s["name"] for s in r["actor_states"]}
+        assert names == {"rollout-0", "reference-0", "reward-0"}
+        for state in r["actor_states"]:
+            assert state["policy_version"] == r["policy_version"]
+            assert state["kl_coef"] == r["kl_coef"]
+        # the controller was fed exactly the response KL of this batch
+        e = min(max(r["kl_response_mean"] / target - 1, -0.2), 0.2)
+        assert r["kl_coef"] == pytest.approx(r["kl_coef_used"] * (1 + e * r["episodes"] / 1000), rel=1e-9)
+    betas = [r["kl_coef"] for r in records[1:]]
+    if direction == "rises":
+        assert all(b1 > b0 for b0, b1 in zip([records[0]["kl_coef"]] + betas, betas))
+    else:
+        assert all(b1 < b0 for b0, b1 in zip([records[0]["kl_coef"]] + betas, betas))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--kl.target", "-1"], "kl.target"),
+        (["--kl.controller", "fixed"], "kl.target is set but kl.controller='fixed'"),
+        (["--learner.world_size", "3", "--learner.zero_stage", "3"], "cannot be split over learner.world_size=3"),
+        (["--rollout.batch_size", "0"], "rollout.batch_size"),
+        (["--task.name", "nope"], "unknown task 'nope'"),
+        (["--model.path", "/nonexistent/model"], "not a Hugging Face model directory"),
+        (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
+    ],
+)
+def test_bad_input_fails_before_any_actor(tmp_path, args, message):
+    proc = run_job(["--run.output_dir", str(tmp_path), "--cluster.address", "127.0.0.1:1", *args], timeout_s=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout
+    assert "actors ready" not in proc.stdout
+
+
+def test_existing_run_directory_is_not_overwritten(tmp_path):
+    run_dir = tmp_path / "randomwalks"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("precious\n")
+    proc = run_job(["--run.output_dir", str(tmp_path), "--cluster.address", "127.0.0.1:1"], timeout_s=120)
+    assert proc.returncode != 0
+    assert "already holds a run" in proc.stderr + proc.stdout
+    assert (run_dir / "metrics.jsonl").read_text() == "precious\n"
+
+
+def test_gpus_on_cpu_cluster_fail_fast_naming_role(ray_head, cache_dir, tmp_path):
+    proc = run_job(job_args(ray_head, cache_dir, tmp_path, "gpu", "--run.seed", "1", "--model.sft_steps", "60",
+                            "--model.sft_batch_size", "50", "--cluster.rollout.num_gpus", "1"), timeout_s=120)
+    assert proc.returncode != 0
+    assert "role 'rollout' requests GPU=1.0" in proc.stderr + proc.stdout
+
+
+def test_unreachable_cluster_fails_within_bound(cache_dir, tmp_path):
+    proc = run_job(["--run.output_dir", str(tmp_path), "--model.cache_dir", cache_dir, "--run.seed", "1",
+                    "--model.sft_steps", "60", "--model.sft_batch_size", "50", "--cluster.address", "127.0.0.1:1",
+                    "--cluster.connect_timeout_s", "3"], timeout_s=120)
+    assert proc.returncode != 0
+    assert "cannot reach the Ray cluster at '127.0.0.1:1'" in proc.stderr + proc.stdout
