@@ -10,6 +10,11 @@ class VersionedActor:
         self.index = index
         self.policy_version = 0
         self.kl_coef = 0.0
+        self.busy_seconds = 0.0  # time spent on requests since the driver last asked
+
+    def take_busy_seconds(self) -> float:
+        busy, self.busy_seconds = self.busy_seconds, 0.0
+        return busy
 
     def set_state(self, policy_version: int, kl_coef: float) -> dict:
         self.policy_version, self.kl_coef = int(policy_version), float(kl_coef)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from actors.base import VersionedActor
@@ -30,9 +32,16 @@ class ReferenceActor(VersionedActor):
         else:
             raise ValueError(f"unknown reference backend {backend!r}; expected 'hf' or 'vllm'")
 
-    @torch.no_grad()
     def score(self, batch: RolloutBatch) -> torch.Tensor:
         """[B, T] ref log-probs of the response tokens (0 at padding)."""
+        start = time.perf_counter()
+        try:
+            return self._score(batch)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+
+    @torch.no_grad()
+    def _score(self, batch: RolloutBatch) -> torch.Tensor:
         if self.backend == "hf":
             logprobs, _, _ = response_forward(self.model, batch, self.temperature)
             return logprobs * batch.response_mask

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -43,6 +44,13 @@ class RewardActor(VersionedActor):
 
     def score(self, batch: RolloutBatch, chunk_index: int = -1) -> torch.Tensor:
         """[B] scores; raises RewardError naming the task, chunk and sample when a score is bad."""
+        start = time.perf_counter()
+        try:
+            return self._score(batch, chunk_index)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+
+    def _score(self, batch: RolloutBatch, chunk_index: int) -> torch.Tensor:
         prompts, completions = self.decode(batch)
         where = f"task {self.task.name!r}, chunk {chunk_index}"
         if self.kind == "model":

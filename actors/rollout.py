@@ -24,6 +24,7 @@ class RolloutActor(VersionedActor):
         start = time.perf_counter()
         generations = self.engine.generate(prompts, sampling, seeds)
         seconds = time.perf_counter() - start
+        self.busy_seconds += seconds
         tokens = sum(len(g.response_ids) for g in generations)
         self.last_tokens_per_second = tokens / max(seconds, 1e-9)
         return make_batch(

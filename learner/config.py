@@ -120,12 +120,12 @@ class LearnerConfig(Section):
 
 
 class RunConfig(Section):
-    iterations: PositiveInt = Field(60, description="rollout/train iterations")
+    iterations: PositiveInt = Field(30, description="rollout/train iterations")
     seed: int = Field(1000, description="seed for sampling, prompts and init")
     output_dir: str = Field("runs", description="parent of run directories")
     name: str = Field("randomwalks", description="run name: the run directory is output_dir/name")
     overwrite: bool = Field(False, description="replace an existing run directory")
-    eval_every: PositiveInt = Field(10, description="evaluate every N iterations (and at the end)")
+    eval_every: PositiveInt = Field(5, description="evaluate every N iterations (and at the end)")
     probe_every: PositiveInt = Field(1, description="check engine vs learner log-probs every N syncs")
     probe_tolerance: PositiveFloat = Field(1e-4, description="max |logp diff| allowed by the probe (fp32)")
 

@@ -146,6 +146,7 @@ def run(cfg: JobConfig) -> dict:
     eval_metrics = evaluate(0)
     log("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
     start_eval = dict(eval_metrics)
+    ray.get([a.take_busy_seconds.remote() for a in rollouts + references + rewards])
 
     for iteration in range(1, cfg.run.iterations + 1):
         t_iter = time.perf_counter()
@@ -229,6 +230,7 @@ def run(cfg: JobConfig) -> dict:
             "batch_kl_coefs": stamped_betas,
             "actor_states": actor_states,
             "sync_and_probe_seconds": t_sync,
+            "learner_forward_seconds": max(r["timings"]["forward_seconds"] for r in results),
             **{f"ppo_{k}": v for k, v in ppo_stats.items()},
         }
 
@@ -237,6 +239,11 @@ def run(cfg: JobConfig) -> dict:
             eval_metrics = evaluate(iteration)
             record["eval"] = eval_metrics
         record["iteration_seconds"] = time.perf_counter() - t_iter
+        # busy time per role (summed over its actors, evaluation included): what an iteration is made of
+        busy = ray.get([a.take_busy_seconds.remote() for a in rollouts + references + rewards])
+        record["generate_seconds"] = sum(busy[: len(rollouts)])
+        record["reference_seconds"] = sum(busy[len(rollouts): len(rollouts) + len(references)])
+        record["reward_seconds"] = sum(busy[len(rollouts) + len(references):])
         records.append(record)
         rundir.append_metrics(run_path, record)
         log(f"iter {iteration}/{cfg.run.iterations} | reward {record['reward_mean']:.3f} | "
