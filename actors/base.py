@@ -7,7 +7,14 @@ class VersionedActor:
     role = "actor"
 
     def __init__(self, index: int) -> None:
+        import ray
+
+        from services.metrics import ActorMetrics
+
         self.index = index
+        # outside Ray (unit use of an actor class) there is no dashboard to export to
+        self.metrics = ActorMetrics(ray.get_runtime_context().get_job_id(), self.role, index) \
+            if ray.is_initialized() else None
         self.policy_version = 0
         self.kl_coef = 0.0
         self.busy_seconds = 0.0  # time spent on requests since the driver last asked
@@ -18,6 +25,8 @@ class VersionedActor:
 
     def set_state(self, policy_version: int, kl_coef: float) -> dict:
         self.policy_version, self.kl_coef = int(policy_version), float(kl_coef)
+        if self.metrics:
+            self.metrics.record(self.policy_version, self.kl_coef, getattr(self, "last_tokens_per_second", None))
         return self.get_state()
 
     def get_state(self) -> dict:

@@ -125,9 +125,23 @@ class RunConfig(Section):
     output_dir: str = Field("runs", description="parent of run directories")
     name: str = Field("randomwalks", description="run name: the run directory is output_dir/name")
     overwrite: bool = Field(False, description="replace an existing run directory")
+    resume: str | None = Field(None, description="continue from a checkpoint: 'latest' or its directory")
     eval_every: PositiveInt = Field(5, description="evaluate every N iterations (and at the end)")
     probe_every: PositiveInt = Field(1, description="check engine vs learner log-probs every N syncs")
     probe_tolerance: PositiveFloat = Field(1e-4, description="max |logp diff| allowed by the probe (fp32)")
+    actor_max_restarts: int = Field(3, ge=0, description="restarts of a crashed rollout/reference/reward actor")
+    max_chunk_retries: int = Field(3, ge=0, description="times a chunk lost to a dead actor is regenerated")
+
+
+class MetricsConfig(Section):
+    plot_every: PositiveInt = Field(10, description="redraw curves.png every N iterations (and at the end)")
+    tensorboard: bool = Field(False, description="also write TensorBoard logs into the run directory")
+    progress_bar: bool = Field(True, description="live progress bar when stdout is a terminal")
+
+
+class CheckpointConfig(Section):
+    every: int = Field(10, ge=0, description="save every N iterations (0 = only at the end and on stop)")
+    keep: PositiveInt = Field(3, description="how many checkpoints to keep")
 
 
 class JobConfig(BaseSettings):
@@ -151,6 +165,8 @@ class JobConfig(BaseSettings):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     @model_validator(mode="after")
     def _batch_divides(self) -> JobConfig:
@@ -169,6 +185,8 @@ class JobConfig(BaseSettings):
                 f"ppo.minibatch_size={p.minibatch_size} cannot be split over learner.world_size={w} ranks"
                 + (" (ZeRO-3 partitions every step over all ranks)" if self.learner.zero_stage == 3 else "")
             )
+        if self.run.resume and self.run.overwrite:
+            raise ValueError("run.resume and run.overwrite exclude each other: resuming keeps the run directory")
         if self.reward.kind == "model" and not self.reward.model_path:
             raise ValueError("reward.kind='model' needs reward.model_path")
         return self

@@ -38,15 +38,29 @@ class LearnerGroup:
                     pass
             raise
 
+    def collect(self, chunk_refs: dict[int, object], ref_logprob_refs: dict[int, object],
+                score_refs: dict[int, object]) -> list[int]:
+        """Chunk slot i goes to rank i % W, which fetches it and runs its forward. Returns the slots
+        lost to dead actors (to regenerate and collect again)."""
+        calls = []
+        for r, rank in enumerate(self.ranks):
+            slots = [s for s in sorted(chunk_refs) if s % self.world_size == r]
+            calls.append(rank.collect.remote(slots, [chunk_refs[s] for s in slots],
+                                             [ref_logprob_refs[s] for s in slots], [score_refs[s] for s in slots]))
+        return sorted(s for result in self._get(calls, "collect") for s in result["failed"])
+
+    def update(self, kl_coef: float, iteration: int) -> list[dict]:
+        """Every rank trains at once on what it collected. Returns each rank's result."""
+        return self._get([rank.update.remote(kl_coef, iteration) for rank in self.ranks], "update")
+
     def train(self, chunk_refs: list, ref_logprob_refs: list, score_refs: list, kl_coef: float,
               iteration: int) -> list[dict]:
-        """Chunk i goes to rank i % W; every rank trains at once. Returns each rank's result."""
-        w = self.world_size
-        refs = [
-            rank.train.remote(chunk_refs[r::w], ref_logprob_refs[r::w], score_refs[r::w], kl_coef, iteration)
-            for r, rank in enumerate(self.ranks)
-        ]
-        return self._get(refs, "train")
+        """collect + update, for callers that need no retries."""
+        failed = self.collect(dict(enumerate(chunk_refs)), dict(enumerate(ref_logprob_refs)),
+                              dict(enumerate(score_refs)))
+        if failed:
+            raise ClusterError(f"chunks {failed} were lost to dead actors")
+        return self.update(kl_coef, iteration)
 
     def policy_weights(self) -> ray.ObjectRef:
         """Rank 0's full weights as an ObjectRef: the driver passes it on without materialising it."""
@@ -56,3 +70,10 @@ class LearnerGroup:
 
     def probe(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
         return self._get([r.probe_logprobs.remote(sequences, prompt_lengths) for r in self.ranks], "probe")[0]
+
+    def save(self, path: str) -> None:
+        """Every rank writes its engine (policy, value head, optimizer) under ``path/learner``."""
+        self._get([r.save_checkpoint.remote(path, "learner") for r in self.ranks], "checkpoint save")
+
+    def load(self, path: str) -> None:
+        self._get([r.load_checkpoint.remote(path, "learner") for r in self.ranks], "checkpoint load")

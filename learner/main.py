@@ -12,7 +12,7 @@ import math
 import sys
 import time
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from learner.config import JobConfig, config_to_yaml, read_yaml
 
@@ -23,13 +23,12 @@ from learner.config import JobConfig, config_to_yaml, read_yaml
 class JobCli(JobConfig):
     """tether job. Settings come from the defaults, then --config YAML, then these flags."""
 
-    config: str | None = None
-    print_config: bool = False
+    config: str | None = Field(None, description="YAML file with settings (flags override it)")
+    print_config: bool = Field(False, description="print the resolved config as YAML and exit")
 
 
 def parse_cli(argv: list[str]) -> JobConfig | None:
     """Returns the resolved config, or None after --print-config. Raises ValidationError on bad input."""
-    from pydantic import Field  # noqa: F401  (pydantic-settings renders the help from field descriptions)
     from pydantic_settings import CliApp
 
     pre = argparse.ArgumentParser(add_help=False)
@@ -48,9 +47,45 @@ def log(message: str) -> None:
     print(f"[tether] {message}", flush=True)
 
 
-def seed_for(run_seed: int, iteration: int, row: int) -> int:
-    """A distinct, reproducible sampling seed per episode."""
-    return (run_seed * 1_000_003 + iteration * 100_003 + row) % (2**31 - 1)
+class Progress:
+    """One line per iteration (what `ray job logs` shows); on a terminal also a live tqdm bar."""
+
+    def __init__(self, cfg: JobConfig, run_path) -> None:
+        from tqdm import tqdm
+
+        self.cfg = cfg
+        self.bar = tqdm(total=cfg.run.iterations, unit="it", dynamic_ncols=True,
+                        disable=not (cfg.metrics.progress_bar and sys.stdout.isatty()))
+        self.tensorboard = None
+        if cfg.metrics.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(run_path / "tensorboard"))
+
+    def update(self, r: dict) -> None:
+        target = self.cfg.kl.target
+        line = (f"iter {r['iteration']}/{self.cfg.run.iterations} | reward {r['reward_mean']:.3f} | "
+                f"score {r['score_mean']:.3f} | kl {r['kl_response_mean']:.3f}/{target or 0:.1f} nats | "
+                f"beta {r['kl_coef']:.4f} | " + "".join(f"eval {k} {v:.3f} | " for k, v in r.get("eval", {}).items())
+                + f"{r['iteration_seconds']:.2f}s")
+        if self.bar.disable:
+            log(line)
+        else:
+            self.bar.write(f"[tether] {line}")
+            self.bar.set_postfix(reward=f"{r['reward_mean']:.3f}", kl=f"{r['kl_response_mean']:.2f}/{target or 0:g}",
+                                 beta=f"{r['kl_coef']:.4f}", sec=f"{r['iteration_seconds']:.1f}")
+            self.bar.update(1)
+        if self.tensorboard:
+            for key, value in r.items():
+                if isinstance(value, int | float):
+                    self.tensorboard.add_scalar(key, value, r["iteration"])
+            for key, value in r.get("eval", {}).items():
+                self.tensorboard.add_scalar(f"eval/{key}", value, r["iteration"])
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.tensorboard:
+            self.tensorboard.close()
 
 
 # ====================================================================== the job
@@ -60,12 +95,11 @@ def run(cfg: JobConfig) -> dict:
     import ray
 
     from actors.engines import SamplingSettings
-    from actors.reference import ReferenceActor
-    from actors.reward import RewardActor
-    from actors.rollout import RolloutActor
-    from learner import cluster, rundir
+    from learner import checkpoint, cluster, rundir
+    from learner.fleet import Fleet
     from learner.group import LearnerGroup
     from learner.kl import AdaptiveKLController, FixedKLController, controller_statistic, kl_stats_from_sums
+    from services.metrics import DriverMetrics
     from services.models import load_tokenizer, policy_dir
     from services.prompts import PromptSampler, encode_prompts
     from services.tasks import get_task
@@ -73,7 +107,12 @@ def run(cfg: JobConfig) -> dict:
     wall_start = time.perf_counter()
     # ---- everything that can be wrong with the input fails here, before any actor starts
     task = get_task(cfg.task.name, seed=cfg.task.seed)
-    rundir.check_free(cfg)
+    run_path = rundir.check_free(cfg)
+    resume_from, resume_state = None, None
+    if cfg.run.resume:
+        resume_from = checkpoint.resolve(run_path, cfg.run.resume)
+        resume_state = checkpoint.verify(resume_from)
+        checkpoint.check_compatible(resume_state["config"], cfg, resume_from)
     log("KL accounting: " + ", ".join(f"{k}={v}" for k, v in cfg.kl.model_dump().items()))
     model_dir = str(policy_dir(task, cfg.model.path, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps,
                                cfg.model.sft_batch_size, cfg.model.sft_lr, log=log))
@@ -84,87 +123,90 @@ def run(cfg: JobConfig) -> dict:
                                   cfg.task.long_prompts, log)
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p,
                                 cfg.rollout.max_new_tokens or task.max_new_tokens)
-    max_model_len = cfg.task.max_prompt_tokens + sampling.max_new_tokens + 1
-
+    probe_set = ([p + [(7 * j + 3 * k) % len(tokenizer) for k in range(sampling.max_new_tokens)]
+                  for j, p in enumerate(eval_prompts[:8])], [len(p) for p in eval_prompts[:8]])
     run_path = rundir.prepare(cfg)
     log(f"run directory {run_path}")
 
     # ---- cluster and actors: each role on its own bundle
     cluster.connect(cfg, log=log)
     placement = cluster.reserve(cfg)
-    c = cfg.cluster
-    rollouts = [
-        cluster.start_actor(RolloutActor, "rollout", i, c.rollout, placement, i, cfg.rollout.engine, model_dir,
-                            cfg.run.seed + i, max_model_len, cfg.rollout.kv_cache_mib, "float32", i)
-        for i in range(cfg.rollout.num_engines)
-    ]
-    references = [
-        cluster.start_actor(ReferenceActor, "reference", i, c.reference, placement, i, model_dir,
-                            cfg.reference.backend, "float32", max_model_len, 128, cfg.rollout.temperature)
-        for i in range(cfg.reference.num_actors)
-    ]
-    rewards = [
-        cluster.start_actor(RewardActor, "reward", i, c.reward, placement, i, cfg.task.name,
-                            {"seed": cfg.task.seed}, model_dir, cfg.reward.kind, cfg.reward.model_path,
-                            cfg.reward.score_clip)
-        for i in range(cfg.reward.num_actors)
-    ]
+    fleet = Fleet(cfg, model_dir, placement, sampling, pad_id,
+                  max_model_len=cfg.task.max_prompt_tokens + sampling.max_new_tokens + 1)
     learner = LearnerGroup(cfg, model_dir, placement)
-    ray.get([a.ready.remote() for a in rollouts + references + rewards])
-    log(f"actors ready: {len(rollouts)} rollout, {len(references)} reference, {len(rewards)} reward, "
-        f"{cfg.learner.world_size} learner rank(s), ZeRO-{cfg.learner.zero_stage} ({time.perf_counter() - wall_start:.1f}s)")
+    log(f"actors ready: {len(fleet.rollouts)} rollout, {len(fleet.references)} reference, {len(fleet.rewards)} "
+        f"reward, {cfg.learner.world_size} learner rank(s), ZeRO-{cfg.learner.zero_stage} "
+        f"({time.perf_counter() - wall_start:.1f}s)")
 
     kl_ctl = (AdaptiveKLController(cfg.kl.init_kl_coef, cfg.kl.target, cfg.kl.horizon)
               if cfg.kl.controller == "adaptive" else FixedKLController(cfg.kl.init_kl_coef))
     sampler = PromptSampler(len(prompts), cfg.run.seed)
-    policy_version = 0
-    all_actors = rollouts + references + rewards
-    ray.get([a.set_state.remote(policy_version, kl_ctl.value) for a in all_actors])
-    probe_prompt_lengths = [len(p) for p in eval_prompts[:8]]
-    probe_sequences = [p + [(7 * j + 3 * k) % len(tokenizer) for k in range(sampling.max_new_tokens)]
-                       for j, p in enumerate(eval_prompts[:8])]
+    policy_version, first_iteration, weights = 0, 1, None
+    if resume_state is not None:
+        learner.load(str(resume_from))
+        kl_ctl.load_state_dict(resume_state["kl_controller"])
+        sampler.load_state_dict(resume_state["prompt_cursor"])
+        policy_version, first_iteration = resume_state["policy_version"], resume_state["iteration"] + 1
+        weights = learner.policy_weights()
+        log(f"resumed from {resume_from} at iteration {resume_state['iteration']}, version {policy_version}, "
+            f"beta {kl_ctl.value:.6f}")
+    fleet.broadcast(weights, policy_version, kl_ctl.value)
+    if weights is not None:
+        fleet.probe(learner, *probe_set)
 
-    def generate(prompt_rows: list[int], prompt_set: list[list[int]], iteration: int) -> list:
-        """Chunk refs for these prompts, spread over the rollout engines."""
-        size = cfg.rollout.chunk_size
-        refs = []
-        for i, start in enumerate(range(0, len(prompt_rows), size)):
-            rows = prompt_rows[start:start + size]
-            seeds = [seed_for(cfg.run.seed, iteration, start + j) for j in range(len(rows))]
-            refs.append(rollouts[i % len(rollouts)].generate.remote([prompt_set[r] for r in rows], rows, seeds,
-                                                                    sampling, pad_id))
-        return refs
+    job_metrics = DriverMetrics(ray.get_runtime_context().get_job_id())
+    progress = Progress(cfg, run_path)
+    stop = GracefulStop()
+    records = rundir.read_metrics(run_path, first_iteration - 1) if resume_state else []
+    start_eval = resume_state["eval_start"] if resume_state else fleet.evaluate(eval_prompts, 0)
+    eval_metrics = dict(start_eval)
+    log("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in start_eval.items()))
+    fleet.take_busy_seconds()
 
-    def evaluate(iteration: int) -> dict[str, float]:
-        rows = [r for r in range(len(eval_prompts)) for _ in range(cfg.rollout.eval_samples_per_prompt)]
-        chunks = generate(rows, eval_prompts, -1 - iteration)
-        parts = ray.get([rewards[i % len(rewards)].evaluate.remote(ch) for i, ch in enumerate(chunks)])
-        count = sum(p["count"] for p in parts)
-        return {k: sum(p[k] for p in parts) / count for k in parts[0] if k != "count"}
+    def save_checkpoint(iteration: int) -> None:
+        tmp = checkpoint.begin(run_path, iteration)
+        learner.save(str(tmp))
+        state = {"iteration": iteration, "policy_version": policy_version, "kl_controller": kl_ctl.state_dict(),
+                 "prompt_cursor": sampler.state_dict(), "eval_start": start_eval,
+                 "config": cfg.model_dump(mode="json")}
+        final = checkpoint.commit(run_path, tmp, iteration, state, cfg.checkpoint.keep)
+        log(f"checkpoint {final}")
 
-    records: list[dict] = []
-    eval_metrics = evaluate(0)
-    log("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
-    start_eval = dict(eval_metrics)
-    ray.get([a.take_busy_seconds.remote() for a in rollouts + references + rewards])
-
-    for iteration in range(1, cfg.run.iterations + 1):
+    iteration = first_iteration - 1
+    for iteration in range(first_iteration, cfg.run.iterations + 1):
         t_iter = time.perf_counter()
+        # 0. actors that restarted come back at version 0: re-sync them (and probe) before they generate
+        resynced = fleet.bring_up_to_date(learner, weights, policy_version, kl_ctl.value, probe_set)
+
         # 1. sample prompts
         prompt_rows = sampler.next(cfg.rollout.batch_size)
 
         # 2. stream chunks: generate, then reference and reward in parallel on the refs
-        chunk_refs = generate(prompt_rows, prompts, iteration)
-        ref_refs = [references[i % len(references)].score.remote(ch) for i, ch in enumerate(chunk_refs)]
-        score_refs = [rewards[i % len(rewards)].score.remote(ch, i) for i, ch in enumerate(chunk_refs)]
+        chunk_refs = fleet.generate(prompt_rows, prompts, iteration)
+        ref_refs, score_refs = fleet.score(chunk_refs)
 
-        # 3. learner: old log-probs, KL-penalised rewards at the current beta, GAE, PPO epochs
+        # 3. learner: ranks fetch their chunks and run the forward as they arrive; lost chunks are redone
+        lost = learner.collect(chunk_refs, ref_refs, score_refs)
+        for retry in range(cfg.run.max_chunk_retries):
+            if not lost:
+                break
+            log(f"iteration {iteration}: chunks {lost} lost to a dead actor; regenerating (retry {retry + 1})")
+            resynced += fleet.bring_up_to_date(learner, weights, policy_version, kl_ctl.value, probe_set)
+            chunk_refs = fleet.generate(prompt_rows, prompts, iteration, slots=lost)
+            ref_refs, score_refs = fleet.score(chunk_refs)
+            lost = learner.collect(chunk_refs, ref_refs, score_refs)
+        if lost:
+            raise RuntimeError(f"iteration {iteration}: chunks {lost} still lost after "
+                               f"{cfg.run.max_chunk_retries} retries")
         kl_coef = kl_ctl.value
-        results = learner.train(chunk_refs, ref_refs, score_refs, kl_coef, iteration)
+        results = learner.update(kl_coef, iteration)  # KL-penalised rewards at this beta, GAE, PPO epochs
         t_learner = time.perf_counter() - t_iter
         sums = {k: sum(r["sums"][k] for r in results) for k in results[0]["sums"]}
         sums["mismatch_max"] = max(r["sums"]["mismatch_max"] for r in results)
         kl = kl_stats_from_sums(sums)
+        if kl["num_responses"] != cfg.rollout.batch_size:
+            raise RuntimeError(f"iteration {iteration}: trained on {kl['num_responses']:.0f} episodes, "
+                               f"expected {cfg.rollout.batch_size}")
         # on-policy: every row was generated by the learner's current version, under the current beta
         versions = sorted({v for r in results for v in r["policy_versions"]})
         stamped_betas = sorted({b for r in results for b in r["kl_coefs"]})
@@ -175,27 +217,17 @@ def run(cfg: JobConfig) -> dict:
         # 4. the controller sees exactly the KL the reward penalised, once per batch
         kl_ctl.update(controller_statistic(kl, cfg.kl.scope), n_steps=int(kl["num_responses"]))
 
-        # 5. broadcast weights (version + 1) and beta
+        # 5. broadcast weights (version + 1) and beta, then check the engines really have them
         t_sync = time.perf_counter()
         policy_version += 1
         weights = learner.policy_weights()
-        sync_seconds = ray.get([r.update_weights.remote(weights, policy_version, kl_ctl.value) for r in rollouts])
-        ray.get([a.set_state.remote(policy_version, kl_ctl.value) for a in references + rewards])
-        del weights
-        actor_states = ray.get([a.get_state.remote() for a in all_actors])
+        sync_seconds = fleet.broadcast(weights, policy_version, kl_ctl.value)
+        actor_states = fleet.states()
         stale = [s for s in actor_states if s["policy_version"] != policy_version or s["kl_coef"] != kl_ctl.value]
         if stale:
             raise RuntimeError(f"broadcast of version {policy_version}, beta {kl_ctl.value} did not reach {stale}")
-        probe_error = float("nan")
-        if policy_version % cfg.run.probe_every == 0:
-            expected = learner.probe(probe_sequences, probe_prompt_lengths)
-            for r in rollouts:
-                got = ray.get(r.probe.remote(probe_sequences, probe_prompt_lengths))
-                probe_error = max(abs(a - b) for e, g in zip(expected, got, strict=True)
-                                  for a, b in zip(e, g, strict=True))
-                if probe_error > cfg.run.probe_tolerance:
-                    raise RuntimeError(f"weight sync probe failed after version {policy_version}: engine log-probs "
-                                       f"differ from the learner's by {probe_error:.2e} > {cfg.run.probe_tolerance}")
+        probe_error = (fleet.probe(learner, *probe_set) if policy_version % cfg.run.probe_every == 0
+                       else float("nan"))
         t_sync = time.perf_counter() - t_sync
 
         # 6. metrics and a progress line
@@ -215,6 +247,7 @@ def run(cfg: JobConfig) -> dict:
             "kl_k3_response_mean": kl["k3_response_mean"],
             "empty_responses": kl["empty_responses"],
             "episodes": n,
+            "prompt_rows": prompt_rows,
             "score_mean": sums["score_sum"] / n,
             "reward_mean": sums["reward_sum"] / n,
             "response_length_mean": sums["length_sum"] / n,
@@ -223,54 +256,81 @@ def run(cfg: JobConfig) -> dict:
             "rollout_learner_logprob_mismatch_max": sums["mismatch_max"],
             "value_mean": sums["value_sum"] / max(kl["num_tokens"], 1),
             "probe_max_abs_error": probe_error,
-            "learner_seconds": t_learner,
-            "learner_update_seconds": max(r["timings"]["update_seconds"] for r in results),
-            "weight_sync_seconds": max(sync_seconds),
             "batch_policy_versions": versions,
             "batch_kl_coefs": stamped_betas,
             "actor_states": actor_states,
-            "sync_and_probe_seconds": t_sync,
+            "resynced_actors": resynced,
+            "learner_seconds": t_learner,
             "learner_forward_seconds": max(r["timings"]["forward_seconds"] for r in results),
+            "learner_update_seconds": max(r["timings"]["update_seconds"] for r in results),
+            "weight_sync_seconds": sync_seconds,
+            "sync_and_probe_seconds": t_sync,
             **{f"ppo_{k}": v for k, v in ppo_stats.items()},
         }
 
-        # 7. periodic evaluation
+        # 7. periodic evaluation, checkpoint
         if iteration % cfg.run.eval_every == 0 or iteration == cfg.run.iterations:
-            eval_metrics = evaluate(iteration)
-            record["eval"] = eval_metrics
+            eval_metrics = record["eval"] = fleet.evaluate(eval_prompts, iteration)
         record["iteration_seconds"] = time.perf_counter() - t_iter
-        # busy time per role (summed over its actors, evaluation included): what an iteration is made of
-        busy = ray.get([a.take_busy_seconds.remote() for a in rollouts + references + rewards])
-        record["generate_seconds"] = sum(busy[: len(rollouts)])
-        record["reference_seconds"] = sum(busy[len(rollouts): len(rollouts) + len(references)])
-        record["reward_seconds"] = sum(busy[len(rollouts) + len(references):])
+        record.update(fleet.take_busy_seconds())  # busy time per role, evaluation included
         records.append(record)
         rundir.append_metrics(run_path, record)
-        log(f"iter {iteration}/{cfg.run.iterations} | reward {record['reward_mean']:.3f} | "
-            f"score {record['score_mean']:.3f} | kl {kl['response_mean']:.3f}/{cfg.kl.target or 0:.1f} nats | "
-            f"beta {kl_ctl.value:.4f} | " + "".join(f"eval {k} {v:.3f} | " for k, v in record.get("eval", {}).items())
-            + f"{record['iteration_seconds']:.2f}s")
+        job_metrics.record(record)
+        progress.update(record)
+        if iteration % cfg.metrics.plot_every == 0:
+            rundir.plot_curves(run_path, records, cfg.kl.target)
+        if stop.requested or (cfg.checkpoint.every and iteration % cfg.checkpoint.every == 0) \
+                or iteration == cfg.run.iterations:
+            save_checkpoint(iteration)
+        if stop.requested:
+            break
 
     summary = {
         "run": cfg.run.name,
-        "iterations": cfg.run.iterations,
+        "iterations": iteration,
+        "stopped_early": stop.requested,
         "policy_version": policy_version,
         "eval_start": start_eval,
         "eval_final": eval_metrics,
         "kl_coef_final": kl_ctl.value,
         "kl_controller": kl_ctl.state_dict(),
-        "kl_response_mean_final": records[-1]["kl_response_mean"],
-        "kl_token_mean_final": records[-1]["kl_token_mean"],
+        "kl_response_mean_final": records[-1]["kl_response_mean"] if records else None,
+        "kl_token_mean_final": records[-1]["kl_token_mean"] if records else None,
         "kl_target": cfg.kl.target,
         "wall_seconds": time.perf_counter() - wall_start,
     }
     rundir.write_summary(run_path, summary)
-    rundir.plot_curves(run_path, records, cfg.kl.target)
-    log("summary: " + " ".join(f"final {k} {v:.3f}" for k, v in eval_metrics.items())
-        + f" | kl {summary['kl_response_mean_final']:.3f} nats | beta {kl_ctl.value:.4f} | "
-        f"wall {summary['wall_seconds']:.1f}s | {run_path}/summary.json")
+    progress.close()
+    if records:
+        rundir.plot_curves(run_path, records, cfg.kl.target)
+    if stop.requested:
+        log(f"stopped by {stop.signal_name} after iteration {iteration}; checkpoint written; continue with "
+            f"--run.resume latest --run.name {cfg.run.name}")
+    else:
+        log("summary: " + " ".join(f"final {k} {v:.3f}" for k, v in eval_metrics.items())
+            + f" | kl {summary['kl_response_mean_final']:.3f} nats | beta {kl_ctl.value:.4f} | "
+            f"wall {summary['wall_seconds']:.1f}s | {run_path}/summary.json")
     placement.remove()
     return summary
+
+
+class GracefulStop:
+    """SIGTERM (``ray job stop``, preemption) or SIGINT: finish the current iteration, checkpoint, exit."""
+
+    def __init__(self) -> None:
+        import signal
+
+        self.requested, self.signal_name = False, ""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        import signal
+
+        if self.requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.requested, self.signal_name = True, signal.Signals(signum).name
+        print(f"[tether] {self.signal_name}: finishing the current iteration, then checkpointing", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,16 +346,20 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 0
     from actors.reward import RewardError
+    from learner.checkpoint import CheckpointError
     from learner.cluster import ClusterError
+    from learner.fleet import ProbeError
     from learner.rundir import RunDirectoryError
 
     try:
         summary = run(cfg)
-    except (ClusterError, RunDirectoryError, RewardError, FileNotFoundError, ValueError) as err:
+    except (ClusterError, RunDirectoryError, RewardError, CheckpointError, ProbeError, FileNotFoundError,
+            ValueError) as err:
         print(f"[tether] error: {err}", file=sys.stderr, flush=True)
         return 1
+    if summary["stopped_early"]:
+        return 143  # stopped by a signal, like a process killed by SIGTERM, after a clean checkpoint
     return 0 if all(math.isfinite(v) for v in summary["eval_final"].values()) else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -103,32 +103,47 @@ class LearnerRank:
         }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.updates = 0
+        self.collected: dict[int, tuple] = {}  # slot -> (chunk, old logprobs, old values, ref logprobs, scores)
+        self.timings: dict[str, float] = {}
         return self.rank
 
     # ------------------------------------------------------------------ one PPO update on this rank's shard
 
-    def train(self, chunk_refs: list, ref_logprob_refs: list, score_refs: list, kl_coef: float,
-              iteration: int) -> dict:
-        """Runs on every rank at once, each with its own chunk refs; returns additive sums."""
+    def collect(self, slots: list[int], chunk_refs: list, ref_logprob_refs: list, score_refs: list) -> dict:
+        """Fetch this rank's chunks and run the no-grad forward (old log-probs and values) on each.
+
+        Chunk by chunk, in order, so the forward on one chunk overlaps generation of the later ones.
+        A chunk lost to a dead actor is reported in ``failed`` for the driver to regenerate; any other
+        error (a reward function that raised, NaN) ends the job.
+        """
         import ray
 
-        timings: dict[str, float] = {}
-        start = time.perf_counter()
-        parts, old_logprobs, old_values, ref_logprobs, scores = [], [], [], [], []
-        wait = 0.0
-        # chunk by chunk, in order: the forward on chunk i overlaps generation of chunks after it
-        for chunk_ref, ref_ref, score_ref in zip(chunk_refs, ref_logprob_refs, score_refs, strict=True):
+        failed, wait, start = [], 0.0, time.perf_counter()
+        for slot, chunk_ref, ref_ref, score_ref in zip(slots, chunk_refs, ref_logprob_refs, score_refs, strict=True):
             t0 = time.perf_counter()
-            chunk, chunk_ref_logprobs, chunk_scores = ray.get([chunk_ref, ref_ref, score_ref])
-            wait += time.perf_counter() - t0
+            try:
+                chunk, chunk_ref_logprobs, chunk_scores = ray.get([chunk_ref, ref_ref, score_ref])
+            except Exception as err:  # noqa: BLE001  (sorted below: retryable or fatal)
+                if not _lost_to_dead_actor(err):
+                    raise
+                failed.append(slot)
+                continue
+            finally:
+                wait += time.perf_counter() - t0
             logprobs, values, _ = self._forward(chunk, grad=False)
-            parts.append(chunk)
-            old_logprobs.append(logprobs)
-            old_values.append(values)
-            ref_logprobs.append(chunk_ref_logprobs)
-            scores.append(chunk_scores)
-        timings["wait_seconds"] = wait
-        timings["forward_seconds"] = time.perf_counter() - start - wait
+            self.collected[slot] = (chunk, logprobs, values, chunk_ref_logprobs, chunk_scores)
+        self.timings["wait_seconds"] = self.timings.get("wait_seconds", 0.0) + wait
+        self.timings["forward_seconds"] = self.timings.get("forward_seconds", 0.0) + time.perf_counter() - start - wait
+        return {"failed": failed, "collected": len(self.collected)}
+
+    def update(self, kl_coef: float, iteration: int) -> dict:
+        """KL-penalised rewards at ``kl_coef``, GAE and the PPO epochs on everything collected;
+        returns additive sums so the driver's statistics are exact over all ranks."""
+        entries = [self.collected[slot] for slot in sorted(self.collected)]
+        timings, self.collected, self.timings = self.timings, {}, {}
+        parts = [e[0] for e in entries]
+        old_logprobs, old_values = [e[1] for e in entries], [e[2] for e in entries]
+        ref_logprobs, scores = [e[3] for e in entries], [e[4] for e in entries]
 
         batch = concat_batches(parts)
         mask = batch.response_mask
@@ -268,6 +283,15 @@ class LearnerRank:
         load_path, _ = self.engine.load_checkpoint(path, tag=tag)
         if load_path is None:
             raise FileNotFoundError(f"rank {self.rank}: no DeepSpeed checkpoint {tag!r} under {path}")
+
+
+def _lost_to_dead_actor(err: Exception) -> bool:
+    """True when ``err`` means an actor died or restarted (retry the chunk), not that the work failed."""
+    from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
+
+    if isinstance(err, RayActorError | ObjectLostError):
+        return True
+    return isinstance(err, RayTaskError) and isinstance(getattr(err, "cause", None), RayActorError | ObjectLostError)
 
 
 def _pad_cols(tensors: list[Tensor], width: int) -> list[Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,10 @@ class RunDirectoryError(RuntimeError):
 def check_free(cfg: JobConfig) -> Path:
     """The run directory, refused if it already holds a run and ``run.overwrite`` is not set."""
     path = Path(cfg.run.output_dir) / cfg.run.name
+    if cfg.run.resume:
+        if not path.is_dir():
+            raise RunDirectoryError(f"--run.resume: run directory {path} does not exist")
+        return path
     if path.exists() and any(path.iterdir()) and not cfg.run.overwrite:
         raise RunDirectoryError(
             f"run directory {path} already holds a run; pick another run.name or pass --run.overwrite"
@@ -28,6 +33,8 @@ def prepare(cfg: JobConfig) -> Path:
     path = check_free(cfg)
     if path.exists() and cfg.run.overwrite:
         shutil.rmtree(path)
+    if cfg.run.resume and (path / "config.yaml").exists():
+        os.replace(path / "config.yaml", path / "config.before-resume.yaml")
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(config_to_yaml(cfg))
     return path
@@ -36,6 +43,22 @@ def prepare(cfg: JobConfig) -> Path:
 def append_metrics(path: Path, record: dict) -> None:
     with open(path / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: Path, up_to_iteration: int) -> list[dict]:
+    """Records of iterations <= ``up_to_iteration``; later ones (written after the checkpoint a run
+    resumes from) move to metrics.discarded.jsonl rather than being lost."""
+    file = path / "metrics.jsonl"
+    if not file.exists():
+        return []
+    records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    kept = [r for r in records if r["iteration"] <= up_to_iteration]
+    dropped = [r for r in records if r["iteration"] > up_to_iteration]
+    if dropped:
+        with open(path / "metrics.discarded.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in dropped)
+    file.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept
 
 
 def write_summary(path: Path, summary: dict) -> None:

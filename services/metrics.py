@@ -1,0 +1,61 @@
+"""Metrics for the Ray dashboard through ``ray.util.metrics``; they appear on the head's Prometheus
+endpoint as ``ray_tether_<name>``. Ray drops a gauge two report intervals after its last set, so
+every gauge is set again each iteration."""
+
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge
+
+# driver gauges: name -> (metrics.jsonl key, description)
+DRIVER_GAUGES = {
+    "kl_coef": ("kl_coef", "beta after this iteration's controller update"),
+    "kl_response_mean": ("kl_response_mean", "mean response KL, nats (the controller's statistic)"),
+    "kl_token_mean": ("kl_token_mean", "per-token mean KL, nats (diagnostic)"),
+    "kl_target": ("kl_target", "the controller's target response KL, nats"),
+    "reward_mean": ("reward_mean", "mean per-episode reward: score minus beta * KL"),
+    "score_mean": ("score_mean", "mean reward-function score"),
+    "response_length_mean": ("response_length_mean", "mean response tokens"),
+    "learner_step_seconds": ("learner_seconds", "seconds from generate to the end of the PPO update"),
+    "weight_sync_seconds": ("weight_sync_seconds", "seconds to load new weights into the engines"),
+    "rollout_learner_logprob_mismatch": ("rollout_learner_logprob_mismatch",
+                                         "mean |engine - learner| sampled-token log-prob"),
+    "iteration": ("iteration", "last finished iteration"),
+    "policy_version": ("policy_version", "the learner's policy version"),
+}
+
+
+class DriverMetrics:
+    def __init__(self, job_id: str) -> None:
+        self.tags = {"job": job_id, "role": "driver"}
+        self.gauges = {name: Gauge(f"tether_{name}", description=desc, tag_keys=("job", "role"))
+                       for name, (_, desc) in DRIVER_GAUGES.items()}
+        self.iterations = Counter("tether_iterations", description="finished iterations", tag_keys=("job", "role"))
+        self.episodes = Counter("tether_episodes", description="trained episodes", tag_keys=("job", "role"))
+
+    def record(self, record: dict) -> None:
+        for name, (key, _) in DRIVER_GAUGES.items():
+            value = record.get(key)
+            if value is not None:
+                self.gauges[name].set(float(value), tags=self.tags)
+        self.iterations.inc(1, tags=self.tags)
+        self.episodes.inc(float(record["episodes"]), tags=self.tags)
+
+
+class ActorMetrics:
+    """Per-actor gauges: the version and beta an actor holds (so a broadcast is visible), and
+    rollout throughput."""
+
+    def __init__(self, job_id: str, role: str, index: int) -> None:
+        self.tags = {"job": job_id, "role": role, "actor": f"{role}-{index}"}
+        keys = ("job", "role", "actor")
+        self.version = Gauge("tether_actor_policy_version", description="policy version this actor holds",
+                             tag_keys=keys)
+        self.kl_coef = Gauge("tether_actor_kl_coef", description="beta this actor holds", tag_keys=keys)
+        self.tokens_per_second = Gauge("tether_rollout_tokens_per_second",
+                                       description="generated tokens per second of the last chunk", tag_keys=keys)
+
+    def record(self, policy_version: int, kl_coef: float, tokens_per_second: float | None = None) -> None:
+        self.version.set(policy_version, tags=self.tags)
+        self.kl_coef.set(kl_coef, tags=self.tags)
+        if tokens_per_second is not None:
+            self.tokens_per_second.set(tokens_per_second, tags=self.tags)

@@ -1,0 +1,179 @@
+"""The job as an operator runs it: `deploy/local-cluster.sh up`, then `ray job submit` to the head's dashboard,
+then `deploy/local-cluster.sh down`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import RAY_ENV, free_port
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "deploy" / "local-cluster.sh"
+RAY_CLI = str(Path(sys.executable).parent / "ray")
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+JOB_TIMEOUT_S = 480
+
+
+@dataclass
+class Cluster:
+    state_dir: Path
+    env: dict[str, str]
+    ray_address: str
+    dashboard: str
+    metrics: str
+
+    def state(self) -> dict[str, str]:
+        return parse_lines((self.state_dir / "state.env").read_text())
+
+
+def parse_lines(text: str) -> dict[str, str]:
+    """KEY=value lines (the script's addresses on stdout, or its state file)."""
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith(" "))
+
+
+def script(command: str, env: dict[str, str], timeout_s: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(SCRIPT), command], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def cluster_env(state_dir: Path, ports: tuple[int, int, int]) -> dict[str, str]:
+    ray_port, dashboard_port, metrics_port = ports
+    return {**os.environ, **RAY_ENV, "TETHER_CLUSTER_DIR": str(state_dir), "TETHER_UP_TIMEOUT": "180",
+            "TETHER_RAY_PORT": str(ray_port), "TETHER_DASHBOARD_PORT": str(dashboard_port),
+            "TETHER_METRICS_PORT": str(metrics_port)}
+
+
+def env_ports() -> tuple[int, int, int]:
+    """Ports from TETHER_RAY_PORT / TETHER_DASHBOARD_PORT / TETHER_METRICS_PORT where set, else free ones."""
+    names = ("TETHER_RAY_PORT", "TETHER_DASHBOARD_PORT", "TETHER_METRICS_PORT")
+    return tuple(int(os.environ[n]) if os.environ.get(n) else free_port() for n in names)  # type: ignore[return-value]
+
+
+def up(state_dir: Path, ports: tuple[int, int, int]) -> Cluster:
+    env = cluster_env(state_dir, ports)
+    proc = script("up", env)
+    if proc.returncode != 0:
+        script("down", env)
+        pytest.fail(f"local-cluster.sh up exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    out = parse_lines(proc.stdout)
+    return Cluster(state_dir, env, out["RAY_ADDRESS"], out["DASHBOARD"], out["METRICS"])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    state_dir = tmp_path_factory.mktemp("cluster-state")
+    ports = env_ports()
+    env = cluster_env(state_dir, ports)
+    try:
+        yield up(state_dir, ports)
+    finally:
+        proc = script("down", env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(cluster.dashboard)
+
+
+def wait_terminal(client, job_id: str, timeout_s: float = JOB_TIMEOUT_S) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = str(client.get_job_status(job_id).value)
+        if status in TERMINAL:
+            return status
+        if time.monotonic() > deadline:
+            client.stop_job(job_id)
+            logs = client.get_job_logs(job_id)
+            pytest.fail(f"job {job_id} still {status} after {timeout_s:.0f}s; log tail:\n{logs[-4000:]}")
+        time.sleep(2)
+
+
+def test_submitted_job_succeeds(cluster, client, cache_dir, tmp_path):
+    """`ray job submit --working-dir .` runs the small config to the end; the driver logs its summary."""
+    job_id = f"tether-small-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "runs"
+    cmd = [RAY_CLI, "job", "submit", "--address", cluster.dashboard, "--submission-id", job_id,
+           "--working-dir", ".", "--no-wait", "--",
+           "python", "-m", "learner.main", "--config", "tests/configs/small.yaml",
+           "--model.cache_dir", os.path.abspath(cache_dir), "--run.output_dir", str(out)]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    status = wait_terminal(client, job_id)
+    logs = client.get_job_logs(job_id)
+    assert status == "SUCCEEDED", f"job ended {status}; log tail:\n{logs[-4000:]}"
+    summary_lines = [line for line in logs.splitlines() if line.startswith("[tether] summary:")]
+    assert summary_lines, f"no '[tether] summary:' line; log tail:\n{logs[-4000:]}"
+    assert (out / "small" / "summary.json").is_file()
+
+
+def test_invalid_config_fails_with_message(cluster, client, tmp_path):
+    """A config the validator rejects ends the job FAILED, and its log names the bad field."""
+    job_id = client.submit_job(
+        entrypoint="python -m learner.main --config tests/configs/small.yaml --kl.target -1 "
+                   f"--run.output_dir {tmp_path / 'runs'}",
+        runtime_env={"working_dir": str(ROOT)},
+        submission_id=f"tether-invalid-{uuid.uuid4().hex[:8]}",
+    )
+    status = wait_terminal(client, job_id, timeout_s=180)
+    logs = client.get_job_logs(job_id)
+    assert status == "FAILED", f"job ended {status}; log tail:\n{logs[-4000:]}"
+    assert "[tether] invalid config" in logs and "kl.target" in logs, logs[-4000:]
+    assert "greater than 0" in logs, logs[-4000:]
+    assert not (tmp_path / "runs").exists()  # rejected before anything was written
+
+
+def test_up_is_idempotent_and_down_stops_the_group(tmp_path):
+    """A second cluster, on its own state dir and ports: `up` twice gives one head; `down` leaves no process of
+    its group, removes the temp dir and state; `down` again is a no-op."""
+    ports = (free_port(), free_port(), free_port())
+    second = up(tmp_path / "state", ports)
+    try:
+        assert second.ray_address == f"127.0.0.1:{ports[0]}"
+        assert second.dashboard == f"http://127.0.0.1:{ports[1]}"
+        assert second.metrics == f"http://127.0.0.1:{ports[2]}/metrics"
+        state = second.state()
+        pid, pgid, temp_dir = int(state["PID"]), int(state["PGID"]), Path(state["TEMP_DIR"])
+        assert pid == pgid and os.getpgid(pid) == pgid
+        assert temp_dir.is_dir() and len(str(temp_dir)) < 20
+
+        with urllib.request.urlopen(second.metrics, timeout=10) as response:
+            assert response.status == 200
+
+        again = script("up", second.env)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert parse_lines(again.stdout)["RAY_ADDRESS"] == second.ray_address
+        assert "already up" in again.stderr
+        assert int(second.state()["PID"]) == pid
+
+        status = script("status", second.env)
+        assert status.returncode == 0 and "status: up" in status.stdout, status.stdout + status.stderr
+    finally:
+        down = script("down", second.env)
+    assert down.returncode == 0, down.stdout + down.stderr
+
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+    assert not temp_dir.exists()
+    assert not (second.state_dir / "state.env").exists()
+
+    noop = script("down", second.env)
+    assert noop.returncode == 0 and "not up" in noop.stderr, noop.stdout + noop.stderr
+    status = script("status", second.env)
+    assert status.returncode == 0 and "status: down" in status.stdout
