@@ -109,13 +109,20 @@ print_addresses() {
 
 # ------------------------------------------------------------------------------------------- processes
 
+# A process's command line, arguments joined by spaces (empty when it is gone). No pipe into `grep -q`:
+# under pipefail, grep exiting early can SIGPIPE the writer and turn a match into a failure.
+cmdline_of() {
+    local text
+    text="$(tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null)" || text=""
+    printf '%s' "$text"
+}
+
 # True when the recorded head process is alive and is still the `ray start` we launched (its command line
 # names our temp dir), so a reused PID is never mistaken for it.
 head_alive() {
     [[ -n "$PID" && -n "$TEMP_DIR" ]] || return 1
     kill -0 "$PID" 2>/dev/null || return 1
-    [[ -r "/proc/$PID/cmdline" ]] || return 1
-    tr '\0' ' ' <"/proc/$PID/cmdline" | grep -qF -- "--temp-dir=$TEMP_DIR"
+    [[ "$(cmdline_of "$PID")" == *"--temp-dir=$TEMP_DIR"* ]]
 }
 
 # True while any process of the recorded process group exists.
@@ -131,7 +138,7 @@ group_is_ours() {
     group_alive || return 1
     local member
     for member in $(pgrep -g "$PGID" 2>/dev/null || true); do
-        if [[ -r "/proc/$member/cmdline" ]] && tr '\0' ' ' <"/proc/$member/cmdline" | grep -qF -- "$TEMP_DIR"; then
+        if [[ "$(cmdline_of "$member")" == *"$TEMP_DIR"* ]]; then
             return 0
         fi
     done

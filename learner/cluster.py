@@ -47,6 +47,11 @@ def _check_reachable(address: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
+def namespace(cfg: JobConfig) -> str:
+    """Actors live in ``tether-<run name>``, so the dashboard and operators find them by role."""
+    return f"tether-{cfg.run.name}"
+
+
 def connect(cfg: JobConfig, log=print) -> None:
     """Join the configured cluster, the one `ray job submit` runs us in, or start a local Ray."""
     if ray.is_initialized():
@@ -57,7 +62,7 @@ def connect(cfg: JobConfig, log=print) -> None:
     env_vars = {k: v for k, v in env_vars.items() if v}
     if address:
         _check_reachable(address, cfg.cluster.connect_timeout_s)
-        ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
+        ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=True, namespace=namespace(cfg))
         log(f"ray: joined {address}")
     else:
         ray.init(
@@ -66,6 +71,7 @@ def connect(cfg: JobConfig, log=print) -> None:
             include_dashboard=False,
             runtime_env={"env_vars": env_vars},
             _node_ip_address="127.0.0.1",
+            namespace=namespace(cfg),
         )
         log("ray: started a local Ray (no cluster.address and no RAY_ADDRESS)")
 

@@ -161,7 +161,10 @@ class JobConfig(BaseSettings):
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
-    kl: KLConfig = Field(default_factory=KLConfig)
+    # The KL controller's own defaults follow lm-human-preferences (beta 0.15, target 6, horizon 10000).
+    # The embedded randomwalks job starts at trlX's adaptive randomwalks beta of 0.05: at 0.15 the
+    # KL-regularised optimum of this task samples below 0.95 optimality.
+    kl: KLConfig = Field(default_factory=lambda: KLConfig(init_kl_coef=0.05))
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     run: RunConfig = Field(default_factory=RunConfig)

@@ -21,10 +21,10 @@ from learner.config import JobConfig, config_to_yaml, read_yaml
 
 
 class JobCli(JobConfig):
-    """tether job. Settings come from the defaults, then --config YAML, then these flags."""
+    """tether job. Settings come from the defaults, then --config YAML, then these flags.
+    --print-config prints the resolved config as YAML and exits."""
 
     config: str | None = Field(None, description="YAML file with settings (flags override it)")
-    print_config: bool = Field(False, description="print the resolved config as YAML and exit")
 
 
 def parse_cli(argv: list[str]) -> JobConfig | None:
@@ -33,11 +33,12 @@ def parse_cli(argv: list[str]) -> JobConfig | None:
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
+    pre.add_argument("--print-config", action="store_true")
     known, _ = pre.parse_known_args(argv)
     from_yaml = read_yaml(known.config) if known.config else {}
-    cli = CliApp.run(JobCli, cli_args=argv, **from_yaml)
-    cfg = JobConfig.model_validate(cli.model_dump(exclude={"config", "print_config"}))
-    if cli.print_config:
+    cli = CliApp.run(JobCli, cli_args=[a for a in argv if a != "--print-config"], **from_yaml)
+    cfg = JobConfig.model_validate(cli.model_dump(exclude={"config"}))
+    if known.print_config:
         print(config_to_yaml(cfg), end="")
         return None
     return cfg

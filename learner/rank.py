@@ -28,20 +28,24 @@ from services.experience import RolloutBatch, concat_batches, model_inputs
 class PolicyWithValueHead(nn.Module):
     """The causal LM plus a value head (hidden -> 2*hidden -> ReLU -> 1) on the last hidden state."""
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, critic: nn.Module | None = None) -> None:
         super().__init__()
         self.lm = lm
+        # critic: a separate copy of the LM whose last hidden state feeds the value head; None shares the policy's
+        self.critic = critic
         hidden = lm.config.hidden_size
         self.value_head = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.ReLU(), nn.Linear(2 * hidden, 1))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_width: int,
                 temperature: float = 1.0) -> tuple[Tensor, Tensor]:
         """Returns (logits [B, T, V] predicting each response token, values [B, T])."""
-        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      output_hidden_states=True, use_cache=False)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  "output_hidden_states": True, "use_cache": False}
+        out = self.lm(**inputs)
+        hidden = (out if self.critic is None else self.critic(**inputs)).hidden_states[-1]
         span = slice(prompt_width - 1, input_ids.shape[1] - 1)
         logits = out.logits[:, span].float() / temperature
-        values = self.value_head(out.hidden_states[-1][:, span]).squeeze(-1).float()
+        values = self.value_head(hidden[:, span]).squeeze(-1).float()
         return logits, values
 
 
@@ -84,7 +88,8 @@ class LearnerRank:
         from services.models import load_causal_lm
 
         torch.manual_seed(seed)  # same value-head init on every rank
-        model = PolicyWithValueHead(load_causal_lm(model_dir, "float32"))
+        critic = load_causal_lm(model_dir, "float32") if learner_cfg["critic"] == "separate" else None
+        model = PolicyWithValueHead(load_causal_lm(model_dir, "float32"), critic)
         from torch.optim import AdamW
 
         optimizer = AdamW(model.parameters(), lr=ppo_cfg["lr"], betas=tuple(ppo_cfg["adam_betas"]),
