@@ -75,10 +75,19 @@ class Fleet:
         score_refs = {i: self.rewards[i % len(self.rewards)].score.remote(ch, i) for i, ch in chunk_refs.items()}
         return ref_refs, score_refs
 
-    def evaluate(self, eval_prompts: list[list[int]], iteration: int) -> dict[str, float]:
+    def evaluate(self, eval_prompts: list[list[int]], iteration: int, learner=None, weights=None,
+                 policy_version: int = 0, kl_coef: float = 0.0, probe_set: tuple = ()) -> dict[str, float]:
+        """The task's eval metrics on sampled responses to the eval prompts (retried if an actor dies)."""
         rows = [r for r in range(len(eval_prompts)) for _ in range(self.cfg.rollout.eval_samples_per_prompt)]
-        chunks = self.generate(rows, eval_prompts, -1 - iteration)
-        parts = ray.get([self.rewards[i % len(self.rewards)].evaluate.remote(ch) for i, ch in chunks.items()])
+        for attempt in range(self.cfg.run.max_chunk_retries + 1):
+            chunks = self.generate(rows, eval_prompts, -1 - iteration)
+            try:
+                parts = ray.get([self.rewards[i % len(self.rewards)].evaluate.remote(ch) for i, ch in chunks.items()])
+                break
+            except ray.exceptions.RayActorError:
+                if attempt == self.cfg.run.max_chunk_retries or learner is None:
+                    raise
+                self.bring_up_to_date(learner, weights, policy_version, kl_coef, probe_set)
         count = sum(p["count"] for p in parts)
         return {k: sum(p[k] for p in parts) / count for k in parts[0] if k != "count"}
 
@@ -86,12 +95,20 @@ class Fleet:
 
     def broadcast(self, weights: ray.ObjectRef | None, policy_version: int, kl_coef: float) -> float:
         """New weights (if any) to every engine, and (version, beta) to every actor. Returns the
-        slowest engine's load seconds."""
-        sync = [0.0]
-        if weights is not None:
-            sync = ray.get([r.update_weights.remote(weights, policy_version, kl_coef) for r in self.rollouts])
-        ray.get([a.set_state.remote(policy_version, kl_coef) for a in self.references + self.rewards])
-        return max(sync)
+        slowest engine's load seconds. An actor that is down is skipped here: it comes back at version 0
+        and ``bring_up_to_date`` re-syncs it."""
+        calls = [r.update_weights.remote(weights, policy_version, kl_coef) for r in self.rollouts] \
+            if weights is not None else []
+        calls += [a.set_state.remote(policy_version, kl_coef) for a in self.references + self.rewards]
+        seconds = [0.0]
+        for call in calls:
+            try:
+                result = ray.get(call)
+            except ray.exceptions.RayActorError:
+                continue
+            if isinstance(result, float):
+                seconds.append(result)
+        return max(seconds)
 
     def states(self) -> list[dict]:
         return ray.get([a.get_state.remote() for a in self.all])
@@ -101,7 +118,12 @@ class Fleet:
         expected = learner.probe(sequences, prompt_lengths)
         worst = 0.0
         for engine in engines if engines is not None else self.rollouts:
-            got = ray.get(engine.probe.remote(sequences, prompt_lengths))
+            try:
+                got = ray.get(engine.probe.remote(sequences, prompt_lengths))
+            except ray.exceptions.RayActorError:
+                if engines is not None:
+                    raise
+                continue  # down now; it is re-synced and probed when it is back
             error = max(abs(a - b) for e, g in zip(expected, got, strict=True) for a, b in zip(e, g, strict=True))
             if error > self.cfg.run.probe_tolerance:
                 raise ProbeError(f"weight sync probe failed: engine log-probs differ from the learner's by "

@@ -223,6 +223,7 @@ def run(cfg: JobConfig) -> dict:
         policy_version += 1
         weights = learner.policy_weights()
         sync_seconds = fleet.broadcast(weights, policy_version, kl_ctl.value)
+        resynced += fleet.bring_up_to_date(learner, weights, policy_version, kl_ctl.value, probe_set)
         actor_states = fleet.states()
         stale = [s for s in actor_states if s["policy_version"] != policy_version or s["kl_coef"] != kl_ctl.value]
         if stale:
@@ -271,7 +272,8 @@ def run(cfg: JobConfig) -> dict:
 
         # 7. periodic evaluation, checkpoint
         if iteration % cfg.run.eval_every == 0 or iteration == cfg.run.iterations:
-            eval_metrics = record["eval"] = fleet.evaluate(eval_prompts, iteration)
+            eval_metrics = record["eval"] = fleet.evaluate(eval_prompts, iteration, learner, weights, policy_version,
+                                                           kl_ctl.value, probe_set)
         record["iteration_seconds"] = time.perf_counter() - t_iter
         record.update(fleet.take_busy_seconds())  # busy time per role, evaluation included
         records.append(record)
