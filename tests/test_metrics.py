@@ -1,0 +1,95 @@
+"""The Ray dashboard's metrics: scrape the head's Prometheus endpoint while a job runs and find every
+tether series with the values the job recorded for that iteration."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tests.conftest import RAY_ENV, ROOT
+
+pytestmark = pytest.mark.integration
+
+LINE = re.compile(r'^(ray_tether_\w+)\{([^}]*)\} (\S+)$')
+
+# gauge on the endpoint -> key of the job's metrics.jsonl record
+DRIVER_SERIES = {
+    "ray_tether_kl_coef": "kl_coef",
+    "ray_tether_kl_response_mean": "kl_response_mean",
+    "ray_tether_kl_token_mean": "kl_token_mean",
+    "ray_tether_kl_target": "kl_target",
+    "ray_tether_reward_mean": "reward_mean",
+    "ray_tether_score_mean": "score_mean",
+    "ray_tether_response_length_mean": "response_length_mean",
+    "ray_tether_learner_step_seconds": "learner_seconds",
+    "ray_tether_weight_sync_seconds": "weight_sync_seconds",
+    "ray_tether_rollout_learner_logprob_mismatch": "rollout_learner_logprob_mismatch",
+    "ray_tether_policy_version": "policy_version",
+}
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    series = {}
+    for line in text.splitlines():
+        match = LINE.match(line)
+        if match:
+            labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', match.group(2))))
+            series[(match.group(1), labels)] = float(match.group(3))
+    return series
+
+
+def by_name(snapshot, name, **labels):
+    return [v for (n, lab), v in snapshot.items() if n == name and all((k, v2) in lab for k, v2 in labels.items())]
+
+
+def test_dashboard_metrics_match_the_job(ray_head, cache_dir, tmp_path):
+    cmd = [sys.executable, "-m", "learner.main", "--cluster.address", ray_head.address, "--model.cache_dir",
+           cache_dir, "--run.output_dir", str(tmp_path), "--run.name", "metrics", "--run.seed", "1",
+           "--model.sft_steps", "60", "--model.sft_batch_size", "50", "--rollout.batch_size", "32",
+           "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16", "--run.iterations", "10",
+           "--run.eval_every", "100"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **RAY_ENV})
+    snapshots, deadline = [], time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            snapshots.append(scrape(ray_head.metrics_port))
+        except OSError:
+            pass
+        time.sleep(0.5)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out[-3000:]
+    records = {r["iteration"]: r for r in map(json.loads, (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines())}
+
+    matched, actors_seen = 0, set()
+    for snap in snapshots:
+        iteration = by_name(snap, "ray_tether_iteration")
+        if len(iteration) != 1 or int(iteration[0]) not in records:
+            continue
+        record = records[int(iteration[0])]
+        values = {name: by_name(snap, name) for name in DRIVER_SERIES}
+        if any(len(v) != 1 for v in values.values()):
+            continue
+        for name, key in DRIVER_SERIES.items():
+            assert values[name][0] == pytest.approx(record[key], rel=1e-5, abs=1e-9), (name, record["iteration"])
+        assert by_name(snap, "ray_tether_iterations_total")[0] >= 1
+        # per-actor state; each process reports on its own 1 s clock, so allow one iteration of skew
+        for actor in ("rollout-0", "reference-0", "reward-0"):
+            version = by_name(snap, "ray_tether_actor_policy_version", actor=actor)
+            if version and abs(version[0] - record["policy_version"]) <= 1 \
+                    and by_name(snap, "ray_tether_actor_kl_coef", actor=actor):
+                actors_seen.add(actor)
+        if by_name(snap, "ray_tether_rollout_tokens_per_second", actor="rollout-0"):
+            assert by_name(snap, "ray_tether_rollout_tokens_per_second", actor="rollout-0")[0] > 0
+            actors_seen.add("throughput")
+        matched += 1
+    assert actors_seen == {"rollout-0", "reference-0", "reward-0", "throughput"}, actors_seen
+    assert matched >= 1, f"no scrape held every series ({len(snapshots)} scrapes)"
