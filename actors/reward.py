@@ -33,6 +33,11 @@ class RewardActor(VersionedActor):
 
             self.model = AutoModelForSequenceClassification.from_pretrained(model_path).eval()
             self.model_tokenizer = load_tokenizer(model_path)
+            # HF classifiers score the last token that is not config.pad_token_id: pad with a real token
+            # (eos for GPT-2-style tokenizers that have none) and make the model look for that one
+            if self.model_tokenizer.pad_token is None:
+                self.model_tokenizer.pad_token = self.model_tokenizer.eos_token
+            self.model.config.pad_token_id = self.model_tokenizer.pad_token_id
 
     def decode(self, batch: RolloutBatch) -> tuple[list[str], list[str]]:
         prompts, completions = [], []
@@ -78,8 +83,15 @@ class RewardActor(VersionedActor):
         logits = self.model(**enc).logits[:, 0]
         return [float(x) for x in logits]
 
-    def evaluate(self, batch: RolloutBatch) -> dict[str, float]:
+    def evaluate(self, batch: RolloutBatch, chunk_index: int = -1) -> dict[str, float]:
         """The task's eval metrics over a chunk, as sums weighted by its size (so chunks merge)."""
         prompts, completions = self.decode(batch)
-        metrics = self.task.evaluate(prompts, completions)
+        try:
+            metrics = self.task.evaluate(prompts, completions)
+        except Exception as err:
+            raise RewardError(f"evaluation function of task {self.task.name!r}, chunk {chunk_index} raised "
+                              f"{type(err).__name__}: {err}") from err
+        bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
+        if bad:
+            raise RewardError(f"evaluation function of task {self.task.name!r}, chunk {chunk_index} returned {bad}")
         return {"count": float(len(prompts)), **{k: v * len(prompts) for k, v in metrics.items()}}

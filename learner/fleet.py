@@ -82,7 +82,8 @@ class Fleet:
         for attempt in range(self.cfg.run.max_chunk_retries + 1):
             chunks = self.generate(rows, eval_prompts, -1 - iteration)
             try:
-                parts = ray.get([self.rewards[i % len(self.rewards)].evaluate.remote(ch) for i, ch in chunks.items()])
+                parts = ray.get([self.rewards[i % len(self.rewards)].evaluate.remote(ch, i)
+                                 for i, ch in chunks.items()])
                 break
             except ray.exceptions.RayActorError:
                 if attempt == self.cfg.run.max_chunk_retries or learner is None:

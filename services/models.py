@@ -98,7 +98,9 @@ def policy_dir(task: Task, model_path: str | None, cache_dir: str, seed: int, st
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path {path} is not a Hugging Face model directory (no config.json)")
         return path
-    if task.model_kind != "gpt2" or task.sft_corpus() is None:
+    if task.model_kind != "gpt2":
+        return task.model_dir(cache_dir)
+    if task.sft_corpus() is None:
         raise ValueError(f"task {task.name!r} has no built-in model recipe; set model.path")
     recipe = {
         "task": task.name, "task_seed": getattr(task, "seed", None), "vocab": task.vocabulary,

@@ -2,13 +2,26 @@
 
 from services.tasks.base import Task
 from services.tasks.randomwalks import RandomWalksTask
+from services.tasks.sentiment import SentimentTask
 
-TASKS: dict[str, type[Task]] = {"randomwalks": RandomWalksTask}
+TASKS: dict[str, type[Task]] = {"randomwalks": RandomWalksTask, "smollm2-sentiment": SentimentTask}
 
 
 def get_task(name: str, **options) -> Task:
+    """A built-in task by name, or your own as ``package.module:ClassName`` (a Task subclass)."""
+    if ":" in name:
+        import importlib
+
+        module_name, _, class_name = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"task {name!r} cannot be imported: {err}") from err
+        if not (isinstance(cls, type) and issubclass(cls, Task)):
+            raise ValueError(f"task {name!r} is not a services.tasks.Task subclass")
+        return cls(**options)
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}, or give module:Class")
     return TASKS[name](**options)
 
 

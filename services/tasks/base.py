@@ -6,6 +6,7 @@ Adding a task is one file that subclasses ``Task`` and one line in ``services/ta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass
@@ -39,3 +40,11 @@ class Task:
 
     def evaluate(self, prompts: list[str], completions: list[str]) -> dict[str, float]:
         return {"score": sum(self.reward(prompts, completions)) / max(len(prompts), 1)}
+
+    def format_prompt(self, text: str, tokenizer) -> str:
+        """The prompt as the policy sees it (e.g. with its chat template); the text itself by default."""
+        return text
+
+    def model_dir(self, cache_dir: str | Path) -> Path:
+        """The HF model dir of a task whose model is neither given (model.path) nor built from scratch."""
+        raise NotImplementedError(f"task {self.name!r} has no built-in model recipe; set model.path")

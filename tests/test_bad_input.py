@@ -1,0 +1,80 @@
+"""Bad data gets a clear error naming what and where; nothing is overwritten."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import run_job
+
+
+def _reward_actor(task_name, tokenizer_dir):
+    from actors.reward import RewardActor
+
+    return RewardActor(0, task_name, {}, tokenizer_dir)  # a plain object here: no Ray needed
+
+
+def _chunk():
+    from services.experience import make_batch
+
+    prompts = [[i % 20 + 1] for i in range(6)]
+    responses = [[3, 0, 22], [5, 22], [], [1, 2, 3], [0, 22], [7]]
+    return make_batch(prompts, responses, [[0.0] * len(r) for r in responses], [0] * 6, list(range(6)), 22, 0, 0.0, 9)
+
+
+@pytest.mark.parametrize("task, message", [
+    ("tests.faulty_tasks:RaisingReward", r"task 'raising-reward', chunk 5 raised RuntimeError: the reward backend is down"),
+    ("tests.faulty_tasks:NaNReward", r"task 'nan-reward', chunk 5 returned nan for sample 3"),
+    ("tests.faulty_tasks:ShortReward", r"task 'short-reward', chunk 5 returned 5 scores for 6 samples"),
+])
+def test_reward_function_errors_name_task_chunk_and_sample(tiny_model_dir, task, message):
+    from actors.reward import RewardError
+
+    with pytest.raises(RewardError, match=message):
+        _reward_actor(task, tiny_model_dir).score(_chunk(), chunk_index=5)
+
+
+def test_good_reward_scores_every_sample_including_empty_responses(tiny_model_dir):
+    scores = _reward_actor("randomwalks", tiny_model_dir).score(_chunk(), chunk_index=0)
+    assert scores.shape == (6,) and torch.isfinite(scores).all()
+
+
+def test_prompts_longer_than_the_context(tiny_model_dir):
+    from services.models import load_tokenizer
+    from services.prompts import encode_prompts
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    texts = ["b" * 40, "c", "d" * 30]
+    with pytest.raises(ValueError, match=r"2 prompt\(s\) are longer than task.max_prompt_tokens=16; first is prompt 0 "
+                                         r"with 40 tokens"):
+        encode_prompts(texts, tokenizer, 16, "reject", log=lambda _: None)
+    notes = []
+    encoded = encode_prompts(texts, tokenizer, 16, "truncate", log=notes.append)
+    assert [len(e) for e in encoded] == [16, 1, 16] and "truncated 2 prompt(s)" in notes[0]
+    with pytest.raises(ValueError, match="empty prompt set"):
+        encode_prompts([], tokenizer, 16, "reject")
+
+
+@pytest.mark.parametrize("task, message", [
+    ("tests.faulty_tasks:NoPrompts", "the task has an empty prompt set"),
+    ("tests.faulty_tasks:LongPrompts", "2 prompt(s) are longer than task.max_prompt_tokens=16"),
+    ("tests.faulty_tasks:Missing", "cannot be imported"),
+])
+def test_bad_task_data_fails_before_any_actor(cache_dir, tmp_path, task, message):
+    proc = run_job(["--run.output_dir", str(tmp_path), "--model.cache_dir", cache_dir, "--run.seed", "1",
+                    "--model.sft_steps", "60", "--model.sft_batch_size", "50", "--task.name", task,
+                    "--cluster.address", "127.0.0.1:1"], timeout_s=300)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "actors ready" not in proc.stdout
+    assert not any(tmp_path.iterdir())  # no run directory was created
+
+
+@pytest.mark.integration
+def test_a_raising_reward_fails_the_job_with_its_location(ray_head, cache_dir, tmp_path):
+    proc = run_job(["--cluster.address", ray_head.address, "--run.output_dir", str(tmp_path), "--model.cache_dir",
+                    cache_dir, "--run.seed", "1", "--model.sft_steps", "60", "--model.sft_batch_size", "50",
+                    "--task.name", "tests.faulty_tasks:RaisingReward", "--rollout.batch_size", "32",
+                    "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16"], timeout_s=600)
+    assert proc.returncode == 1
+    assert "task 'raising-reward', chunk 0 raised RuntimeError: the reward backend is down" in proc.stderr
