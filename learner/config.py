@@ -231,4 +231,4 @@ def config_to_yaml(cfg: JobConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-__all__ = ["JobConfig", "CliApp", "load_config", "config_to_yaml", "read_yaml"]
+__all__ = ["CliApp", "JobConfig", "config_to_yaml", "load_config", "read_yaml"]

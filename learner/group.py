@@ -24,18 +24,21 @@ class LearnerGroup:
         ]
         self._get(setups, "setup")
 
-    def _get(self, refs: list, what: str):
-        """ray.get over all ranks; a lost rank ends the job with a message naming it."""
+    def _get(self, refs: list, what: str, ranks: list[int] | None = None):
+        """ray.get over ``refs`` (one per rank in ``ranks``, default all); a lost rank ends the job
+        with a message naming it."""
+        ranks = list(range(len(refs))) if ranks is None else ranks
         try:
             return ray.get(refs)
         except ray.exceptions.RayActorError as err:
-            for i, ref in enumerate(refs):
+            for rank, ref in zip(ranks, refs, strict=True):
                 try:
                     ray.get(ref, timeout=0)
                 except ray.exceptions.RayActorError:
-                    raise ClusterError(f"learner rank {i} (actor learner-rank-{i}) died during {what}: {err}") from err
-                except Exception:
-                    pass
+                    raise ClusterError(f"learner rank {rank} (actor learner-rank-{rank}) died during {what}: "
+                                       f"{err}") from err
+                except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError):
+                    continue
             raise
 
     def collect(self, chunk_refs: dict[int, object], ref_logprob_refs: dict[int, object],
@@ -64,9 +67,8 @@ class LearnerGroup:
 
     def policy_weights(self) -> ray.ObjectRef:
         """Rank 0's full weights as an ObjectRef: the driver passes it on without materialising it."""
-        refs = [rank.policy_state_dict.remote() for rank in self.ranks]
-        self._get(refs[1:], "weight gather")
-        return refs[0]
+        # rank 0 puts the weights in the object store and returns only [ref]: small enough to get here
+        return self._get([rank.policy_state_dict.remote() for rank in self.ranks], "weight gather")[0][0]
 
     def probe(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
         return self._get([r.probe_logprobs.remote(sequences, prompt_lengths) for r in self.ranks], "probe")[0]

@@ -16,7 +16,6 @@ from pydantic import Field, ValidationError
 
 from learner.config import JobConfig, config_to_yaml, read_yaml
 
-
 # ====================================================================== scaffolding: CLI, logging
 
 
@@ -119,9 +118,11 @@ def run(cfg: JobConfig) -> dict:
                                cfg.model.sft_batch_size, cfg.model.sft_lr, log=log))
     tokenizer = load_tokenizer(model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompts = encode_prompts(task.prompts(), tokenizer, cfg.task.max_prompt_tokens, cfg.task.long_prompts, log)
-    eval_prompts = encode_prompts(task.eval_prompts(), tokenizer, cfg.task.max_prompt_tokens,
-                                  cfg.task.long_prompts, log)
+    prompts, eval_prompts = (
+        encode_prompts([task.format_prompt(t, tokenizer) for t in texts], tokenizer, cfg.task.max_prompt_tokens,
+                       cfg.task.long_prompts, log)
+        for texts in (task.prompts(), task.eval_prompts())
+    )
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p,
                                 cfg.rollout.max_new_tokens or task.max_new_tokens)
     probe_set = ([p + [(7 * j + 3 * k) % len(tokenizer) for k in range(sampling.max_new_tokens)]

@@ -128,7 +128,7 @@ class LearnerRank:
             t0 = time.perf_counter()
             try:
                 chunk, chunk_ref_logprobs, chunk_scores = ray.get([chunk_ref, ref_ref, score_ref])
-            except Exception as err:  # noqa: BLE001  (sorted below: retryable or fatal)
+            except Exception as err:
                 if not _lost_to_dead_actor(err):
                     raise
                 failed.append(slot)
@@ -159,7 +159,7 @@ class LearnerRank:
         check_finite(f"rank {self.rank} values", old_values)
 
         in_reward = self.kl["placement"] == "reward"
-        rewards, kl = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask,
+        rewards, _ = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask,
                                            kl_coef if in_reward else 0.0, self.kl["estimator"])
         advantages, returns = gae_advantages(rewards, old_values, mask, self.ppo["gamma"], self.ppo["lam"])
         if self.ppo["whiten_advantages"]:
@@ -252,9 +252,11 @@ class LearnerRank:
 
     # ------------------------------------------------------------------ weights, probes, fixed-batch checks
 
-    def policy_state_dict(self, dtype: str = "float32") -> dict[str, Tensor] | None:
-        """Full policy weights (HF names) on rank 0, None elsewhere. Collective under ZeRO-3."""
+    def policy_state_dict(self, dtype: str = "float32") -> list | None:
+        """[ObjectRef of the full policy weights (HF names)] on rank 0, None elsewhere: put once, read
+        zero-copy by every engine on the node. Collective under ZeRO-3."""
         import deepspeed
+        import ray
 
         lm = self.engine.module.lm
         params = list(lm.parameters())
@@ -262,7 +264,7 @@ class LearnerRank:
             if self.rank != 0:
                 return None
             target = getattr(torch, dtype)
-            return {name: t.detach().to("cpu", target).clone() for name, t in lm.state_dict().items()}
+            return [ray.put({name: t.detach().to("cpu", target).clone() for name, t in lm.state_dict().items()})]
 
     def probe_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]] | None:
         """This rank's log-probs of given sequences (temperature 1). Collective under ZeRO-3."""
