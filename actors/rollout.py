@@ -46,6 +46,19 @@ class RolloutActor(VersionedActor):
         self.set_state(policy_version, kl_coef)
         return time.perf_counter() - start
 
+    def init_weight_sync(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        """Join the learner's NCCL weight-sync group (vLLM on CUDA)."""
+        self.engine.llm.collective_rpc("init_weight_sync_group", args=(master_addr, master_port, rank_offset,
+                                                                       world_size))
+
+    def receive_weights(self, metadata: list, bucket_bytes: int, policy_version: int, kl_coef: float) -> float:
+        """Receive rank 0's NCCL broadcast in place of ``update_weights``; returns the seconds it took."""
+        start = time.perf_counter()
+        self.engine.llm.collective_rpc("receive_policy_weights", args=(metadata, bucket_bytes))
+        self.engine.llm.reset_prefix_cache()
+        self.set_state(policy_version, kl_coef)
+        return time.perf_counter() - start
+
     def probe(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
         """The engine's log-probs of given sequences, to compare with the learner's after a sync."""
         return self.engine.score(sequences, prompt_lengths)

@@ -117,6 +117,9 @@ class LearnerConfig(Section):
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage 0-3")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
     critic: Literal["value_head", "separate"] = Field("value_head", description="value head or a separate critic")
+    weight_sync: Literal["object_store", "nccl"] = Field(
+        "object_store", description="weights to the engines: Ray object store, or an NCCL group (GPU, vLLM)")
+    sync_bucket_mib: PositiveInt = Field(64, description="NCCL weight-sync bucket size, MiB")
 
 
 class RunConfig(Section):
@@ -188,6 +191,10 @@ class JobConfig(BaseSettings):
                 f"ppo.minibatch_size={p.minibatch_size} cannot be split over learner.world_size={w} ranks"
                 + (" (ZeRO-3 partitions every step over all ranks)" if self.learner.zero_stage == 3 else "")
             )
+        if self.learner.weight_sync == "nccl" and (self.rollout.engine != "vllm" or not self.cluster.rollout.num_gpus
+                                                    or not self.cluster.learner.num_gpus):
+            raise ValueError("learner.weight_sync='nccl' needs rollout.engine='vllm' and GPUs for the rollout "
+                             "engines and the learner (cluster.rollout.num_gpus, cluster.learner.num_gpus)")
         if self.run.resume and self.run.overwrite:
             raise ValueError("run.resume and run.overwrite exclude each other: resuming keeps the run directory")
         if self.reward.kind == "model" and not self.reward.model_path:

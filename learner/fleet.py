@@ -33,10 +33,12 @@ class Fleet:
                  max_model_len: int) -> None:
         self.cfg, self.sampling, self.pad_id = cfg, sampling, pad_id
         c, restarts = cfg.cluster, cfg.run.actor_max_restarts
+        # an NCCL group cannot take back a restarted member: there a lost engine ends the job (resume it)
+        engine_restarts = 0 if cfg.learner.weight_sync == "nccl" else restarts
         self.rollouts = [
             cluster.start_actor(RolloutActor, "rollout", i, c.rollout, placement, i, cfg.rollout.engine, model_dir,
                                 cfg.run.seed + i, max_model_len, cfg.rollout.kv_cache_mib, "float32", i,
-                                max_restarts=restarts)
+                                max_restarts=engine_restarts)
             for i in range(cfg.rollout.num_engines)
         ]
         self.references = [

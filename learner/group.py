@@ -79,3 +79,19 @@ class LearnerGroup:
 
     def load(self, path: str) -> None:
         self._get([r.load_checkpoint.remote(path, "learner") for r in self.ranks], "checkpoint load")
+
+    def connect_engines(self, rollouts: list) -> None:
+        """NCCL weight sync: rank 0 is rank 0 of a group with one rank per engine worker (TP=1)."""
+        master_addr, master_port = ray.get(self.ranks[0].address.remote())
+        world = 1 + len(rollouts)
+        joins = [r.init_weight_sync.remote(master_addr, master_port, 1 + i, world) for i, r in enumerate(rollouts)]
+        self.sync_metadata = self._get([self.ranks[0].init_weight_broadcast.remote(master_addr, master_port, world)],
+                                       "weight-sync setup")[0]
+        ray.get(joins)
+
+    def broadcast_to(self, rollouts: list, bucket_bytes: int, policy_version: int, kl_coef: float) -> float:
+        """One NCCL broadcast from rank 0, received by every engine at once; returns the slowest engine's seconds."""
+        receives = [r.receive_weights.remote(self.sync_metadata, bucket_bytes, policy_version, kl_coef)
+                    for r in rollouts]
+        self._get([rank.broadcast_weights.remote(bucket_bytes) for rank in self.ranks], "NCCL weight broadcast")
+        return max(ray.get(receives))

@@ -144,16 +144,27 @@ def run(cfg: JobConfig) -> dict:
               if cfg.kl.controller == "adaptive" else FixedKLController(cfg.kl.init_kl_coef))
     sampler = PromptSampler(len(prompts), cfg.run.seed)
     policy_version, first_iteration, weights = 0, 1, None
+    nccl = cfg.learner.weight_sync == "nccl"
+    if nccl:
+        learner.connect_engines(fleet.rollouts)
+
+    def sync_weights(version: int):
+        """Weights to the engines: over NCCL (returns None), or as one object-store ref the fleet loads."""
+        if nccl:
+            learner.broadcast_to(fleet.rollouts, cfg.learner.sync_bucket_mib << 20, version, kl_ctl.value)
+            return None
+        return learner.policy_weights()
+
     if resume_state is not None:
         learner.load(str(resume_from))
         kl_ctl.load_state_dict(resume_state["kl_controller"])
         sampler.load_state_dict(resume_state["prompt_cursor"])
         policy_version, first_iteration = resume_state["policy_version"], resume_state["iteration"] + 1
-        weights = learner.policy_weights()
+        weights = sync_weights(policy_version)
         log(f"resumed from {resume_from} at iteration {resume_state['iteration']}, version {policy_version}, "
             f"beta {kl_ctl.value:.6f}")
     fleet.broadcast(weights, policy_version, kl_ctl.value)
-    if weights is not None:
+    if policy_version:
         fleet.probe(learner, *probe_set)
 
     job_metrics = DriverMetrics(ray.get_runtime_context().get_job_id())
@@ -222,8 +233,10 @@ def run(cfg: JobConfig) -> dict:
         # 5. broadcast weights (version + 1) and beta, then check the engines really have them
         t_sync = time.perf_counter()
         policy_version += 1
-        weights = learner.policy_weights()
-        sync_seconds = fleet.broadcast(weights, policy_version, kl_ctl.value)
+        t_weights = time.perf_counter()
+        weights = sync_weights(policy_version)
+        engine_load_seconds = fleet.broadcast(weights, policy_version, kl_ctl.value)
+        sync_seconds = engine_load_seconds if weights is not None else time.perf_counter() - t_weights
         resynced += fleet.bring_up_to_date(learner, weights, policy_version, kl_ctl.value, probe_set)
         actor_states = fleet.states()
         stale = [s for s in actor_states if s["policy_version"] != policy_version or s["kl_coef"] != kl_ctl.value]

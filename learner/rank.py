@@ -266,6 +266,27 @@ class LearnerRank:
             target = getattr(torch, dtype)
             return [ray.put({name: t.detach().to("cpu", target).clone() for name, t in lm.state_dict().items()})]
 
+    def init_weight_broadcast(self, master_addr: str, master_port: int, world_size: int) -> list | None:
+        """Rank 0 joins the NCCL weight-sync group as its rank 0 (collective with the engines' workers);
+        returns the weights' metadata, which every later broadcast follows."""
+        if self.rank != 0:
+            return None
+        from learner.nccl_sync import WeightBroadcaster, weight_metadata
+
+        self.broadcaster = WeightBroadcaster(master_addr, master_port, world_size, self.device)
+        return weight_metadata(self.engine.module.lm.state_dict().items())
+
+    def broadcast_weights(self, bucket_bytes: int) -> int:
+        """Full weights from rank 0 to the engines over NCCL, in buckets. Collective under ZeRO-3."""
+        import deepspeed
+
+        lm = self.engine.module.lm
+        with deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None,
+                                               enabled=self.learner["zero_stage"] == 3):
+            if self.rank != 0:
+                return 0
+            return self.broadcaster.broadcast(list(lm.state_dict().items()), bucket_bytes)
+
     def probe_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]] | None:
         """This rank's log-probs of given sequences (temperature 1). Collective under ZeRO-3."""
         from services.experience import make_batch

