@@ -108,8 +108,8 @@ class ClusterConfig(Section):
     placement_timeout_s: PositiveFloat = Field(30.0, description="give up waiting for resources after this")
     rollout: RoleResources = Field(default_factory=RoleResources)
     reference: RoleResources = Field(default_factory=RoleResources)
-    reward: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.1))
-    learner: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.5))
+    reward: RoleResources = Field(default_factory=RoleResources)
+    learner: RoleResources = Field(default_factory=RoleResources)
 
 
 class LearnerConfig(Section):
@@ -167,7 +167,7 @@ class JobConfig(BaseSettings):
     # The KL controller's own defaults follow lm-human-preferences (beta 0.15, target 6, horizon 10000).
     # The embedded randomwalks job starts at trlX's adaptive randomwalks beta of 0.05: at 0.15 the
     # KL-regularised optimum of this task samples below 0.95 optimality.
-    kl: KLConfig = Field(default_factory=lambda: KLConfig(init_kl_coef=0.05))
+    kl: KLConfig = KLConfig(init_kl_coef=0.05)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     run: RunConfig = Field(default_factory=RunConfig)

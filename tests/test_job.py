@@ -23,14 +23,17 @@ def job_args(ray_head, cache_dir, out, name, *extra) -> list[str]:
 
 def test_default_job_learns(ray_head, cache_dir, tmp_path):
     """The embedded default (randomwalks, SFT warm start, adaptive KL) lifts optimality well above the start."""
-    proc = run_job(job_args(ray_head, cache_dir, tmp_path, "learn", "--run.iterations", "10", "--run.eval_every", "5"))
+    proc = run_job(job_args(ray_head, cache_dir, tmp_path, "learn", "--run.iterations", "10", "--run.eval_every", "5",
+                            "--metrics.tensorboard"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "learn" / "summary.json").read_text())
     start, final = summary["eval_start"]["optimality"], summary["eval_final"]["optimality"]
     assert final >= 0.7 and final > start + 0.25, (start, final)
     assert "[tether] summary:" in proc.stdout
-    for name in ("config.yaml", "metrics.jsonl", "curves.png"):
+    for name in ("config.yaml", "metrics.jsonl", "curves.png", "summary.json"):
         assert (tmp_path / "learn" / name).is_file()
+    assert list((tmp_path / "learn" / "tensorboard").glob("events.out.tfevents.*"))
+    assert len((tmp_path / "learn" / "metrics.jsonl").read_text().splitlines()) == 10
 
 
 @pytest.mark.parametrize("target, direction", [(0.001, "rises"), (1000.0, "falls")])
@@ -106,3 +109,26 @@ def test_unreachable_cluster_fails_within_bound(cache_dir, tmp_path):
                     "--cluster.connect_timeout_s", "3"], timeout_s=120)
     assert proc.returncode != 0
     assert "cannot reach the Ray cluster at '127.0.0.1:1'" in proc.stderr + proc.stdout
+
+
+def test_help_lists_every_field_with_default_and_help():
+    proc = run_job(["--help"], timeout_s=120)
+    assert proc.returncode == 0
+    text_out = " ".join(proc.stdout.split())  # argparse wraps lines
+    for flag, text in [("--kl.target", "(default: 6.0)"), ("--kl.estimator", "per-token KL estimator"),
+                       ("--learner.zero_stage", "ZeRO stage 0-3"), ("--run.resume", "continue from a checkpoint")]:
+        assert f"{flag} " in text_out and text in text_out, flag
+
+
+def test_print_config_prints_resolved_yaml(tmp_path):
+    import yaml
+
+    from learner.config import JobConfig
+
+    config = tmp_path / "job.yaml"
+    config.write_text("kl:\n  target: 3.0\nrun:\n  iterations: 7\n")
+    proc = run_job(["--config", str(config), "--kl.horizon", "500", "--print-config"], timeout_s=120)
+    assert proc.returncode == 0, proc.stderr
+    resolved = JobConfig.model_validate(yaml.safe_load(proc.stdout))
+    assert (resolved.kl.target, resolved.kl.horizon, resolved.run.iterations) == (3.0, 500, 7)
+    assert resolved.kl.estimator == "k1"  # untouched fields keep their defaults

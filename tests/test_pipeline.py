@@ -158,3 +158,20 @@ def test_zero_two_ranks_match_one_rank(ray_client, tiny_model_dir, stage):
                               for k in ("loss", "policy_loss", "value_loss")}
     for key in ("loss", "policy_loss", "value_loss"):
         assert losses[2][key] == pytest.approx(losses[1][key], rel=1e-4, abs=1e-5), key
+
+
+def test_vllm_reference_backend_matches_hf(ray_client, tiny_model_dir, roles):
+    """reference.backend='vllm' (prompt_logprobs) scores like the transformers forward (the default)."""
+    from actors.engines import SamplingSettings
+    from actors.reference import ReferenceActor
+    from learner.cluster import start_actor
+
+    vllm_reference = start_actor(ReferenceActor, "reference", 1, small_config().cluster.reference, None, 1,
+                                 tiny_model_dir, "vllm", "float32", 32, 64)
+    try:
+        chunk = roles["vllm"].generate.remote([[3], [4, 5], [9]], [0, 1, 2], [1, 2, 3], SamplingSettings(1.0, 1.0, 9), 22)
+        hf_scores, vllm_scores = ray.get([roles["reference"].score.remote(chunk), vllm_reference.score.remote(chunk)])
+    finally:
+        kill(vllm_reference)
+    assert hf_scores.shape == vllm_scores.shape
+    assert torch.allclose(hf_scores, vllm_scores, atol=1e-4)
