@@ -21,7 +21,8 @@ class ReferenceActor(VersionedActor):
         if backend == "hf":
             from services.models import load_causal_lm
 
-            self.model = load_causal_lm(model_dir, dtype)
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.model = load_causal_lm(model_dir, dtype).to(self.device)
             self.model.requires_grad_(False)
         elif backend == "vllm":
             from actors.engines import VLLMEngine
@@ -43,8 +44,8 @@ class ReferenceActor(VersionedActor):
     @torch.no_grad()
     def _score(self, batch: RolloutBatch) -> torch.Tensor:
         if self.backend == "hf":
-            logprobs, _, _ = response_forward(self.model, batch, self.temperature)
-            return logprobs * batch.response_mask
+            logprobs, _, _ = response_forward(self.model, batch.to(self.device), self.temperature)
+            return logprobs.cpu() * batch.response_mask
         sequences, prompt_lengths = [], []
         for p_ids, p_mask, r_ids, n in zip(batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                            batch.response_lengths, strict=True):

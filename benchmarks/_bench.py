@@ -41,8 +41,8 @@ def machine() -> str:
 
         if torch.cuda.is_available():
             text += f", GPU {torch.cuda.get_device_name(0)}"
-    except Exception:  # noqa: BLE001 - the machine line never fails a benchmark
-        pass
+    except Exception as err:  # noqa: BLE001 - the machine line never fails a benchmark
+        text += f", GPU unknown ({err})"
     return text
 
 
@@ -106,7 +106,7 @@ def count_params(model_dir: str | Path) -> int:
     total = 0
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - a safe_open handle is not a dict
                 numel = 1
                 for size in f.get_slice(key).get_shape():
                     numel *= size
@@ -119,13 +119,16 @@ def count_params(model_dir: str | Path) -> int:
 
 def run_worker(script: Path, args: list[str], spec: dict, log_path: Path, env: dict | None = None,
                timeout_s: float | None = None) -> dict:
-    """Run ``script --worker ... --spec JSON`` in a fresh process (nothing else of ours competes),
-    its output into ``log_path``; returns the JSON it prints on its ``BENCH_RESULT`` line."""
+    """Run ``script --worker ... --spec FILE`` in a fresh process (nothing else of ours competes), its
+    output into ``log_path``; returns the JSON it prints on its ``BENCH_RESULT`` line. The spec goes
+    through a file beside the log: as one argument it could pass the kernel's 128 KiB limit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(script), *args, "--spec", json.dumps(spec)]
+    spec_path = log_path.with_suffix(".spec.json")
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable, str(script), *args, "--spec", str(spec_path)]
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **RAY_ENV, **(env or {})}, stdout=subprocess.PIPE,
-                              stderr=log, text=True, timeout=timeout_s)
+                              stderr=log, text=True, timeout=timeout_s, check=False)
     result = None
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
@@ -134,6 +137,10 @@ def run_worker(script: Path, args: list[str], spec: dict, log_path: Path, env: d
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
         raise RuntimeError(f"worker {' '.join(args)} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
     return result
+
+
+def read_spec(path: str) -> dict:
+    return json.loads(Path(path).read_text())
 
 
 def emit(result: dict) -> None:

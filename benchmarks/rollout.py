@@ -9,9 +9,13 @@ on both engines (vLLM ``ignore_eos=True``; transformers ``min_new_tokens=max_new
 log-probs returned by both, as the rollout actor needs them. Scoring: log-probs of B given sequences
 (prompt + ``max_new_tokens`` tokens), vLLM ``prompt_logprobs`` (``VLLMEngine.score``) against one padded
 transformers forward (``services.experience.response_forward``, what ``ReferenceActor`` runs); tokens/s
-counts every token of every sequence. Each engine runs alone in its own subprocess, on the same cores
-(all of this process's cores unless ``--cores``); every batch size gets one untimed warm-up call, then
-the median of ``--repeats`` timed calls, with vLLM's prefix cache reset before each.
+counts every token of every sequence. Each engine runs alone in its own subprocess, on the same cores:
+by default one core, as in the service (each rollout engine is pinned to its own core, and a Ray actor
+with a fractional CPU gets one OpenMP thread); ``--cores 0 1`` gives both engines two. On a loaded
+machine, binding vLLM's OpenMP threads to cores that other processes also use slows it down by an order
+of magnitude (spinning threads at every barrier), so the load average is recorded before and after.
+Every batch size gets one untimed warm-up call, then the median of ``--repeats`` timed calls, with
+vLLM's prefix cache reset before each.
 
 The model is SmolLM2-135M-Instruct (``services.smollm2.smollm2_dir``, converted once into
 ``--cache-dir``) with its chat-formatted sentiment prompts, or, with ``--model tiny``, the randomwalks
@@ -23,7 +27,6 @@ and the tiny model unless SmolLM2 is already converted. Writes ``<out>/<name>.js
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -31,12 +34,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import (  # noqa: E402
+from _bench import (
     RESULTS,
     count_params,
     emit,
     gpt2_dir,
     median,
+    read_spec,
     run_worker,
     smollm2_available,
     smollm2_cached,
@@ -230,7 +234,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per batch size (default 3)")
     parser.add_argument("--dtype", default="float32", help="both engines (the service's rollouts run float32)")
     parser.add_argument("--kv-cache-mib", type=int, default=512)
-    parser.add_argument("--cores", type=int, nargs="+", default=None, help="CPU cores for both engines (default all)")
+    parser.add_argument("--cores", type=int, nargs="+", default=None, help="CPU cores for both engines (default: the first core this process may use)")
     parser.add_argument("--engines", nargs="+", choices=("vllm", "hf"), default=["vllm", "hf"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
@@ -239,18 +243,18 @@ def main() -> None:
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        spec = json.loads(args.spec)
+        spec = read_spec(args.spec)
         emit(worker_vllm(spec) if args.worker == "vllm" else worker_hf(spec))
         return
 
     batches = args.batches or ([1, 4] if args.quick else [1, 8, 32, 64])
     max_new = args.max_new_tokens or (8 if args.quick else 32)
     repeats = args.repeats or (1 if args.quick else 3)
-    cores = args.cores or (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                           else list(range(os.cpu_count() or 1)))
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = args.cores or allowed[:1]
     name = args.name or ("rollout-cuda" if args.device == "cuda" else "rollout")
     out = Path(args.out)
-    results = {**stamp(), "device": args.device}
+    results = {**stamp(), "device": args.device, "loadavg_before": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
         model_name, model_dir = resolve_model(args, Path(tmp))
         prompts = build_prompts(model_name, model_dir)
@@ -290,11 +294,12 @@ def main() -> None:
                 f"b{b} {v['tokens_per_s']:.0f}" for b, v in engines[kind]["generate"].items()) + " gen tokens/s",
                 flush=True)
     results["engines"] = engines
+    results["loadavg_after"] = os.getloadavg()
     ratios = {"generate": {}, "score": {}}
     if "vllm" in engines and "hf" in engines:
-        for part in ratios:
+        for part, by_batch in ratios.items():
             for b in engines["vllm"][part]:
-                ratios[part][b] = engines["vllm"][part][b]["tokens_per_s"] / engines["hf"][part][b]["tokens_per_s"]
+                by_batch[b] = engines["vllm"][part][b]["tokens_per_s"] / engines["hf"][part][b]["tokens_per_s"]
     results["speedup_vllm_over_hf"] = ratios
 
     def cell(kind: str, part: str, b: str) -> str:
@@ -306,8 +311,8 @@ def main() -> None:
             "after a warm-up." + (" QUICK SMOKE RUN: sizes shrunk, numbers are not representative." if args.quick
                                   else ""),
             "",
-            "| batch | vLLM generate tok/s | transformers generate tok/s | speedup | vLLM score tok/s "
-            "(prompt_logprobs) | transformers forward tok/s | speedup |",
+            ("| batch | vLLM generate tok/s | transformers generate tok/s | speedup | vLLM score tok/s "
+            "(prompt_logprobs) | transformers forward tok/s | speedup |"),
             "|---|---|---|---|---|---|---|"]
     for b in map(str, batches):
         g, s = ratios["generate"].get(b), ratios["score"].get(b)
@@ -315,8 +320,10 @@ def main() -> None:
                     f"{f'{g:.2f}x' if g else '-'} | {cell('vllm', 'score', b)} | {cell('hf', 'score', b)} | "
                     f"{f'{s:.2f}x' if s else '-'} |")
     rows += ["", "Engine start (s): " + ", ".join(f"{k} {v['startup_seconds']:.1f}" for k, v in engines.items()),
-             "Generate tokens/s counts new tokens; score tokens/s counts every token of every scored sequence "
-             f"(prompt + {max_new})."]
+             (f"Load average (1 min) before {results['loadavg_before'][0]:.1f}, after "
+             f"{results['loadavg_after'][0]:.1f}, on {os.cpu_count()} CPUs."),
+             ("Generate tokens/s counts new tokens; score tokens/s counts every token of every scored sequence "
+             f"(prompt + {max_new}).")]
     json_path, md_path = write_results(out, name, results, rows)
     print("\n".join(rows))
     print(f"[rollout] wrote {json_path} and {md_path}")

@@ -1,0 +1,134 @@
+"""Throughput figures of one finished tether run (used by benchmarks/gpu.sh; works on any run directory).
+
+    .venv/bin/python benchmarks/gpu_report.py --run-dir RUNS/NAME [--rollout-json OUT/rollout-cuda.json]
+                                              [--peak-flops 989e12] [--out DIR]
+
+From the run's config.yaml and metrics.jsonl:
+
+- rollout tokens/s in the job: episodes x mean response length / the engines' generate busy seconds, over
+  the iterations without an evaluation (an evaluation's generation is counted in generate_seconds); set
+  against vLLM alone on the same prompts at the job's chunk size (``--rollout-json``, written by
+  ``benchmarks/rollout.py``; it generates a fixed number of tokens, the job stops at EOS);
+- learner tokens/s: tokens the PPO epochs train on (epochs x episodes x (mean prompt tokens + mean
+  response tokens)) / learner_update_seconds, and the same for the no-grad forward
+  (learner_forward_seconds, one pass);
+- MFU estimate: 6 x params x trained tokens/s (2 x params for the forward) / peak FLOP/s, the peak from
+  ``--peak-flops``, else ``$TETHER_PEAK_FLOPS``, else 989e12 (H200 bf16 dense). Attention FLOPs, padding and
+  the value head are left out, and a float32 learner is set against a bf16 peak: an estimate.
+
+Writes ``<out>/gpu_report.json`` and ``gpu_report.md`` (out defaults to the run directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import count_params, stamp, write_results
+
+H200_BF16_DENSE = 989e12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--rollout-json", default=None)
+    parser.add_argument("--peak-flops", type=float, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    peak = args.peak_flops or float(os.environ.get("TETHER_PEAK_FLOPS") or H200_BF16_DENSE)
+    run_dir = Path(args.run_dir)
+
+    import yaml
+
+    from learner.config import JobConfig
+    from services.models import load_tokenizer, policy_dir
+    from services.prompts import encode_prompts
+    from services.tasks import get_task
+
+    cfg = JobConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    if not records:
+        sys.exit(f"{run_dir}/metrics.jsonl has no iterations")
+    task = get_task(cfg.task.name, seed=cfg.task.seed)
+    model_dir = policy_dir(task, cfg.model.path, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps,
+                           cfg.model.sft_batch_size, cfg.model.sft_lr, log=lambda m: None)
+    params = count_params(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = encode_prompts([task.format_prompt(t, tokenizer) for t in task.prompts()], tokenizer,
+                             cfg.task.max_prompt_tokens, cfg.task.long_prompts, log=lambda m: None)
+    prompt_mean = sum(map(len, prompts)) / len(prompts)
+
+    no_eval = [r for r in records if "eval" not in r] or records
+    rollout_rates = [r["episodes"] * r["response_length_mean"] / r["generate_seconds"] for r in no_eval
+                     if r.get("generate_seconds")]
+    job_rollout = statistics.median(rollout_rates) if rollout_rates else float("nan")
+    epochs = cfg.ppo.epochs
+    train_rates, forward_rates = [], []
+    for r in records:
+        tokens = r["episodes"] * (prompt_mean + r["response_length_mean"])
+        train_rates.append(epochs * tokens / r["learner_update_seconds"])
+        forward_rates.append(tokens / r["learner_forward_seconds"])
+    train_tps, forward_tps = statistics.median(train_rates), statistics.median(forward_rates)
+    update_s = statistics.median(r["learner_update_seconds"] for r in records)
+    forward_s = statistics.median(r["learner_forward_seconds"] for r in records)
+    tokens_iter = statistics.median(r["episodes"] * (prompt_mean + r["response_length_mean"]) for r in records)
+    combined_flops = (6 * params * epochs * tokens_iter + 2 * params * tokens_iter) / (update_s + forward_s)
+
+    report = {
+        **stamp(), "run_dir": str(run_dir), "task": cfg.task.name, "model_dir": str(model_dir), "params": params,
+        "learner_dtype": cfg.learner.dtype, "learner_world_size": cfg.learner.world_size,
+        "zero_stage": cfg.learner.zero_stage, "ppo_epochs": epochs, "iterations": len(records),
+        "prompt_tokens_mean": prompt_mean,
+        "response_tokens_mean": statistics.median(r["response_length_mean"] for r in records),
+        "peak_flops": peak,
+        "rollout_tokens_per_s_job": job_rollout, "rollout_tokens_per_s_job_iterations": [r["iteration"] for r in no_eval],
+        "learner_train_tokens_per_s": train_tps, "learner_forward_tokens_per_s": forward_tps,
+        "mfu_update": 6 * params * train_tps / peak, "mfu_forward": 2 * params * forward_tps / peak,
+        "mfu_learner": combined_flops / peak,
+        "iteration_seconds_median": statistics.median(r["iteration_seconds"] for r in records),
+        "weight_sync_seconds_median": statistics.median(r["weight_sync_seconds"] for r in records),
+    }
+    alone = None
+    if args.rollout_json and Path(args.rollout_json).is_file():
+        bench = json.loads(Path(args.rollout_json).read_text())
+        gen = bench.get("engines", {}).get("vllm", {}).get("generate", {})
+        if gen:
+            batch = min(gen, key=lambda b: abs(int(b) - cfg.rollout.chunk_size))
+            alone = {"batch": int(batch), "tokens_per_s": gen[batch]["tokens_per_s"],
+                     "max_new_tokens": bench.get("max_new_tokens"), "model": bench.get("model")}
+            report["rollout_vllm_alone"] = alone
+            report["rollout_job_over_alone"] = job_rollout / alone["tokens_per_s"]
+
+    rows = [(f"Run {run_dir} ({cfg.task.name}, {params / 1e6:.1f}M params, learner {cfg.learner.dtype}, "
+            f"{cfg.learner.world_size} rank(s), ZeRO-{cfg.learner.zero_stage}, {len(records)} iterations). "
+            f"Peak {peak:.3g} FLOP/s."), "",
+            "| figure | value |", "|---|---|",
+            (f"| rollout tokens/s in the job (iterations {report['rollout_tokens_per_s_job_iterations']}) | "
+            f"{job_rollout:.0f} |")]
+    if alone:
+        rows += [(f"| vLLM alone, batch {alone['batch']}, {alone['max_new_tokens']} tokens fixed | "
+                 f"{alone['tokens_per_s']:.0f} |"),
+                 f"| job / alone | {report['rollout_job_over_alone']:.2f} |"]
+    rows += [(f"| learner PPO tokens/s ({epochs} epochs; {prompt_mean:.0f} prompt + "
+             f"{report['response_tokens_mean']:.0f} response tokens per episode) | {train_tps:.0f} |"),
+             f"| learner no-grad forward tokens/s | {forward_tps:.0f} |",
+             f"| MFU, PPO update (6 N tokens/s / peak) | {report['mfu_update'] * 100:.3g}% |",
+             f"| MFU, forward (2 N tokens/s / peak) | {report['mfu_forward'] * 100:.3g}% |",
+             f"| MFU, learner forward + update | {report['mfu_learner'] * 100:.3g}% |",
+             f"| median iteration (s) | {report['iteration_seconds_median']:.2f} |",
+             f"| median weight sync (s) | {report['weight_sync_seconds_median']:.3f} |",
+             "", ("MFU leaves out attention FLOPs, padding and the value head; a float32 learner against a bf16 peak "
+             "reads low by construction.")]
+    json_path, md_path = write_results(args.out or run_dir, "gpu_report", report, rows)
+    print("\n".join(rows))
+    print(f"[gpu_report] wrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()
