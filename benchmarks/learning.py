@@ -36,7 +36,7 @@ def tree_rss(proc: psutil.Process) -> int:
     return total
 
 
-def run_job(cache_dir: str, out_dir: str, extra: list[str]) -> dict:
+def run_job(cache_dir: str, out_dir: str, extra: list[str], analyse: bool = True) -> dict:
     cmd = [sys.executable, "-m", "learner.main", "--model.cache_dir", cache_dir, "--run.output_dir", out_dir,
            "--run.name", "bench", *extra]
     start = time.perf_counter()
@@ -64,6 +64,8 @@ def run_job(cache_dir: str, out_dir: str, extra: list[str]) -> dict:
     thread.join()
     if proc.returncode != 0:
         sys.exit("job failed:\n" + "".join(lines[-40:]))
+    if not analyse:
+        return {"wall_seconds": wall}
     run_dir = Path(out_dir) / "bench"
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -106,7 +108,7 @@ def main() -> None:
         if args.cold:
             with tempfile.TemporaryDirectory() as cold_cache:
                 results["cold"] = run_job(cold_cache, str(Path(out) / "cold"), args.extra)
-        run_job(args.cache_dir, str(Path(out) / "warmup"), ["--run.iterations", "1"])  # fill the cache
+        run_job(args.cache_dir, str(Path(out) / "warmup"), ["--run.iterations", "1"], analyse=False)  # fill the cache
         results["cached"] = run_job(args.cache_dir, str(Path(out) / "cached"), args.extra)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "learning.json").write_text(json.dumps(results, indent=2) + "\n")
