@@ -105,6 +105,9 @@ def main() -> None:
             job.kill()
         ray.shutdown()
         subprocess.run(["bash", "deploy/local-cluster.sh", "down"], cwd=ROOT, env=env)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "soak.log").write_text("".join(line for line in log_lines if line.startswith("[tether]")
+                                              or "Error" in line or "error" in line))
     records = [json.loads(x) for x in (Path(out_dir) / "soak" / "metrics.jsonl").read_text().splitlines()]
     batch = records[0]["episodes"]
     lost = sum(1 for r in records if r["episodes"] != batch)

@@ -113,8 +113,17 @@ class Fleet:
                 seconds.append(result)
         return max(seconds)
 
-    def states(self) -> list[dict]:
-        return ray.get([a.get_state.remote() for a in self.all])
+    def states(self, learner=None, weights=None, policy_version: int = 0, kl_coef: float = 0.0,
+               probe_set: tuple = ()) -> list[dict]:
+        """Every actor's (name, version, beta); an actor that died meanwhile is brought up to date first."""
+        for attempt in range(self.cfg.run.max_chunk_retries + 1):
+            try:
+                return ray.get([a.get_state.remote() for a in self.all])
+            except ray.exceptions.RayActorError:
+                if learner is None or attempt == self.cfg.run.max_chunk_retries:
+                    raise
+                self.bring_up_to_date(learner, weights, policy_version, kl_coef, probe_set)
+        raise AssertionError("unreachable")
 
     def probe(self, learner, sequences: list[list[int]], prompt_lengths: list[int], engines=None) -> float:
         """Max |engine - learner| log-prob over a fixed probe batch; raises ProbeError past tolerance."""
@@ -165,7 +174,12 @@ class Fleet:
         return resynced
 
     def take_busy_seconds(self) -> dict[str, float]:
-        busy = ray.get([a.take_busy_seconds.remote() for a in self.all])
+        busy = []
+        for call in [a.take_busy_seconds.remote() for a in self.all]:
+            try:
+                busy.append(ray.get(call))
+            except ray.exceptions.RayActorError:
+                busy.append(0.0)  # died since: its busy time went with it
         r, f = len(self.rollouts), len(self.references)
         return {"generate_seconds": sum(busy[:r]), "reference_seconds": sum(busy[r:r + f]),
                 "reward_seconds": sum(busy[r + f:])}

@@ -238,7 +238,7 @@ def run(cfg: JobConfig) -> dict:
         engine_load_seconds = fleet.broadcast(weights, policy_version, kl_ctl.value)
         sync_seconds = engine_load_seconds if weights is not None else time.perf_counter() - t_weights
         resynced += fleet.bring_up_to_date(learner, weights, policy_version, kl_ctl.value, probe_set)
-        actor_states = fleet.states()
+        actor_states = fleet.states(learner, weights, policy_version, kl_ctl.value, probe_set)
         stale = [s for s in actor_states if s["policy_version"] != policy_version or s["kl_coef"] != kl_ctl.value]
         if stale:
             raise RuntimeError(f"broadcast of version {policy_version}, beta {kl_ctl.value} did not reach {stale}")
