@@ -132,7 +132,8 @@ class RunConfig(Section):
     eval_every: PositiveInt = Field(5, description="evaluate every N iterations (and at the end)")
     probe_every: PositiveInt = Field(1, description="check engine vs learner log-probs every N syncs")
     probe_tolerance: PositiveFloat = Field(1e-4, description="max |logp diff| allowed by the probe (fp32)")
-    actor_max_restarts: int = Field(3, ge=0, description="restarts of a crashed rollout/reference/reward actor")
+    actor_max_restarts: int = Field(-1, ge=-1, description="restarts of a crashed rollout/reference/reward "
+                                    "actor (-1: unlimited, as a long run on preemptible nodes needs)")
     max_chunk_retries: int = Field(3, ge=0, description="times a chunk lost to a dead actor is regenerated")
 
 
