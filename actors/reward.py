@@ -57,7 +57,9 @@ class RewardActor(VersionedActor):
 
     def _score(self, batch: RolloutBatch, chunk_index: int) -> torch.Tensor:
         prompts, completions = self.decode(batch)
-        where = f"task {self.task.name!r}, chunk {chunk_index}"
+        return self.scores(prompts, completions, f"task {self.task.name!r}, chunk {chunk_index}")
+
+    def scores(self, prompts: list[str], completions: list[str], where: str) -> torch.Tensor:
         if self.kind == "model":
             scores = self.model_scores(prompts, completions)
         else:
@@ -83,9 +85,15 @@ class RewardActor(VersionedActor):
         logits = self.model(**enc).logits[:, 0]
         return [float(x) for x in logits]
 
-    def evaluate(self, batch: RolloutBatch, chunk_index: int = -1) -> dict[str, float]:
-        """The task's eval metrics over a chunk, as sums weighted by its size (so chunks merge)."""
+    def evaluate(self, batch: RolloutBatch, chunk_index: int = -1, keep_samples: int = 0) -> dict:
+        """The task's eval metrics over a chunk, as sums weighted by its size (so chunks merge), and
+        its first ``keep_samples`` samples as text with their scores, for a person to read."""
         prompts, completions = self.decode(batch)
+        kept = [{"prompt": p, "response": c} for p, c in zip(prompts[:keep_samples], completions[:keep_samples])]
+        if kept:
+            where = f"task {self.task.name!r}, evaluation chunk {chunk_index}"
+            for sample, score in zip(kept, self.scores(prompts[:len(kept)], completions[:len(kept)], where)):
+                sample["score"] = float(score)
         try:
             metrics = self.task.evaluate(prompts, completions)
         except Exception as err:
@@ -94,4 +102,5 @@ class RewardActor(VersionedActor):
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         if bad:
             raise RewardError(f"evaluation function of task {self.task.name!r}, chunk {chunk_index} returned {bad}")
-        return {"count": float(len(prompts)), **{k: v * len(prompts) for k, v in metrics.items()}}
+        return {"count": float(len(prompts)), "sums": {k: v * len(prompts) for k, v in metrics.items()},
+                "samples": kept}

@@ -141,6 +141,8 @@ class MetricsConfig(Section):
     plot_every: PositiveInt = Field(10, description="redraw curves.png every N iterations (and at the end)")
     tensorboard: bool = Field(False, description="also write TensorBoard logs into the run directory")
     progress_bar: bool = Field(True, description="live progress bar when stdout is a terminal")
+    eval_samples_saved: int = Field(8, ge=0, description="evaluation samples written as text to "
+                                    "samples/iteration-NNNN.md at each evaluation (0 = none)")
 
 
 class CheckpointConfig(Section):

@@ -78,13 +78,15 @@ class Fleet:
         return ref_refs, score_refs
 
     def evaluate(self, eval_prompts: list[list[int]], iteration: int, learner=None, weights=None,
-                 policy_version: int = 0, kl_coef: float = 0.0, probe_set: tuple = ()) -> dict[str, float]:
-        """The task's eval metrics on sampled responses to the eval prompts (retried if an actor dies)."""
+                 policy_version: int = 0, kl_coef: float = 0.0, probe_set: tuple = ()) -> tuple[dict, list]:
+        """The task's eval metrics on sampled responses to the eval prompts (retried if an actor dies),
+        and the first ``metrics.eval_samples_saved`` of those samples as text."""
+        keep = self.cfg.metrics.eval_samples_saved
         rows = [r for r in range(len(eval_prompts)) for _ in range(self.cfg.rollout.eval_samples_per_prompt)]
         for attempt in range(self.cfg.run.max_chunk_retries + 1):
             chunks = self.generate(rows, eval_prompts, -1 - iteration)
             try:
-                parts = ray.get([self.rewards[i % len(self.rewards)].evaluate.remote(ch, i)
+                parts = ray.get([self.rewards[i % len(self.rewards)].evaluate.remote(ch, i, keep)
                                  for i, ch in chunks.items()])
                 break
             except ray.exceptions.RayActorError:
@@ -92,7 +94,8 @@ class Fleet:
                     raise
                 self.bring_up_to_date(learner, weights, policy_version, kl_coef, probe_set)
         count = sum(p["count"] for p in parts)
-        return {k: sum(p[k] for p in parts) / count for k in parts[0] if k != "count"}
+        metrics = {k: sum(p["sums"][k] for p in parts) / count for k in parts[0]["sums"]}
+        return metrics, [s for p in parts for s in p["samples"]][:keep]
 
     # ------------------------------------------------------------------ versions, weights, probes
 

@@ -171,7 +171,11 @@ def run(cfg: JobConfig) -> dict:
     progress = Progress(cfg, run_path)
     stop = GracefulStop()
     records = rundir.read_metrics(run_path, first_iteration - 1) if resume_state else []
-    start_eval = resume_state["eval_start"] if resume_state else fleet.evaluate(eval_prompts, 0)
+    if resume_state:
+        start_eval = resume_state["eval_start"]
+    else:
+        start_eval, samples = fleet.evaluate(eval_prompts, 0)
+        rundir.write_samples(run_path, 0, samples)
     eval_metrics = dict(start_eval)
     log("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in start_eval.items()))
     fleet.take_busy_seconds()
@@ -286,8 +290,10 @@ def run(cfg: JobConfig) -> dict:
 
         # 7. periodic evaluation, checkpoint
         if iteration % cfg.run.eval_every == 0 or iteration == cfg.run.iterations:
-            eval_metrics = record["eval"] = fleet.evaluate(eval_prompts, iteration, learner, weights, policy_version,
-                                                           kl_ctl.value, probe_set)
+            eval_metrics, samples = fleet.evaluate(eval_prompts, iteration, learner, weights, policy_version,
+                                                   kl_ctl.value, probe_set)
+            record["eval"] = eval_metrics
+            rundir.write_samples(run_path, iteration, samples)
         record["iteration_seconds"] = time.perf_counter() - t_iter
         record.update(fleet.take_busy_seconds())  # busy time per role, evaluation included
         records.append(record)

@@ -1,4 +1,4 @@
-"""The run directory: config.yaml, metrics.jsonl, summary.json and curves.png."""
+"""The run directory: config.yaml, metrics.jsonl, summary.json, curves.png and samples/."""
 
 from __future__ import annotations
 
@@ -59,6 +59,19 @@ def read_metrics(path: Path, up_to_iteration: int) -> list[dict]:
             f.writelines(json.dumps(r) + "\n" for r in dropped)
     file.write_text("".join(json.dumps(r) + "\n" for r in kept))
     return kept
+
+
+def write_samples(path: Path, iteration: int, samples: list[dict]) -> None:
+    """Evaluation samples as Markdown, one file per evaluation: iteration 0 is before training."""
+    if not samples:
+        return
+    lines = [f"# Evaluation samples at iteration {iteration}" + (" (before training)" if iteration == 0 else ""),
+             ""]
+    for i, s in enumerate(samples, 1):
+        lines += [f"## {i}. score {s['score']:.3f}", "", "Prompt:", "", *(f"> {x}" for x in s["prompt"].splitlines()),
+                  "", "Response:", "", *(f"> {x}" for x in (s["response"] or "(empty)").splitlines()), ""]
+    (path / "samples").mkdir(exist_ok=True)
+    (path / "samples" / f"iteration-{iteration:04d}.md").write_text("\n".join(lines))
 
 
 def write_summary(path: Path, summary: dict) -> None:

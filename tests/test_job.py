@@ -34,6 +34,11 @@ def test_default_job_learns(ray_head, cache_dir, tmp_path):
         assert (tmp_path / "learn" / name).is_file()
     assert list((tmp_path / "learn" / "tensorboard").glob("events.out.tfevents.*"))
     assert len((tmp_path / "learn" / "metrics.jsonl").read_text().splitlines()) == 10
+    # samples before (iteration 0) and after training, as text with their scores, for a person to read
+    samples = sorted(p.name for p in (tmp_path / "learn" / "samples").iterdir())
+    assert samples == ["iteration-0000.md", "iteration-0005.md", "iteration-0010.md"]
+    after = (tmp_path / "learn" / "samples" / "iteration-0010.md").read_text()
+    assert after.count("## ") == 8 and "Prompt:" in after and "Response:" in after
 
 
 @pytest.mark.parametrize("target, direction", [(0.001, "rises"), (1000.0, "falls")])
