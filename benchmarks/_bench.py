@@ -152,3 +152,115 @@ def median(values: list[float]) -> float:
     import statistics
 
     return statistics.median(values)
+
+
+# ------------------------------------------------------------------------------------ jobs and memory
+
+# Ray sets an actor process's title to ``ray::<Class>`` (``ray::<Class>.<method>`` while it runs one)
+ROLE_OF_TITLE = {"ray::RolloutActor": "rollout", "ray::ReferenceActor": "reference", "ray::RewardActor": "reward",
+                 "ray::LearnerRank": "learner"}
+STEADY_PARTS = ("generate_seconds", "reference_seconds", "reward_seconds", "learner_forward_seconds",
+                "learner_update_seconds", "sync_and_probe_seconds")
+
+
+def rss_by_role(root_pids: list[int]) -> dict[str, int]:
+    """RSS bytes of every process under ``root_pids``, summed by role: rollout, reference, reward,
+    learner (a Ray actor and its children), driver (the first root), and ray (everything else)."""
+    import psutil
+
+    totals: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def visit(proc, inherited: str) -> None:
+        if proc.pid in seen:
+            return
+        seen.add(proc.pid)
+        try:
+            title = " ".join(proc.cmdline())
+            role = next((r for t, r in ROLE_OF_TITLE.items() if title.startswith(t)), inherited)
+            totals[role] = totals.get(role, 0) + proc.memory_info().rss
+            children = proc.children()
+        except psutil.Error:
+            return
+        for child in children:
+            visit(child, role if role in ROLE_OF_TITLE.values() else "ray")
+
+    for i, pid in enumerate(root_pids):
+        try:
+            visit(psutil.Process(pid), "driver" if i == 0 else "ray")
+        except psutil.Error:
+            pass
+    return totals
+
+
+class MeasuredJob:
+    """``python -m learner.main ARGS`` in a subprocess, its ``[tether]`` lines echoed, the RSS of every
+    process under it (a job without ``--cluster.address`` starts its own Ray as children) sampled by role
+    every ``interval`` seconds: ``peak_rss`` holds each role's peak and ``peak_rss_total`` the peak sum."""
+
+    def __init__(self, args: list[str], log_path: Path | None = None, extra_roots: tuple[int, ...] = (),
+                 interval: float = 0.5) -> None:
+        self.args, self.log_path, self.extra_roots, self.interval = args, log_path, extra_roots, interval
+        self.peak_rss: dict[str, int] = {}
+        self.peak_rss_total = 0
+        self.lines: list[str] = []
+        self.first_iteration_at: float | None = None
+
+    def run(self, timeout_s: float = 3600) -> MeasuredJob:
+        import threading
+
+        start = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, "-m", "learner.main", *self.args], cwd=ROOT,
+                                     env={**os.environ, **RAY_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        sampler = threading.Thread(target=self._sample, daemon=True)
+        sampler.start()
+        timer = threading.Timer(timeout_s, self.proc.terminate)
+        timer.start()
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("[tether] iter 1/") and self.first_iteration_at is None:
+                self.first_iteration_at = time.perf_counter() - start
+            if line.startswith("[tether]"):
+                print(line, end="", flush=True)
+        self.returncode = self.proc.wait()
+        timer.cancel()
+        self.wall_seconds = time.perf_counter() - start
+        sampler.join()
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.log_path.write_text("".join(self.lines))
+        if self.returncode != 0:
+            sys.exit(f"job {' '.join(self.args)} failed (exit {self.returncode}):\n" + "".join(self.lines[-40:]))
+        return self
+
+    def _sample(self) -> None:
+        while self.proc.poll() is None:
+            by_role = rss_by_role([self.proc.pid, *self.extra_roots])
+            for role, rss in by_role.items():
+                self.peak_rss[role] = max(self.peak_rss.get(role, 0), rss)
+            self.peak_rss_total = max(self.peak_rss_total, sum(by_role.values()))
+            time.sleep(self.interval)
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def steady_state(records: list[dict], warmup: int = 1) -> dict:
+    """Medians over the iterations after ``warmup`` that ran no evaluation: the breakdown into
+    ``STEADY_PARTS``, the iteration wall time, the overhead ratio (wall over the sum of the parts) and
+    episodes (samples) per second."""
+    import statistics
+
+    steady = [r for r in records[warmup:] if "eval" not in r] or records[-1:]
+    breakdown = {k: statistics.median(r[k] for r in steady) for k in STEADY_PARTS}
+    iteration = statistics.median(r["iteration_seconds"] for r in steady)
+    return {
+        "steady_iterations": [r["iteration"] for r in steady],
+        "steady_iteration_seconds": iteration,
+        "breakdown_seconds": breakdown,
+        "overhead_ratio": iteration / sum(breakdown.values()),
+        "episodes_per_iteration": steady[0]["episodes"],
+        "episodes_per_second": statistics.median(r["episodes"] / r["iteration_seconds"] for r in steady),
+    }

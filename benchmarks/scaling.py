@@ -17,17 +17,14 @@ and a smaller batch (32 episodes, 1 PPO epoch). Writes ``<out>/scaling.json`` an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import RAY_ENV, RESULTS, ROOT, stamp, write_results
+from _bench import RESULTS, MeasuredJob, read_records, stamp, write_results
 
 QUICK_ARGS = ["--rollout.batch_size", "32", "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16",
               "--ppo.epochs", "1", "--rollout.eval_samples_per_prompt", "1"]
@@ -36,30 +33,12 @@ QUICK_ARGS = ["--rollout.batch_size", "32", "--rollout.chunk_size", "16", "--ppo
 def run_layout(engines: int, ranks: int, iterations: int, cache_dir: str, out_dir: Path, extra: list[str],
                log_dir: Path, timeout_s: float) -> dict:
     name = f"scale-e{engines}-r{ranks}"
-    cmd = [sys.executable, "-m", "learner.main", "--model.cache_dir", cache_dir, "--run.output_dir", str(out_dir),
+    cmd = ["--model.cache_dir", cache_dir, "--run.output_dir", str(out_dir),
            "--run.name", name, "--run.iterations", str(iterations), "--rollout.num_engines", str(engines),
            "--learner.world_size", str(ranks), *extra]
-    log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"scaling-{name}.log"
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **RAY_ENV}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            log.write(line)
-            if line.startswith("[tether]"):
-                print(f"  {name}: {line.rstrip()}", flush=True)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            proc.wait(timeout=60)
-            raise
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
-        sys.exit(f"{name} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
-    records = [json.loads(x) for x in (out_dir / name / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    wall = MeasuredJob(cmd, log_path).run(timeout_s).wall_seconds
+    records = read_records(out_dir / name)
     steady = records[1:] or records  # the first iteration warms up
     rates = [r["episodes"] / (r["learner_seconds"] + r["sync_and_probe_seconds"]) for r in steady]
     parts = ("generate_seconds", "reference_seconds", "learner_forward_seconds", "learner_update_seconds",

@@ -12,6 +12,7 @@ failures (must be 0), beta continuity, and memory over time (must not grow).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -24,31 +25,10 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import RAY_ENV, RESULTS, ROOT, rss_by_role
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 VICTIMS = ("rollout-0", "reference-0", "reward-0")
-
-
-def tree_rss(pids: list[int]) -> int:
-    seen, total = set(), 0
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            continue
-        for p in procs:
-            if p.pid in seen:
-                continue
-            seen.add(p.pid)
-            try:
-                total += p.memory_info().rss
-            except psutil.Error:
-                pass
-    return total
 
 
 def main() -> None:
@@ -59,10 +39,11 @@ def main() -> None:
     parser.add_argument("extra", nargs="*")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    os.environ.update(ENV)
+    os.environ.update(RAY_ENV)
     state_dir = tempfile.mkdtemp(prefix="soak-cluster-")
     env = {**os.environ, "TETHER_CLUSTER_DIR": state_dir}
-    up = subprocess.run(["bash", "deploy/local-cluster.sh", "up"], cwd=ROOT, env=env, capture_output=True, text=True)
+    up = subprocess.run(["bash", "deploy/local-cluster.sh", "up"], cwd=ROOT, env=env, capture_output=True, text=True,
+                        check=False)
     if up.returncode != 0:
         sys.exit(up.stdout + up.stderr)
     address = next(line.split("=", 1)[1] for line in up.stdout.splitlines() if line.startswith("RAY_ADDRESS="))
@@ -86,7 +67,7 @@ def main() -> None:
         next_kill = start + rng.uniform(*args.kill_every)
         while time.monotonic() - start < args.minutes * 60 and job.poll() is None:
             now = time.monotonic()
-            memory.append({"t": now - start, "rss_gib": tree_rss([p for p in (head_pid, job.pid) if p]) / 2**30})
+            memory.append({"t": now - start, "rss_gib": sum(rss_by_role([job.pid, head_pid]).values()) / 2**30})
             if now >= next_kill:
                 victim = rng.choice(VICTIMS)
                 try:
@@ -104,14 +85,14 @@ def main() -> None:
         if job is not None and job.poll() is None:
             job.kill()
         ray.shutdown()
-        subprocess.run(["bash", "deploy/local-cluster.sh", "down"], cwd=ROOT, env=env)
+        subprocess.run(["bash", "deploy/local-cluster.sh", "down"], cwd=ROOT, env=env, check=False)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "soak.log").write_text("".join(line for line in log_lines if line.startswith("[tether]")
                                               or "Error" in line or "error" in line))
     records = [json.loads(x) for x in (Path(out_dir) / "soak" / "metrics.jsonl").read_text().splitlines()]
     batch = records[0]["episodes"]
     lost = sum(1 for r in records if r["episodes"] != batch)
-    continuity = all(r1["kl_coef_used"] == r0["kl_coef"] for r0, r1 in zip(records, records[1:]))
+    continuity = all(r1["kl_coef_used"] == r0["kl_coef"] for r0, r1 in itertools.pairwise(records))
     resyncs = [s for r in records for s in r["resynced_actors"]]
     probe_failures = sum(1 for s in resyncs if s.get("probe_max_abs_error", 0) > 1e-4) + \
         sum(1 for r in records if r["probe_max_abs_error"] == r["probe_max_abs_error"]
