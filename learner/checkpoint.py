@@ -18,7 +18,7 @@ from learner.config import JobConfig
 
 # settings a resumed run may change; anything else must match the checkpoint's config
 RESUMABLE_CHANGES = ("run.iterations", "run.resume", "run.overwrite", "run.eval_every", "cluster", "metrics",
-                     "checkpoint", "run.probe_every")
+                     "checkpoint", "run.probe_every", "learner.torch_threads")
 
 
 class CheckpointError(RuntimeError):

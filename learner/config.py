@@ -120,6 +120,9 @@ class LearnerConfig(Section):
     weight_sync: Literal["object_store", "nccl"] = Field(
         "object_store", description="weights to the engines: Ray object store, or an NCCL group (GPU, vLLM)")
     sync_bucket_mib: PositiveInt = Field(64, description="NCCL weight-sync bucket size, MiB")
+    torch_threads: PositiveInt | None = Field(
+        None, description="CPU threads of each rank's torch; none = Ray's default (one per whole CPU of the "
+        "actor). On a CPU-only node the engines idle during the PPO update, so a rank can use their cores too")
 
 
 class RunConfig(Section):
@@ -227,7 +230,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except yaml.YAMLError as err:
         raise ValueError(f"config file {path} is not valid YAML: {err}") from err
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping at the top, got {type(data).__name__}")
+        raise ValueError(f"config file {path} must hold a mapping at the top, got {type(data).__name__}")  # noqa: TRY004 - main reports ValueError as bad config
     return data
 
 

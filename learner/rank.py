@@ -79,6 +79,8 @@ class LearnerRank:
         self.temperature = temperature
         self.seed = seed
         on_gpu = torch.cuda.is_available()
+        if learner_cfg["torch_threads"]:
+            torch.set_num_threads(learner_cfg["torch_threads"])
         if not on_gpu:
             # the shared-memory allreduce op costs an ~80 s JIT build and gloo needs none of it
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

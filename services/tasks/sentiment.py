@@ -79,7 +79,10 @@ class SentimentTask(Task):
         return [template.format(subject) for subject in SUBJECTS for template in TEMPLATES]
 
     def eval_prompts(self) -> list[str]:
-        return self.prompts()
+        """A fixed spread of 50 of the prompts, each subject with two templates that rotate (so every
+        template appears five times): evaluating all 250 costs several training iterations on a CPU."""
+        n = len(TEMPLATES)
+        return [p for i, p in enumerate(self.prompts()) if (i // n + i % n) % 5 == 0]
 
     def format_prompt(self, text: str, tokenizer) -> str:
         """The prompt as one user turn of the tokenizer's chat template, ready for the assistant's answer."""
