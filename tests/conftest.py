@@ -55,7 +55,7 @@ class RayHead:
             f"--num-cpus={num_cpus}", f"--object-store-memory={object_store_mib << 20}",
             f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
         ]
-        self.log = open(Path(self.temp_dir) / "head.log", "w")
+        self.log = open(Path(self.temp_dir) / "head.log", "w")  # noqa: SIM115 - open while the head runs
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **RAY_ENV})
         try:
@@ -112,4 +112,4 @@ def tiny_model_dir(cache_dir) -> str:
 def run_job(args: list[str], timeout_s: float = 900) -> subprocess.CompletedProcess:
     """`python -m learner.main ARGS` as a user runs it; returns the finished process."""
     return subprocess.run([sys.executable, "-m", "learner.main", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout_s, env={**os.environ, **RAY_ENV})
+                          text=True, timeout=timeout_s, env={**os.environ, **RAY_ENV}, check=False)

@@ -54,7 +54,7 @@ def test_variable_lengths_and_empty_response():
     logp = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
     ref = torch.full_like(logp, -2.0)  # r = 1 everywhere
     mask = torch.tensor([[1, 0, 0], [0, 0, 0], [1, 1, 1]])
-    rewards, kl = kl_penalized_rewards(torch.tensor([5.0, 7.0, 9.0]), logp, ref, mask, kl_coef=0.5)
+    rewards, _ = kl_penalized_rewards(torch.tensor([5.0, 7.0, 9.0]), logp, ref, mask, kl_coef=0.5)
     assert torch.allclose(rewards, torch.tensor([[4.5, 0, 0], [0, 0, 0], [-0.5, -0.5, 8.5]]))
     stats = kl_stats(logp, ref, mask)
     assert stats["empty_responses"] == 1
