@@ -1,11 +1,13 @@
 """Benchmark: where an iteration's time and memory go, on randomwalks and on smollm2-sentiment.
 
     .venv/bin/python benchmarks/iteration.py [--tasks randomwalks smollm2-sentiment] [--iterations 6]
-                                             [--out DIR] [-- extra learner.main args]
+                                             [--eval-every N] [--runs-dir DIR] [--out DIR]
+                                             [-- extra learner.main args]
 
 Runs ``python -m learner.main`` once per task (randomwalks: the embedded default; smollm2-sentiment:
-``deploy/configs/smollm2-sentiment.yaml``) for ``--iterations`` iterations with evaluation only at the end,
-each job starting its own local Ray as its children. From metrics.jsonl, medians over the iterations
+``deploy/configs/smollm2-sentiment.yaml``) for ``--iterations`` iterations with evaluation only at the end
+(or every ``--eval-every``), each job starting its own local Ray as its children; ``--runs-dir`` keeps
+the run directories (curves.png, samples/, metrics.jsonl), which otherwise go to a temporary folder. From metrics.jsonl, medians over the iterations
 after the first (warm-up) without an evaluation:
 
 - the breakdown of an iteration into generate (rollout engines' busy time), score (reference), reward,
@@ -40,17 +42,21 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=list(TASK_ARGS), choices=list(TASK_ARGS))
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
+    parser.add_argument("--eval-every", type=int, default=None, help="default: only after the last iteration")
+    parser.add_argument("--runs-dir", default=None, help="keep the run directories here (default: a temp dir)")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
     args = parser.parse_args()
     if args.iterations < 3:
         parser.error("--iterations must be at least 3 (a warm-up, a steady one, and the evaluating last one)")
-    results = {**stamp(), "iterations": args.iterations, "tasks": {}}
-    with tempfile.TemporaryDirectory() as out:
+    results = {**stamp(), "iterations": args.iterations, "eval_every": args.eval_every, "extra": args.extra,
+               "tasks": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.runs_dir or tmp
         for task in args.tasks:
             job = MeasuredJob([*TASK_ARGS[task], "--model.cache_dir", args.cache_dir, "--run.output_dir", out,
                                "--run.name", task, "--run.iterations", str(args.iterations),
-                               "--run.eval_every", str(args.iterations), *args.extra]).run()
+                               "--run.eval_every", str(args.eval_every or args.iterations), *args.extra]).run()
             results["tasks"][task] = {
                 "wall_seconds": job.wall_seconds,
                 **steady_state(read_records(Path(out) / task)),
