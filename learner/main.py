@@ -301,7 +301,7 @@ def run(cfg: JobConfig) -> dict:
         job_metrics.record(record)
         progress.update(record)
         if iteration % cfg.metrics.plot_every == 0:
-            rundir.plot_curves(run_path, records, cfg.kl.target)
+            rundir.plot_curves(run_path, records, cfg.kl.target, start_eval)
         if stop.requested or (cfg.checkpoint.every and iteration % cfg.checkpoint.every == 0) \
                 or iteration == cfg.run.iterations:
             save_checkpoint(iteration)
@@ -325,7 +325,7 @@ def run(cfg: JobConfig) -> dict:
     rundir.write_summary(run_path, summary)
     progress.close()
     if records:
-        rundir.plot_curves(run_path, records, cfg.kl.target)
+        rundir.plot_curves(run_path, records, cfg.kl.target, start_eval)
     if stop.requested:
         log(f"stopped by {stop.signal_name} after iteration {iteration}; checkpoint written; continue with "
             f"--run.resume latest --run.name {cfg.run.name}")

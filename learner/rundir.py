@@ -78,8 +78,9 @@ def write_summary(path: Path, summary: dict) -> None:
     (path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def plot_curves(path: Path, records: list[dict], target: float | None) -> None:
-    """reward, response KL (with its target) and beta against iteration."""
+def plot_curves(path: Path, records: list[dict], target: float | None, eval_start: dict | None = None) -> None:
+    """reward, response KL (with its target) and beta against iteration; evaluations (the one before
+    training at iteration 0) on the reward panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,7 +90,7 @@ def plot_curves(path: Path, records: list[dict], target: float | None) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].plot(it, [r["reward_mean"] for r in records], label="reward (score - beta*KL)")
     axes[0].plot(it, [r["score_mean"] for r in records], label="score")
-    evals = [r for r in records if "eval" in r]
+    evals = ([{"iteration": 0, "eval": eval_start}] if eval_start else []) + [r for r in records if "eval" in r]
     for key in sorted({k for r in evals for k in r["eval"]}):
         axes[0].plot([r["iteration"] for r in evals], [r["eval"][key] for r in evals], "o-", label=f"eval {key}")
     axes[0].set_title("reward")
