@@ -75,7 +75,7 @@ def main() -> None:
     for task, r in results["tasks"].items():
         rows.append(f"| {task} | " + " | ".join(f"{r['peak_rss_gib'][k]:.2f}" for k in ROLES)
                     + f" | {r['peak_rss_total_gib']:.2f} |")
-    rows += ["", (f"Medians over iterations 2..{args.iterations - 1} (the first warms up, the last evaluates). "
+    rows += ["", (f"Medians over iterations 2..{args.iterations} without an evaluation (the first warms up). "
              "Times in seconds; generate, score and reward are the actors' busy time, which overlaps the "
              "learner's forward as chunks stream, so the overhead ratio (iteration over the sum of the "
              "parts) can fall below 1.")]
