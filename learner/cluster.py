@@ -10,14 +10,15 @@ from urllib.parse import urlparse
 
 from learner.config import JobConfig, RoleResources
 
-# Every Ray process of tether stays on loopback and sends nothing home (PLATFORM.md).
+# Defaults for every Ray process of tether: stay on loopback and send nothing home (PLATFORM.md). Only
+# where the environment does not set them: a cluster with token auth or several nodes sets its own.
 RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
 }
-for _key, _value in RAY_ENV.items():
-    os.environ.setdefault(_key, _value)
+RAY_ENV_DEFAULTED = {key: value for key, value in RAY_ENV.items() if key not in os.environ}
+os.environ.update(RAY_ENV_DEFAULTED)
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -58,7 +59,8 @@ def connect(cfg: JobConfig, log=print) -> None:
         log("ray: already connected")
         return
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    env_vars = {**RAY_ENV, "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "")}
+    env_vars = {**RAY_ENV_DEFAULTED, "TOKENIZERS_PARALLELISM": "false",
+                "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "")}
     env_vars = {k: v for k, v in env_vars.items() if v}
     if address:
         _check_reachable(address, cfg.cluster.connect_timeout_s)
@@ -97,7 +99,11 @@ def check_role_resources(cfg: JobConfig) -> None:
 
 
 def _options(res: RoleResources) -> dict:
-    return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "resources": dict(res.resources)}
+    options = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "resources": dict(res.resources)}
+    if not res.num_gpus:
+        # Ray 2.60 no longer hides GPUs from actors with num_gpus=0: a role without GPUs must see none
+        options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
+    return options
 
 
 @dataclass
@@ -150,3 +156,83 @@ def start_actor(cls, role: str, i: int, res: RoleResources, placement: Placement
     if placement is not None:
         options["scheduling_strategy"] = placement.strategy(role, i)
     return ray.remote(cls).options(**options).remote(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- pre-flight
+
+def roles(cfg: JobConfig) -> list[tuple[str, int]]:
+    """(role, index) of every actor the job starts, in bundle order."""
+    counts = {"rollout": cfg.rollout.num_engines, "reference": cfg.reference.num_actors,
+              "reward": cfg.reward.num_actors, "learner": cfg.learner.world_size}
+    return [(role, i) for role, n in counts.items() for i in range(n)]
+
+
+def _check_node(role: str, models: list, storage_uri: str, token_file: str, token: str) -> dict:
+    """Runs on the node of one role's bundle: do the models resolve here, and is the run storage the
+    driver's (it reads back the token the driver wrote, then writes its own)?"""
+    import fsspec
+
+    from services.model_source import ModelNotFoundError, node_name
+
+    found = {"node": node_name(), "ship": False, "problems": []}
+    for model in models:
+        try:
+            found["ship"] |= model.check() == "ship"
+        except ModelNotFoundError as err:
+            found["problems"].append(str(err))
+    fs, root = fsspec.core.url_to_fs(storage_uri)
+    try:
+        seen = fs.cat_file(f"{root}/{token_file}").decode()
+    except (FileNotFoundError, OSError) as err:
+        seen = f"unreadable ({type(err).__name__})"
+    if seen != token:
+        found["problems"].append(
+            f"run.output_dir {storage_uri} is not the driver's storage here: the file {token_file} the driver wrote "
+            f"there is {'missing' if 'FileNotFound' in seen else seen}. Every node must see one storage "
+            "(a shared volume mounted at the same path, or an s3:// or gs:// URI)")
+    else:
+        try:
+            fs.pipe_file(f"{root}/{token_file}.{role}", token.encode())
+        except OSError as err:
+            found["problems"].append(f"run.output_dir {storage_uri} is not writable here: {err}")
+    return found
+
+
+def preflight(cfg: JobConfig, placement: Placement, models: list, storage_uri: str, log=print) -> None:
+    """Before any model loads, check every role's node: the models resolve there, and the run storage is
+    shared and writable from there. Driver-made model files go to the object store only when some node
+    lacks them. Raises ClusterError naming each node, role and what is missing."""
+    import secrets
+
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(storage_uri)
+    token, token_file = secrets.token_hex(16), f".preflight-{os.getpid()}"
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe_file(f"{root}/{token_file}", token.encode())
+    check = ray.remote(num_cpus=0, max_retries=0)(_check_node)
+    try:
+        calls = {f"{role}-{i}": check.options(scheduling_strategy=placement.strategy(role, i)).remote(
+                     f"{role}-{i}", models, storage_uri, token_file, token) for role, i in roles(cfg)}
+        try:
+            found = dict(zip(calls, ray.get(list(calls.values()), timeout=cfg.cluster.placement_timeout_s),
+                             strict=True))
+        except ray.exceptions.GetTimeoutError as err:
+            raise ClusterError(f"pre-flight: node checks did not answer within {cfg.cluster.placement_timeout_s:.0f}s "
+                               f"for {[name for name, ref in calls.items() if not ray.wait([ref], timeout=0)[0]]}") from err
+    finally:
+        for path in fs.glob(f"{root}/{token_file}*"):
+            fs.rm(path)
+    problems = [f"{name} on {f['node']}: {p}" for name, f in found.items() for p in f["problems"]]
+    if problems:
+        raise ClusterError("pre-flight failed:\n  " + "\n  ".join(problems))
+    shipped = sorted({f["node"] for f in found.values() if f["ship"]})
+    if shipped:
+        for model in models:
+            model.ship()
+        log(f"pre-flight: the driver's model files go through the object store to {', '.join(shipped)}")
+    by_node: dict[str, list[str]] = {}
+    for name, f in found.items():
+        by_node.setdefault(f["node"], []).append(name)
+    log("pre-flight: models and run storage ok on " + "; ".join(f"{node}: {', '.join(names)}"
+                                                                 for node, names in by_node.items()))

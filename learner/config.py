@@ -14,6 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, m
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 
+# The probe's default bound per dtype. fp32 engines match the learner to ~1e-6. In bf16 the engine's and the
+# learner's kernels round differently (measured: see README, "Run on a cluster"); a failed sync moves
+# log-probs by far more than this.
+PROBE_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25}
+
+
 class Section(BaseModel):
     # unknown fields are typos, never silently ignored
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -43,7 +49,20 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     max_new_tokens: PositiveInt | None = Field(None, description="response length cap; none = the task's")
     kv_cache_mib: PositiveInt = Field(256, description="vLLM KV cache size in MiB (CPU)")
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM's share of its GPU (CUDA only)")
+    enforce_eager: bool = Field(True, description="vLLM without CUDA graphs / compilation: fast starts")
+    tensor_parallel_size: PositiveInt = Field(1, description="GPUs per vLLM engine (tensor parallel)")
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
+        None, description="vLLM executor for tensor_parallel_size > 1; none = vLLM's choice")
     eval_samples_per_prompt: PositiveInt = Field(8, description="samples per eval prompt")
+
+    def vllm_engine_args(self) -> dict[str, Any]:
+        """The vLLM ``LLM(...)`` arguments these settings map to."""
+        args = {"enforce_eager": self.enforce_eager, "tensor_parallel_size": self.tensor_parallel_size,
+                "gpu_memory_utilization": self.gpu_memory_utilization}
+        if self.distributed_executor_backend:
+            args["distributed_executor_backend"] = self.distributed_executor_backend
+        return args
 
 
 class ReferenceConfig(Section):
@@ -134,7 +153,9 @@ class RunConfig(Section):
     resume: str | None = Field(None, description="continue from a checkpoint: 'latest' or its directory")
     eval_every: PositiveInt = Field(5, description="evaluate every N iterations (and at the end)")
     probe_every: PositiveInt = Field(1, description="check engine vs learner log-probs every N syncs")
-    probe_tolerance: PositiveFloat = Field(1e-4, description="max |logp diff| allowed by the probe (fp32)")
+    probe_tolerance: PositiveFloat | None = Field(
+        None, description="max |logp diff| allowed by the probe; none = by learner.dtype (float32 1e-4, "
+        "bfloat16 see PROBE_TOLERANCE)")
     actor_max_restarts: int = Field(-1, ge=-1, description="restarts of a crashed rollout/reference/reward "
                                     "actor (-1: unlimited, as a long run on preemptible nodes needs)")
     max_chunk_retries: int = Field(3, ge=0, description="times a chunk lost to a dead actor is regenerated")
@@ -201,11 +222,23 @@ class JobConfig(BaseSettings):
                                                     or not self.cluster.learner.num_gpus):
             raise ValueError("learner.weight_sync='nccl' needs rollout.engine='vllm' and GPUs for the rollout "
                              "engines and the learner (cluster.rollout.num_gpus, cluster.learner.num_gpus)")
+        if self.rollout.tensor_parallel_size > 1 and self.cluster.rollout.num_gpus < self.rollout.tensor_parallel_size:
+            raise ValueError(f"rollout.tensor_parallel_size={self.rollout.tensor_parallel_size} needs that many GPUs "
+                             f"per engine: cluster.rollout.num_gpus={self.cluster.rollout.num_gpus}")
         if self.run.resume and self.run.overwrite:
             raise ValueError("run.resume and run.overwrite exclude each other: resuming keeps the run directory")
         if self.reward.kind == "model" and not self.reward.model_path:
             raise ValueError("reward.kind='model' needs reward.model_path")
         return self
+
+    @property
+    def probe_tolerance(self) -> float:
+        """The probe's bound on |engine - learner| log-probs: the configured one, or the dtype's."""
+        return self.run.probe_tolerance or PROBE_TOLERANCE[self.learner.dtype]
+
+    def device(self, role: str) -> str:
+        """'cuda' exactly when the role asks for GPUs; never a GPU it did not reserve."""
+        return "cuda" if getattr(self.cluster, role).num_gpus > 0 else "cpu"
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]

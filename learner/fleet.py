@@ -17,6 +17,7 @@ from actors.reward import RewardActor
 from actors.rollout import RolloutActor
 from learner import cluster
 from learner.config import JobConfig
+from services.model_source import ModelSource
 
 
 class ProbeError(RuntimeError):
@@ -29,28 +30,29 @@ def seed_for(run_seed: int, iteration: int, row: int) -> int:
 
 
 class Fleet:
-    def __init__(self, cfg: JobConfig, model_dir: str, placement, sampling: SamplingSettings, pad_id: int,
-                 max_model_len: int) -> None:
+    def __init__(self, cfg: JobConfig, model: ModelSource, placement, sampling: SamplingSettings, pad_id: int,
+                 max_model_len: int, reward_model: ModelSource | None = None) -> None:
         self.cfg, self.sampling, self.pad_id = cfg, sampling, pad_id
-        c, restarts = cfg.cluster, cfg.run.actor_max_restarts
+        c, restarts, dtype = cfg.cluster, cfg.run.actor_max_restarts, cfg.learner.dtype
         # an NCCL group cannot take back a restarted member: there a lost engine ends the job (resume it)
         engine_restarts = 0 if cfg.learner.weight_sync == "nccl" else restarts
+        # engines and the reference compute in the learner's dtype, on the device their role reserved
         self.rollouts = [
-            cluster.start_actor(RolloutActor, "rollout", i, c.rollout, placement, i, cfg.rollout.engine, model_dir,
-                                cfg.run.seed + i, max_model_len, cfg.rollout.kv_cache_mib, "float32", i,
-                                max_restarts=engine_restarts)
+            cluster.start_actor(RolloutActor, "rollout", i, c.rollout, placement, i, cfg.rollout.engine, model,
+                                cfg.run.seed + i, max_model_len, cfg.rollout.kv_cache_mib, dtype, i,
+                                cfg.device("rollout"), cfg.rollout.vllm_engine_args(), max_restarts=engine_restarts)
             for i in range(cfg.rollout.num_engines)
         ]
         self.references = [
-            cluster.start_actor(ReferenceActor, "reference", i, c.reference, placement, i, model_dir,
-                                cfg.reference.backend, "float32", max_model_len, 128, cfg.rollout.temperature,
-                                max_restarts=restarts)
+            cluster.start_actor(ReferenceActor, "reference", i, c.reference, placement, i, model,
+                                cfg.reference.backend, dtype, max_model_len, 128, cfg.rollout.temperature,
+                                cfg.device("reference"), max_restarts=restarts)
             for i in range(cfg.reference.num_actors)
         ]
         self.rewards = [
             cluster.start_actor(RewardActor, "reward", i, c.reward, placement, i, cfg.task.name,
-                                {"seed": cfg.task.seed}, model_dir, cfg.reward.kind, cfg.reward.model_path,
-                                cfg.reward.score_clip, max_restarts=restarts)
+                                {"seed": cfg.task.seed}, model, cfg.reward.kind, reward_model,
+                                cfg.reward.score_clip, cfg.device("reward"), max_restarts=restarts)
             for i in range(cfg.reward.num_actors)
         ]
         self.all = self.rollouts + self.references + self.rewards
@@ -140,9 +142,10 @@ class Fleet:
                     raise
                 continue  # down now; it is re-synced and probed when it is back
             error = max(abs(a - b) for e, g in zip(expected, got, strict=True) for a, b in zip(e, g, strict=True))
-            if error > self.cfg.run.probe_tolerance:
+            if error > self.cfg.probe_tolerance:
                 raise ProbeError(f"weight sync probe failed: engine log-probs differ from the learner's by "
-                                 f"{error:.2e} > run.probe_tolerance={self.cfg.run.probe_tolerance}")
+                                 f"{error:.2e} > the probe tolerance {self.cfg.probe_tolerance} "
+                                 f"(run.probe_tolerance, learner.dtype={self.cfg.learner.dtype})")
             worst = max(worst, error)
         return worst
 

@@ -7,10 +7,11 @@ import ray
 from learner.cluster import ClusterError, Placement, start_actor
 from learner.config import JobConfig
 from learner.rank import LearnerRank
+from services.model_source import ModelSource
 
 
 class LearnerGroup:
-    def __init__(self, cfg: JobConfig, model_dir: str, placement: Placement | None, tag: str = "") -> None:
+    def __init__(self, cfg: JobConfig, model: ModelSource | str, placement: Placement | None, tag: str = "") -> None:
         self.world_size = cfg.learner.world_size
         self.ranks = [
             start_actor(LearnerRank, "learner", i, cfg.cluster.learner, placement, i, self.world_size, tag=tag)
@@ -18,8 +19,8 @@ class LearnerGroup:
         ]
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
         setups = [
-            rank.setup.remote(master_addr, master_port, model_dir, cfg.learner.model_dump(), cfg.ppo.model_dump(),
-                              cfg.kl.model_dump(), cfg.rollout.temperature, cfg.run.seed)
+            rank.setup.remote(master_addr, master_port, model, cfg.learner.model_dump(), cfg.ppo.model_dump(),
+                              cfg.kl.model_dump(), cfg.rollout.temperature, cfg.run.seed, cfg.device("learner"))
             for rank in self.ranks
         ]
         self._get(setups, "setup")

@@ -100,7 +100,8 @@ def run(cfg: JobConfig) -> dict:
     from learner.group import LearnerGroup
     from learner.kl import AdaptiveKLController, FixedKLController, controller_statistic, kl_stats_from_sums
     from services.metrics import DriverMetrics
-    from services.models import load_tokenizer, policy_dir
+    from services.model_source import ModelSource
+    from services.models import load_tokenizer, policy_source
     from services.prompts import PromptSampler, encode_prompts
     from services.tasks import get_task
 
@@ -114,9 +115,11 @@ def run(cfg: JobConfig) -> dict:
         resume_state = checkpoint.verify(resume_from)
         checkpoint.check_compatible(resume_state["config"], cfg, resume_from)
     log("KL accounting: " + ", ".join(f"{k}={v}" for k, v in cfg.kl.model_dump().items()))
-    model_dir = str(policy_dir(task, cfg.model.path, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps,
-                               cfg.model.sft_batch_size, cfg.model.sft_lr, log=log))
-    tokenizer = load_tokenizer(model_dir)
+    # the policy as every node reaches it: a shared path or hub id, or files the driver makes and ships
+    model = policy_source(task, cfg.model.path, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps,
+                          cfg.model.sft_batch_size, cfg.model.sft_lr, log=log)
+    reward_model = ModelSource.configured(cfg.reward.model_path) if cfg.reward.kind == "model" else None
+    tokenizer = load_tokenizer(model.resolve("driver"))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts, eval_prompts = (
         encode_prompts([task.format_prompt(t, tokenizer) for t in texts], tokenizer, cfg.task.max_prompt_tokens,
@@ -133,9 +136,10 @@ def run(cfg: JobConfig) -> dict:
     # ---- cluster and actors: each role on its own bundle
     cluster.connect(cfg, log=log)
     placement = cluster.reserve(cfg)
-    fleet = Fleet(cfg, model_dir, placement, sampling, pad_id,
-                  max_model_len=cfg.task.max_prompt_tokens + sampling.max_new_tokens + 1)
-    learner = LearnerGroup(cfg, model_dir, placement)
+    cluster.preflight(cfg, placement, [m for m in (model, reward_model) if m], str(run_path.resolve()), log=log)
+    fleet = Fleet(cfg, model, placement, sampling, pad_id,
+                  max_model_len=cfg.task.max_prompt_tokens + sampling.max_new_tokens + 1, reward_model=reward_model)
+    learner = LearnerGroup(cfg, model, placement)
     log(f"actors ready: {len(fleet.rollouts)} rollout, {len(fleet.references)} reference, {len(fleet.rewards)} "
         f"reward, {cfg.learner.world_size} learner rank(s), ZeRO-{cfg.learner.zero_stage} "
         f"({time.perf_counter() - wall_start:.1f}s)")

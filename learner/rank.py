@@ -23,6 +23,7 @@ from learner.ppo import (
     value_loss,
 )
 from services.experience import RolloutBatch, concat_batches, model_inputs
+from services.model_source import ModelSource, as_source
 
 
 class PolicyWithValueHead(nn.Module):
@@ -68,17 +69,19 @@ class LearnerRank:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int, model_dir: str, learner_cfg: dict, ppo_cfg: dict,
-              kl_cfg: dict, temperature: float, seed: int) -> int:
+    def setup(self, master_addr: str, master_port: int, model: ModelSource | str, learner_cfg: dict, ppo_cfg: dict,
+              kl_cfg: dict, temperature: float, seed: int, device: str = "cpu") -> int:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         import deepspeed
+
+        from actors.engines import check_device
 
         world_size = self.world_size
         self.ppo, self.kl, self.learner = ppo_cfg, kl_cfg, learner_cfg
         self.temperature = temperature
         self.seed = seed
-        on_gpu = torch.cuda.is_available()
+        on_gpu = check_device(device, f"learner-rank-{self.rank}") == "cuda"
         if learner_cfg["torch_threads"]:
             torch.set_num_threads(learner_cfg["torch_threads"])
         if not on_gpu:
@@ -89,9 +92,12 @@ class LearnerRank:
 
         from services.models import load_causal_lm
 
+        # the model's files on this rank's node: a shared path, the HF cache, or shipped by the driver
+        self.model_dir = as_source(model).resolve(f"learner-rank-{self.rank}")
         torch.manual_seed(seed)  # same value-head init on every rank
-        critic = load_causal_lm(model_dir, "float32") if learner_cfg["critic"] == "separate" else None
-        model = PolicyWithValueHead(load_causal_lm(model_dir, "float32"), critic)
+        # fp32 master weights; with learner.dtype bfloat16 DeepSpeed trains a bf16 copy of them
+        critic = load_causal_lm(self.model_dir, "float32") if learner_cfg["critic"] == "separate" else None
+        model = PolicyWithValueHead(load_causal_lm(self.model_dir, "float32"), critic)
         from torch.optim import AdamW
 
         optimizer = AdamW(model.parameters(), lr=ppo_cfg["lr"], betas=tuple(ppo_cfg["adam_betas"]),
@@ -254,9 +260,9 @@ class LearnerRank:
 
     # ------------------------------------------------------------------ weights, probes, fixed-batch checks
 
-    def policy_state_dict(self, dtype: str = "float32") -> list | None:
-        """[ObjectRef of the full policy weights (HF names)] on rank 0, None elsewhere: put once, read
-        zero-copy by every engine on the node. Collective under ZeRO-3."""
+    def policy_state_dict(self, dtype: str | None = None) -> list | None:
+        """[ObjectRef of the full policy weights (HF names), in ``dtype`` (default: the learner's)] on rank
+        0, None elsewhere: put once, read zero-copy by every engine on the node. Collective under ZeRO-3."""
         import deepspeed
         import ray
 
@@ -265,7 +271,7 @@ class LearnerRank:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=self.learner["zero_stage"] == 3):
             if self.rank != 0:
                 return None
-            target = getattr(torch, dtype)
+            target = getattr(torch, dtype or self.learner["dtype"])
             return [ray.put({name: t.detach().to("cpu", target).clone() for name, t in lm.state_dict().items()})]
 
     def init_weight_broadcast(self, master_addr: str, master_port: int, world_size: int) -> list | None:

@@ -25,6 +25,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from services.model_source import ModelSource
 from services.tasks.base import Task
 
 EOS = "<|endoftext|>"
@@ -95,10 +96,19 @@ def sft_warm_start(task: Task, tokenizer, seed: int, steps: int, batch_size: int
     return model
 
 
+def policy_source(task: Task, model_path: str | None, cache_dir: str, seed: int, steps: int, batch_size: int,
+                  lr: float, log=print) -> ModelSource:
+    """The policy as every node can reach it: ``model_path`` (a directory every node has, or a hub id), or
+    a model the driver makes here (the task's SFT warm start or conversion) and ships to the nodes."""
+    if model_path:
+        return ModelSource.configured(model_path)
+    return ModelSource.produced(policy_dir(task, None, cache_dir, seed, steps, batch_size, lr, log), cache_dir)
+
+
 def policy_dir(task: Task, model_path: str | None, cache_dir: str, seed: int, steps: int, batch_size: int,
                lr: float, log=print) -> Path:
-    """The policy's HF model dir: ``model_path`` if given, else the task's SFT warm start, cached by a
-    hash of everything that determines it and built on a miss."""
+    """The policy's HF model dir on this machine: ``model_path`` if given, else the task's own model (its
+    conversion, or its SFT warm start cached by a hash of everything that determines it, built on a miss)."""
     if model_path:
         path = Path(model_path).expanduser()
         if not (path / "config.json").is_file():
