@@ -13,7 +13,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
-
 # The probe's default bound per dtype. fp32 engines match the learner to ~1e-6. In bf16 the engine's and the
 # learner's kernels round differently (measured: see README, "Run on a cluster"); a failed sync moves
 # log-probs by far more than this.

@@ -173,7 +173,7 @@ def _hub_snapshot(repo_id: str, where: str) -> str:
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     try:
         return snapshot_download(repo_id, local_files_only=offline)
-    except Exception as err:  # noqa: BLE001 - hub errors come in many types; the message is what matters
+    except Exception as err:
         raise ModelNotFoundError(
             f"{where}: Hugging Face Hub id {repo_id!r} cannot be resolved"
             + (" from the local HF cache (HF_HUB_OFFLINE is set)" if offline else "") + f": {err}") from err

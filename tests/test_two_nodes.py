@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, free_port, wait_port
+from tests.conftest import ROOT, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -171,8 +171,8 @@ def test_default_job_runs_on_the_worker_node_and_resumes_the_same_trajectory(two
     # every role ran on the worker, which got the driver's SFT model through the object store
     preflight = next(line for line in out.splitlines() if line.startswith("[tether] pre-flight: models"))
     assert preflight.endswith(f"({WORKER_IP}): rollout-0, reference-0, reward-0, learner-0"), preflight
-    assert f"LearnerRank pid=" in out and f"ip={WORKER_IP}" in out
-    assert f"object store to node" in out and f"({WORKER_IP})" in out, out[-3000:]
+    assert "LearnerRank pid=" in out and f"ip={WORKER_IP}" in out
+    assert "object store to node" in out and f"({WORKER_IP})" in out, out[-3000:]
     run_dir = runs / "two-nodes"
     straight = _metrics(run_dir)
     assert [r["iteration"] for r in straight] == [1, 2, 3]
