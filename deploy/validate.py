@@ -34,6 +34,7 @@ container has resource requests and limits.
 - one shared volume (a PersistentVolumeClaim) mounted at the same path in the head and every worker group;
 - Ray token auth on (``authOptions.mode: token``, Ray >= 2.52), and no container or runtime env that sets
   ``RAY_AUTH_MODE`` to anything else or writes a token into the manifest;
+- ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` in every Ray container (tether defaults it to 0 where unset);
 - ``RAY_JOB_STOP_WAIT_TIME_S`` on the head (time for the SIGTERM checkpoint), and the dashboard's
   ``RAY_PROMETHEUS_HOST`` / ``RAY_GRAFANA_HOST``;
 - every GPU group's ``nvidia.com/gpu`` limit equal to its ``num-gpus``;
@@ -768,6 +769,18 @@ def _env_findings(doc: dict[str, Any]) -> list[str]:
     return findings
 
 
+def _node_env_findings(where: str, cluster: dict[str, Any]) -> list[str]:
+    """Every Ray container sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1: tether defaults it to 0 (one machine)
+    where unset, and with 0 Ray takes 127.0.0.1 as the node's address instead of the pod's."""
+    findings = []
+    for at, name, group in _groups(cluster, where):
+        value = _env(_ray_container(group)).get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", {}).get("value")
+        if value != "1":
+            findings.append(f"{at}.template.spec.containers[0].env.RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: must be '1' "
+                            f"in the {name} pod (got {value!r}); tether defaults it to 0, which makes Ray use 127.0.0.1")
+    return findings
+
+
 def _head_env_findings(where: str, cluster: dict[str, Any]) -> list[str]:
     findings = []
     at = f"{where}.headGroupSpec.template.spec.containers[0].env"
@@ -859,6 +872,7 @@ def policy_findings(doc: dict[str, Any], repo_root: str | Path = REPO_ROOT) -> l
         findings += shared_volume(cluster, where)[1]
         findings += _auth_findings(doc, where, cluster)
         findings += _head_env_findings(where, cluster)
+        findings += _node_env_findings(where, cluster)
         findings += _gpu_findings(where, cluster)
     if any(True for _ in _cluster_specs(doc)):
         findings += _env_findings(doc)

@@ -480,6 +480,18 @@ def test_head_has_stop_wait_and_metrics_env(rayjob, raycluster):
     assert any("RAY_JOB_STOP_WAIT_TIME_S" in f for f in validate.policy_findings(rayjob))
 
 
+def test_every_ray_pod_keeps_multi_node_addressing(rayjob):
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    for _, name, group in validate._groups(cluster, "$"):
+        env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1", name
+    worker = groups(cluster)["rollout"]["template"]["spec"]["containers"][0]
+    worker["env"] = [e for e in worker["env"] if e["name"] != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
+    findings = validate.policy_findings(rayjob)
+    assert any("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: must be '1' in the rollout pod (got None)" in f
+               for f in findings), findings
+
+
 def test_rayjob_and_raycluster_are_the_same_cluster(rayjob, raycluster):
     assert rayjob["spec"]["rayClusterSpec"] == raycluster["spec"]
 
