@@ -141,7 +141,7 @@ def run(cfg: JobConfig) -> dict:
                   max_model_len=cfg.task.max_prompt_tokens + sampling.max_new_tokens + 1, reward_model=reward_model)
     learner = LearnerGroup(cfg, model, placement)
     log(f"actors ready: {len(fleet.rollouts)} rollout, {len(fleet.references)} reference, {len(fleet.rewards)} "
-        f"reward, {cfg.learner.world_size} learner rank(s), ZeRO-{cfg.learner.zero_stage} "
+        f"reward, {cfg.learner.world_size} learner rank(s), ZeRO-{cfg.learner.zero_stage}, {cfg.learner.dtype} "
         f"({time.perf_counter() - wall_start:.1f}s)")
 
     kl_ctl = (AdaptiveKLController(cfg.kl.init_kl_coef, cfg.kl.target, cfg.kl.horizon)

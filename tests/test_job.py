@@ -41,6 +41,26 @@ def test_default_job_learns(ray_head, cache_dir, tmp_path):
     assert after.count("## ") == 8 and "Prompt:" in after and "Response:" in after
 
 
+def test_bfloat16_job_starts_at_zero_kl_passes_its_probes_and_learns(ray_head, cache_dir, tmp_path):
+    """learner.dtype bfloat16 end to end: DeepSpeed bf16 (fp32 master weights), engines and reference in
+    bf16, weights synced in bf16, the probe's tolerance set by the dtype."""
+    from learner.config import PROBE_TOLERANCE
+
+    proc = run_job(job_args(ray_head, cache_dir, tmp_path, "bf16", "--run.seed", "1", "--model.sft_steps", "60",
+                            "--model.sft_batch_size", "50", "--learner.dtype", "bfloat16", "--run.iterations", "4",
+                            "--run.eval_every", "4"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ZeRO-0, bfloat16" in proc.stdout
+    records = read_metrics(tmp_path / "bf16")
+    # the reference and the learner share the dtype and the weights: the first batch has no KL at all
+    assert records[0]["kl_response_mean"] == 0.0 and records[0]["kl_k3_response_mean"] == 0.0
+    probes = [r["probe_max_abs_error"] for r in records]
+    assert all(0 <= p < PROBE_TOLERANCE["bfloat16"] for p in probes), probes
+    summary = json.loads((tmp_path / "bf16" / "summary.json").read_text())
+    start, final = summary["eval_start"]["optimality"], summary["eval_final"]["optimality"]
+    assert final > start + 0.15, (start, final)
+
+
 @pytest.mark.parametrize("target, direction", [(0.001, "rises"), (1000.0, "falls")])
 def test_broadcast_and_controller(ray_head, cache_dir, tmp_path, target, direction):
     """Every actor reports the driver's version and beta after each iteration, every batch carries
