@@ -1,5 +1,6 @@
 """How an actor finds its model on its own node: a shared path, a hub id from the HF cache, or files the
-driver shipped through the object store (cached by content hash). And a role without GPUs sees none."""
+driver shipped through the object store (cached by content hash). A role without GPUs sees none, and the Ray
+settings of a cluster are its own."""
 
 from __future__ import annotations
 
@@ -99,3 +100,35 @@ def test_a_role_given_gpus_on_a_node_without_cuda_is_named():
         pytest.skip("this machine has CUDA")
     with pytest.raises(RuntimeError, match="role rollout-0: the config gives this role GPUs"):
         check_device("cuda", "rollout-0")
+
+
+def test_ray_settings_reach_actors_only_where_the_environment_does_not_set_them():
+    """A cluster with token auth or several nodes keeps its own RAY_AUTH_MODE and
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER; tether's loopback defaults fill in only what is unset."""
+    import json
+    import subprocess
+    import sys
+
+    show = "import json, learner.cluster as c; print(json.dumps(c.RAY_ENV_DEFAULTED))"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    on_cluster = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, check=True,
+                                env={**base, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"})
+    assert json.loads(on_cluster.stdout) == {"RAY_USAGE_STATS_ENABLED": "0"}
+    alone = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, check=True, env=base)
+    assert json.loads(alone.stdout) == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+                                        "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def test_vllm_settings_are_config_fields():
+    from learner.config import load_config
+
+    cfg = load_config(None, {"rollout": {"enforce_eager": False, "gpu_memory_utilization": 0.8,
+                                         "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+                             "cluster": {"rollout": {"num_gpus": 2}}})
+    assert cfg.rollout.vllm_engine_args() == {"enforce_eager": False, "tensor_parallel_size": 2,
+                                              "gpu_memory_utilization": 0.8, "distributed_executor_backend": "mp"}
+    assert (cfg.device("rollout"), cfg.device("learner")) == ("cuda", "cpu")
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=2 needs that many GPUs per engine"):
+        load_config(None, {"rollout": {"tensor_parallel_size": 2}})
+    assert load_config(None, {"learner": {"dtype": "bfloat16"}}).probe_tolerance > \
+        load_config(None, {}).probe_tolerance == 1e-4
