@@ -13,10 +13,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
-# The probe's default bound per dtype. fp32 engines match the learner to ~1e-6. In bf16 the engine's and the
-# learner's kernels round differently (measured: see README, "Run on a cluster"); a failed sync moves
-# log-probs by far more than this.
-PROBE_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25}
+# The probe's default bound on max |engine - learner| log-prob, per dtype. fp32 engines match the learner
+# to ~1e-6. In bf16 the engine's and the learner's kernels round differently: measured 0.02 on randomwalks
+# and 0.37 on SmolLM2-135M's probe (mean 0.075; 0.15 on sampled responses). bf16 still catches weights
+# that did not load, but not a sync one small step behind: the version check covers that.
+PROBE_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5}
 
 
 class Section(BaseModel):
