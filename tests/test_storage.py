@@ -230,3 +230,36 @@ def test_hf_export_loads_in_transformers_and_vllm_with_the_learners_logprobs(ray
         ray.kill(engine)
     for got, expected in zip(vllm_logprobs, learner_logprobs, strict=True):
         assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-4
+
+
+# ====================================================================== a job with its storage as a file:// URI
+
+
+@pytest.mark.integration
+def test_job_on_a_file_uri_resumes_on_fewer_ranks_and_exports(ray_head, cache_dir, tmp_path):
+    from tests.conftest import run_job
+    from tests.test_reliability import SMALL
+
+    def job(*extra):
+        return run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
+                        f"file://{tmp_path}", "--run.name", "uri", *SMALL, *extra], timeout_s=600)
+
+    first = job("--run.iterations", "2", "--learner.world_size", "2", "--learner.zero_stage", "2",
+                "--no-checkpoint.export_hf")
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = tmp_path / "uri"
+    manifest = json.loads((run_dir / "checkpoints" / "iter-000002" / "manifest.json").read_text())
+    assert any("zero_pp_rank_1_" in name for name in manifest)  # rank 1's shard is sealed in
+    assert not (run_dir / "export").exists()
+
+    resumed = job("--run.iterations", "3", "--learner.world_size", "1", "--learner.zero_stage", "2",
+                  "--run.resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter-000003"
+    for name in ("config.yaml", "config.before-resume.yaml", "summary.json", "curves.png",
+                 "samples/iteration-0000.md", "samples/iteration-0003.md", "export/model.safetensors",
+                 "export/config.json", "export/tokenizer.json"):
+        assert (run_dir / name).is_file(), name
+    assert not any(p.name.startswith(".") for p in run_dir.rglob("*"))  # no temp or probe files left behind
