@@ -331,16 +331,18 @@ class LearnerRank:
     def load_checkpoint(self, storage_url: str, manifest: dict, saved_world_size: int) -> None:
         """Download what this rank needs from the checkpoint storage into node-local scratch, verifying
         each file's sha256 against ``manifest``, and load it. A checkpoint of ``saved_world_size`` ranks
-        other than this group's loads through DeepSpeed's universal checkpoint (ZeRO 1-3; ZeRO-0 keeps
-        the full optimizer state in rank 0's model states, which every rank reads)."""
+        other than this group's loads through DeepSpeed's universal checkpoint, converted here from all
+        ranks' files (ZeRO 1-3 and bf16; fp32 ZeRO-0 keeps the whole optimizer state in rank 0's model
+        states, which every rank reads)."""
         import shutil
 
         from learner.checkpoint import CheckpointError
         from learner.storage import RunStorage, scratch_dir, sha256_file
 
         ckpt = RunStorage(storage_url)
+        # ZeRO 1-3 and bf16 split the optimizer state into per-rank files; fp32 ZeRO-0 keeps it whole
+        partitioned = any(n.endswith("optim_states.pt") for n in manifest)
         resized = saved_world_size != self.world_size
-        stage = self.learner["zero_stage"]
         own = lambda name: "zero_pp_rank_" not in name or f"zero_pp_rank_{self.rank}_" in name
         wanted = [n for n in sorted(manifest) if n.startswith("learner/") and (resized or own(n))]
         scratch = scratch_dir(f"tether-load-rank{self.rank}-")
@@ -351,8 +353,14 @@ class LearnerRank:
                 if sha256_file(local) != manifest[name]["sha256"]:
                     raise CheckpointError(f"checkpoint file {ckpt.display(name)} is corrupt: its sha256 does "
                                           f"not match the manifest")
-            if resized and stage > 0:
-                load_dir = self._to_universal(os.path.join(scratch, "learner"), os.path.join(scratch, "universal"))
+            if resized and partitioned:
+                try:
+                    load_dir = self._to_universal(os.path.join(scratch, "learner"), os.path.join(scratch, "universal"))
+                except Exception as err:
+                    raise CheckpointError(f"checkpoint {ckpt} of {saved_world_size} learner ranks cannot be "
+                                          f"re-partitioned for {self.world_size} through DeepSpeed's universal "
+                                          f"checkpoint: {err!r}; resume with learner.world_size="
+                                          f"{saved_world_size}") from err
                 self.engine._config.load_universal_checkpoint = True
             else:
                 load_dir = scratch
