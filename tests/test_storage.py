@@ -129,7 +129,7 @@ def _probe_set():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("stage", "dtype"), [(0, "float32"), (3, "float32"), (0, "bfloat16")])
+@pytest.mark.parametrize(("stage", "dtype"), [(0, "float32"), (2, "float32"), (3, "float32"), (0, "bfloat16")])
 def test_checkpoint_of_two_ranks_resumes_on_one(ray_client, tiny_model_dir, tmp_path, stage, dtype):
     """2 ranks train, checkpoint to a file:// storage; 1 rank resumes with the same weights, and one more
     update on the same batch gives the weights the 2-rank group reaches."""
