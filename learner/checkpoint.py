@@ -1,106 +1,119 @@
 """Checkpoints: every rank's DeepSpeed engine (policy, value head, optimizer) plus the driver's state
-(iteration, policy version, KL controller, prompt cursor, resolved config).
+(iteration, policy version, KL controller, prompt cursor, resolved config), in the run's storage.
 
-Written atomically: into ``checkpoints/.tmp-iter-N``, sealed with a manifest of sha256 sums, renamed to
-``checkpoints/iter-N``, and only then is the ``latest`` pointer replaced. Loading verifies every file
-against the manifest, so a truncated or corrupted checkpoint is named, never silently skipped.
+Layout: ``checkpoints/iter-N/`` holds ``learner/`` (the ranks' DeepSpeed files), ``driver.json`` and
+``manifest.json`` (sha256 and bytes of every other file); ``checkpoints/latest`` names the newest one.
+Each rank saves into node-local scratch and uploads its files, reporting their sha256 and size. The
+driver checks that every reported file is in the storage with that size, writes ``driver.json``, and
+only then the manifest (the seal: object stores have no directory rename) and the ``latest`` pointer.
+A checkpoint without a manifest is never resumed. Ranks verify every file they download against it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-from pathlib import Path
 
 from learner.config import JobConfig
+from learner.storage import RunStorage
 
 # settings a resumed run may change; anything else must match the checkpoint's config
 RESUMABLE_CHANGES = ("run.iterations", "run.resume", "run.overwrite", "run.eval_every", "cluster", "metrics",
-                     "checkpoint", "run.probe_every", "learner.torch_threads")
+                     "checkpoint", "run.probe_every", "learner.torch_threads", "learner.world_size")
 
 
 class CheckpointError(RuntimeError):
     pass
 
 
-def checkpoints_dir(run_path: Path) -> Path:
-    return run_path / "checkpoints"
+def checkpoint_name(iteration: int) -> str:
+    return f"iter-{iteration:06d}"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def begin(run: RunStorage, iteration: int) -> RunStorage:
+    """An empty ``checkpoints/iter-N`` (a leftover one, unsealed or sealed, is removed first)."""
+    ckpt = run.child("checkpoints", checkpoint_name(iteration))
+    ckpt.remove()
+    return ckpt
 
 
-def begin(run_path: Path, iteration: int) -> Path:
-    """A fresh temporary directory for the checkpoint of ``iteration``."""
-    tmp = checkpoints_dir(run_path) / f".tmp-iter-{iteration:06d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
+def commit(run: RunStorage, ckpt: RunStorage, rank_files: list[dict], driver_state: dict, keep: int) -> RunStorage:
+    """Seal ``ckpt``: check every file the ranks reported ({relative path: {sha256, bytes}}) is there with
+    its size, write driver.json and then the manifest, move ``latest``, prune old checkpoints."""
+    manifest: dict[str, dict] = {}
+    for rank, files in enumerate(rank_files):
+        for name, entry in files.items():
+            if name in manifest:
+                raise CheckpointError(f"checkpoint {ckpt}: file {name} was written by two learner ranks")
+            size = ckpt.size(name)
+            if size is None:
+                raise CheckpointError(f"checkpoint {ckpt} not sealed: learner rank {rank}'s file "
+                                      f"{ckpt.display(name)} is missing from the storage")
+            if size != entry["bytes"]:
+                raise CheckpointError(f"checkpoint {ckpt} not sealed: learner rank {rank}'s file "
+                                      f"{ckpt.display(name)} has {size} bytes in the storage, the rank wrote "
+                                      f"{entry['bytes']}")
+            manifest[name] = {"sha256": entry["sha256"], "bytes": entry["bytes"]}
+    state = json.dumps(driver_state, indent=2).encode()
+    ckpt.write_bytes(state, "driver.json")
+    manifest["driver.json"] = {"sha256": hashlib.sha256(state).hexdigest(), "bytes": len(state)}
+    ckpt.write_text(json.dumps(dict(sorted(manifest.items())), indent=1), "manifest.json")
+    name = ckpt.path().rsplit("/", 1)[-1]
+    run.write_text(name + "\n", "checkpoints", "latest")
+    sealed = [n for n in run.listdir("checkpoints") if n.startswith("iter-") and run.exists("checkpoints", n,
+                                                                                            "manifest.json")]
+    for old in sealed[:-keep]:
+        run.remove("checkpoints", old)
+    for unsealed in set(run.listdir("checkpoints")) - set(sealed) - {"latest", name}:
+        if unsealed.startswith("iter-") and unsealed < name:  # a save that died before its seal
+            run.remove("checkpoints", unsealed)
+    return ckpt
 
 
-def commit(run_path: Path, tmp: Path, iteration: int, driver_state: dict, keep: int) -> Path:
-    """Seal ``tmp`` (driver state + manifest), rename it into place, move ``latest``, prune old ones."""
-    (tmp / "driver.json").write_text(json.dumps(driver_state, indent=2))
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {str(p.relative_to(tmp)): {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    final = checkpoints_dir(run_path) / f"iter-{iteration:06d}"
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    pointer = checkpoints_dir(run_path) / ".latest.tmp"
-    pointer.write_text(final.name + "\n")
-    os.replace(pointer, checkpoints_dir(run_path) / "latest")
-    kept = sorted(p for p in checkpoints_dir(run_path).glob("iter-*") if p.is_dir())
-    for old in kept[:-keep]:
-        shutil.rmtree(old)
-    return final
-
-
-def resolve(run_path: Path, resume: str) -> Path:
-    """``latest`` (through the pointer) or an explicit checkpoint directory."""
+def resolve(run: RunStorage, resume: str) -> RunStorage:
+    """``latest`` (through the pointer) or an explicit checkpoint directory (a path or a URI)."""
     if resume == "latest":
-        pointer = checkpoints_dir(run_path) / "latest"
-        if not pointer.is_file():
-            raise CheckpointError(f"--run.resume latest: no checkpoint pointer at {pointer}")
-        path = checkpoints_dir(run_path) / pointer.read_text().strip()
+        if not run.isfile("checkpoints", "latest"):
+            raise CheckpointError(f"--run.resume latest: no checkpoint pointer at {run.display('checkpoints', 'latest')}")
+        ckpt = run.child("checkpoints", run.read_text("checkpoints", "latest").strip())
     else:
-        path = Path(resume)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
-    return path
+        ckpt = RunStorage(resume)
+    if not ckpt.isdir():
+        raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
+    return ckpt
 
 
-def verify(path: Path) -> dict:
-    """Check every file against the manifest; return the driver state. Errors name the file."""
-    manifest_path = path / "manifest.json"
+def read_manifest(ckpt: RunStorage) -> dict:
+    """{relative path: {sha256, bytes}}; a checkpoint without a readable manifest is refused, naming it."""
     try:
-        manifest = json.loads(manifest_path.read_text())
+        return json.loads(ckpt.read_text("manifest.json"))
     except FileNotFoundError as err:
-        raise CheckpointError(f"checkpoint {path} is incomplete: {manifest_path} is missing") from err
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete: {ckpt.display('manifest.json')} is missing") from err
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"checkpoint manifest {manifest_path} is corrupt: {err}") from err
+        raise CheckpointError(f"checkpoint manifest {ckpt.display('manifest.json')} is corrupt: {err}") from err
+
+
+def verify(ckpt: RunStorage) -> dict:
+    """Check every file's presence and size against the manifest, and driver.json's sha256; return the
+    driver state. The ranks check the sha256 of what they download. Errors name the file."""
+    manifest = read_manifest(ckpt)
     for name, entry in manifest.items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint file {file} is missing")
-        size = file.stat().st_size
+        size = ckpt.size(name)
+        if size is None:
+            raise CheckpointError(f"checkpoint file {ckpt.display(name)} is missing")
         if size != entry["bytes"]:
-            raise CheckpointError(f"checkpoint file {file} is truncated or changed: {size} bytes, expected {entry['bytes']}")
-        if _sha256(file) != entry["sha256"]:
-            raise CheckpointError(f"checkpoint file {file} is corrupt: its sha256 does not match the manifest")
+            raise CheckpointError(f"checkpoint file {ckpt.display(name)} is truncated or changed: {size} bytes, "
+                                  f"expected {entry['bytes']}")
+    if "driver.json" not in manifest:
+        raise CheckpointError(f"checkpoint manifest {ckpt.display('manifest.json')} does not list driver.json")
+    state = ckpt.read_bytes("driver.json")
+    if hashlib.sha256(state).hexdigest() != manifest["driver.json"]["sha256"]:
+        raise CheckpointError(f"checkpoint file {ckpt.display('driver.json')} is corrupt: its sha256 does not "
+                              f"match the manifest")
     try:
-        return json.loads((path / "driver.json").read_text())
+        return json.loads(state)
     except json.JSONDecodeError as err:
-        raise CheckpointError(f"checkpoint file {path / 'driver.json'} is corrupt: {err}") from err
+        raise CheckpointError(f"checkpoint file {ckpt.display('driver.json')} is corrupt: {err}") from err
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -114,11 +127,15 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def check_compatible(saved: dict, cfg: JobConfig, path: Path) -> None:
-    """Refuse a checkpoint whose config differs from ``cfg`` in anything that shapes the run."""
+def check_compatible(saved: dict, cfg: JobConfig, ckpt: RunStorage) -> None:
+    """Refuse a checkpoint whose config differs from ``cfg`` in anything that shapes the run. A setting
+    the old checkpoint does not know (added to the config since) is compatible when it has its default."""
     old, new = _flatten(saved), _flatten(cfg.model_dump(mode="json"))
+    defaults = _flatten(type(cfg).model_construct().model_dump(mode="json"))
     allowed = lambda key: any(key == a or key.startswith(a + ".") for a in RESUMABLE_CHANGES)
-    differing = sorted(k for k in set(old) | set(new) if not allowed(k) and old.get(k) != new.get(k))
+    new_at_default = lambda key: key not in old and key in defaults and new.get(key) == defaults[key]
+    differing = sorted(k for k in set(old) | set(new)
+                       if not allowed(k) and not new_at_default(k) and old.get(k) != new.get(k))
     if differing:
         details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differing[:8])
-        raise CheckpointError(f"checkpoint {path / 'driver.json'} was written by an incompatible config ({details})")
+        raise CheckpointError(f"checkpoint {ckpt.display('driver.json')} was written by an incompatible config ({details})")

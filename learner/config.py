@@ -147,7 +147,8 @@ class LearnerConfig(Section):
 class RunConfig(Section):
     iterations: PositiveInt = Field(30, description="rollout/train iterations")
     seed: int = Field(1000, description="seed for sampling, prompts and init")
-    output_dir: str = Field("runs", description="parent of run directories")
+    output_dir: str = Field("runs", description="parent of run directories: a local directory or a URI "
+                            "(file://, s3://, gs://; s3 and gs need the s3fs or gcsfs package)")
     name: str = Field("randomwalks", description="run name: the run directory is output_dir/name")
     overwrite: bool = Field(False, description="replace an existing run directory")
     resume: str | None = Field(None, description="continue from a checkpoint: 'latest' or its directory")
@@ -172,6 +173,8 @@ class MetricsConfig(Section):
 class CheckpointConfig(Section):
     every: int = Field(10, ge=0, description="save every N iterations (0 = only at the end and on stop)")
     keep: PositiveInt = Field(3, description="how many checkpoints to keep")
+    export_hf: bool = Field(True, description="at the end of the run, write the policy as a Hugging Face model "
+                            "directory (safetensors, config, tokenizer) to <run directory>/export")
 
 
 class JobConfig(BaseSettings):

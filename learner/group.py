@@ -74,12 +74,28 @@ class LearnerGroup:
     def probe(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
         return self._get([r.probe_logprobs.remote(sequences, prompt_lengths) for r in self.ranks], "probe")[0]
 
-    def save(self, path: str) -> None:
-        """Every rank writes its engine (policy, value head, optimizer) under ``path/learner``."""
-        self._get([r.save_checkpoint.remote(path, "learner") for r in self.ranks], "checkpoint save")
+    def save(self, storage_url: str) -> list[dict]:
+        """Every rank saves its engine (policy, value head, optimizer) locally and uploads it under
+        ``learner/`` of the checkpoint storage; returns each rank's {relative path: {sha256, bytes}}."""
+        return self._get([r.save_checkpoint.remote(storage_url) for r in self.ranks], "checkpoint save")
 
-    def load(self, path: str) -> None:
-        self._get([r.load_checkpoint.remote(path, "learner") for r in self.ranks], "checkpoint load")
+    def load(self, storage_url: str, manifest: dict, saved_world_size: int) -> None:
+        """Every rank downloads what it needs (verified against ``manifest``) and loads it; a checkpoint
+        written by another number of ranks is re-partitioned for this group."""
+        from learner.checkpoint import CheckpointError
+
+        try:
+            self._get([r.load_checkpoint.remote(storage_url, manifest, saved_world_size) for r in self.ranks],
+                      "checkpoint load")
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, CheckpointError):
+                raise CheckpointError(str(err.cause)) from err
+            raise
+
+    def export_hf(self, storage_url: str) -> None:
+        """The policy as a Hugging Face model directory (safetensors, config, tokenizer) at ``storage_url``;
+        rank 0 writes it (every rank takes part in the gather under ZeRO-3)."""
+        self._get([r.export_hf.remote(storage_url) for r in self.ranks], "Hugging Face export")
 
     def connect_engines(self, rollouts: list) -> None:
         """NCCL weight sync: rank 0 is rank 0 of a group with one rank per engine worker (TP=1)."""

@@ -60,7 +60,7 @@ class Progress:
         if cfg.metrics.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(str(run_path / "tensorboard"))
+            self.tensorboard = SummaryWriter(run_path.display("tensorboard"))
 
     def update(self, r: dict) -> None:
         target = self.cfg.kl.target
@@ -112,7 +112,7 @@ def run(cfg: JobConfig) -> dict:
     resume_from, resume_state = None, None
     if cfg.run.resume:
         resume_from = checkpoint.resolve(run_path, cfg.run.resume)
-        resume_state = checkpoint.verify(resume_from)
+        resume_state = checkpoint.verify(resume_from)  # presence and sizes; the ranks check sha256 on download
         checkpoint.check_compatible(resume_state["config"], cfg, resume_from)
     log("KL accounting: " + ", ".join(f"{k}={v}" for k, v in cfg.kl.model_dump().items()))
     # the policy as every node reaches it: a shared path or hub id, or files the driver makes and ships
@@ -160,7 +160,8 @@ def run(cfg: JobConfig) -> dict:
         return learner.policy_weights()
 
     if resume_state is not None:
-        learner.load(str(resume_from))
+        learner.load(resume_from.url, checkpoint.read_manifest(resume_from),
+                     resume_state["config"]["learner"]["world_size"])
         kl_ctl.load_state_dict(resume_state["kl_controller"])
         sampler.load_state_dict(resume_state["prompt_cursor"])
         policy_version, first_iteration = resume_state["policy_version"], resume_state["iteration"] + 1
@@ -185,12 +186,12 @@ def run(cfg: JobConfig) -> dict:
     fleet.take_busy_seconds()
 
     def save_checkpoint(iteration: int) -> None:
-        tmp = checkpoint.begin(run_path, iteration)
-        learner.save(str(tmp))
+        ckpt = checkpoint.begin(run_path, iteration)
+        rank_files = learner.save(ckpt.url)
         state = {"iteration": iteration, "policy_version": policy_version, "kl_controller": kl_ctl.state_dict(),
                  "prompt_cursor": sampler.state_dict(), "eval_start": start_eval,
                  "config": cfg.model_dump(mode="json")}
-        final = checkpoint.commit(run_path, tmp, iteration, state, cfg.checkpoint.keep)
+        final = checkpoint.commit(run_path, ckpt, rank_files, state, cfg.checkpoint.keep)
         log(f"checkpoint {final}")
 
     iteration = first_iteration - 1
@@ -326,6 +327,9 @@ def run(cfg: JobConfig) -> dict:
         "kl_target": cfg.kl.target,
         "wall_seconds": time.perf_counter() - wall_start,
     }
+    if cfg.checkpoint.export_hf:
+        learner.export_hf(run_path.child("export").url)
+        log(f"policy exported as a Hugging Face model directory: {run_path.display('export')}")
     rundir.write_summary(run_path, summary)
     progress.close()
     if records:
@@ -336,7 +340,7 @@ def run(cfg: JobConfig) -> dict:
     else:
         log("summary: " + " ".join(f"final {k} {v:.3f}" for k, v in eval_metrics.items())
             + f" | kl {summary['kl_response_mean_final']:.3f} nats | beta {kl_ctl.value:.4f} | "
-            f"wall {summary['wall_seconds']:.1f}s | {run_path}/summary.json")
+            f"wall {summary['wall_seconds']:.1f}s | {run_path.display('summary.json')}")
     placement.remove()
     return summary
 
@@ -377,11 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     from learner.cluster import ClusterError
     from learner.fleet import ProbeError
     from learner.rundir import RunDirectoryError
+    from learner.storage import StorageError
 
     try:
         summary = run(cfg)
-    except (ClusterError, RunDirectoryError, RewardError, CheckpointError, ProbeError, FileNotFoundError,
-            ValueError) as err:
+    except (ClusterError, RunDirectoryError, RewardError, CheckpointError, ProbeError, StorageError,
+            FileNotFoundError, ValueError) as err:
         print(f"[tether] error: {err}", file=sys.stderr, flush=True)
         return 1
     if summary["stopped_early"]:

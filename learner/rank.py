@@ -79,6 +79,7 @@ class LearnerRank:
 
         world_size = self.world_size
         self.ppo, self.kl, self.learner = ppo_cfg, kl_cfg, learner_cfg
+        self.model_dir = model_dir  # the tokenizer of a Hugging Face export comes from here
         self.temperature = temperature
         self.seed = seed
         on_gpu = check_device(device, f"learner-rank-{self.rank}") == "cuda"
@@ -312,13 +313,112 @@ class LearnerRank:
             return None
         return [row[: len(r)].tolist() for row, r in zip(logprobs, responses, strict=True)]
 
-    def save_checkpoint(self, path: str, tag: str) -> None:
-        self.engine.save_checkpoint(path, tag=tag)
+    def save_checkpoint(self, storage_url: str) -> dict:
+        """Save this rank's DeepSpeed files into node-local scratch and upload them under ``learner/`` of
+        the checkpoint storage ``storage_url``. Returns {relative path: {sha256, bytes}} of what it uploaded."""
+        import shutil
+        from pathlib import Path
 
-    def load_checkpoint(self, path: str, tag: str) -> None:
-        load_path, _ = self.engine.load_checkpoint(path, tag=tag)
-        if load_path is None:
-            raise FileNotFoundError(f"rank {self.rank}: no DeepSpeed checkpoint {tag!r} under {path}")
+        from learner.storage import RunStorage, scratch_dir, sha256_file
+
+        ckpt = RunStorage(storage_url)
+        scratch = scratch_dir(f"tether-save-rank{self.rank}-")
+        try:
+            self.engine.save_checkpoint(scratch, tag="learner", save_latest=False)
+            files = {}
+            for file in sorted(p for p in Path(scratch).rglob("*") if p.is_file()):
+                name = file.relative_to(scratch).as_posix()
+                files[name] = {"sha256": sha256_file(file), "bytes": file.stat().st_size}
+                ckpt.upload(file, name)
+            return files
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def load_checkpoint(self, storage_url: str, manifest: dict, saved_world_size: int) -> None:
+        """Download what this rank needs from the checkpoint storage into node-local scratch, verifying
+        each file's sha256 against ``manifest``, and load it. A checkpoint of ``saved_world_size`` ranks
+        other than this group's loads through DeepSpeed's universal checkpoint, converted here from all
+        ranks' files (ZeRO 1-3 and bf16; fp32 ZeRO-0 keeps the whole optimizer state in rank 0's model
+        states, which every rank reads)."""
+        import shutil
+
+        from learner.checkpoint import CheckpointError
+        from learner.storage import RunStorage, scratch_dir, sha256_file
+
+        ckpt = RunStorage(storage_url)
+        # ZeRO 1-3 and bf16 split the optimizer state into per-rank files; fp32 ZeRO-0 keeps it whole
+        partitioned = any(n.endswith("optim_states.pt") for n in manifest)
+        resized = saved_world_size != self.world_size
+        own = lambda name: "zero_pp_rank_" not in name or f"zero_pp_rank_{self.rank}_" in name
+        wanted = [n for n in sorted(manifest) if n.startswith("learner/") and (resized or own(n))]
+        scratch = scratch_dir(f"tether-load-rank{self.rank}-")
+        try:
+            for name in wanted:
+                local = os.path.join(scratch, name)
+                ckpt.download(local, name)
+                if sha256_file(local) != manifest[name]["sha256"]:
+                    raise CheckpointError(f"checkpoint file {ckpt.display(name)} is corrupt: its sha256 does "
+                                          f"not match the manifest")
+            if resized and partitioned:
+                try:
+                    load_dir = self._to_universal(os.path.join(scratch, "learner"), os.path.join(scratch, "universal"))
+                except Exception as err:
+                    raise CheckpointError(f"checkpoint {ckpt} of {saved_world_size} learner ranks cannot be "
+                                          f"re-partitioned for {self.world_size} through DeepSpeed's universal "
+                                          f"checkpoint: {err!r}; resume with learner.world_size="
+                                          f"{saved_world_size}") from err
+                self.engine._config.load_universal_checkpoint = True
+            else:
+                load_dir = scratch
+            try:
+                load_path, _ = self.engine.load_checkpoint(load_dir, tag="learner")
+            finally:
+                self.engine._config.load_universal_checkpoint = False
+            if load_path is None:
+                raise CheckpointError(f"rank {self.rank}: no DeepSpeed checkpoint under {ckpt.display('learner')}")
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def export_hf(self, storage_url: str) -> None:
+        """Rank 0 writes the policy LM (``save_pretrained``: safetensors + config) and the tokenizer it was
+        set up with into node-local scratch and uploads them to ``storage_url``. Collective under ZeRO-3."""
+        import shutil
+        from pathlib import Path
+
+        import deepspeed
+
+        from learner.storage import RunStorage, scratch_dir
+        from services.models import load_tokenizer
+
+        lm = self.engine.module.lm
+        with deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None,
+                                               enabled=self.learner["zero_stage"] == 3):
+            if self.rank != 0:
+                return
+            scratch = scratch_dir("tether-export-")
+            try:
+                lm.save_pretrained(scratch, safe_serialization=True)
+                load_tokenizer(self.model_dir).save_pretrained(scratch)
+                target = RunStorage(storage_url)
+                target.remove()
+                for file in sorted(p for p in Path(scratch).rglob("*") if p.is_file()):
+                    target.upload(file, file.relative_to(scratch).as_posix())
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    @staticmethod
+    def _to_universal(ds_dir: str, out_root: str) -> str:
+        """DeepSpeed's rank-count-independent form of the checkpoint in ``ds_dir``; returns the load dir
+        (its tag is ``learner``)."""
+        from argparse import Namespace
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        out = os.path.join(out_root, "learner")
+        ds_to_universal(Namespace(input_folder=ds_dir, output_folder=out, num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=True))
+        return out_root
 
 
 def _lost_to_dead_actor(err: Exception) -> bool:

@@ -1,67 +1,73 @@
-"""The run directory: config.yaml, metrics.jsonl, summary.json, curves.png and samples/."""
+"""The run directory: config.yaml, metrics.jsonl, summary.json, curves.png and samples/.
+
+It lives in the run's storage (``learner.storage.RunStorage``): ``run.output_dir`` is a local directory
+or a URI (file://, s3://, gs://), and the run directory is ``output_dir/name`` there.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-from pathlib import Path
+import tempfile
 
 from learner.config import JobConfig, config_to_yaml
+from learner.storage import RunStorage
 
 
 class RunDirectoryError(RuntimeError):
     pass
 
 
-def check_free(cfg: JobConfig) -> Path:
+def run_storage(cfg: JobConfig) -> RunStorage:
+    """The run directory ``output_dir/name`` as a storage."""
+    return RunStorage(cfg.run.output_dir).child(cfg.run.name)
+
+
+def check_free(cfg: JobConfig) -> RunStorage:
     """The run directory, refused if it already holds a run and ``run.overwrite`` is not set."""
-    path = Path(cfg.run.output_dir) / cfg.run.name
+    run = run_storage(cfg)
     if cfg.run.resume:
-        if not path.is_dir():
-            raise RunDirectoryError(f"--run.resume: run directory {path} does not exist")
-        return path
-    if path.exists() and any(path.iterdir()) and not cfg.run.overwrite:
+        if not run.isdir():
+            raise RunDirectoryError(f"--run.resume: run directory {run} does not exist")
+        return run
+    if run.isdir() and run.listdir() and not cfg.run.overwrite:
         raise RunDirectoryError(
-            f"run directory {path} already holds a run; pick another run.name or pass --run.overwrite"
+            f"run directory {run} already holds a run; pick another run.name or pass --run.overwrite"
         )
-    return path
+    return run
 
 
-def prepare(cfg: JobConfig) -> Path:
+def prepare(cfg: JobConfig) -> RunStorage:
     """Create ``output_dir/name`` (replacing an old run only with ``run.overwrite``) with config.yaml."""
-    path = check_free(cfg)
-    if path.exists() and cfg.run.overwrite:
-        shutil.rmtree(path)
-    if cfg.run.resume and (path / "config.yaml").exists():
-        os.replace(path / "config.yaml", path / "config.before-resume.yaml")
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.yaml").write_text(config_to_yaml(cfg))
-    return path
+    run = check_free(cfg)
+    if cfg.run.overwrite and not cfg.run.resume:
+        run.remove()
+    if cfg.run.resume and run.exists("config.yaml"):
+        run.write_bytes(run.read_bytes("config.yaml"), "config.before-resume.yaml")
+    run.makedirs()
+    run.write_text(config_to_yaml(cfg), "config.yaml")
+    return run
 
 
-def append_metrics(path: Path, record: dict) -> None:
-    with open(path / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+def append_metrics(run: RunStorage, record: dict) -> None:
+    run.append_text(json.dumps(record) + "\n", "metrics.jsonl")
 
 
-def read_metrics(path: Path, up_to_iteration: int) -> list[dict]:
+def read_metrics(run: RunStorage, up_to_iteration: int) -> list[dict]:
     """Records of iterations <= ``up_to_iteration``; later ones (written after the checkpoint a run
     resumes from) move to metrics.discarded.jsonl rather than being lost."""
-    file = path / "metrics.jsonl"
-    if not file.exists():
+    if not run.exists("metrics.jsonl"):
         return []
-    records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in run.read_text("metrics.jsonl").splitlines() if line.strip()]
     kept = [r for r in records if r["iteration"] <= up_to_iteration]
     dropped = [r for r in records if r["iteration"] > up_to_iteration]
     if dropped:
-        with open(path / "metrics.discarded.jsonl", "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in dropped)
-    file.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        run.append_text("".join(json.dumps(r) + "\n" for r in dropped), "metrics.discarded.jsonl")
+    run.write_text("".join(json.dumps(r) + "\n" for r in kept), "metrics.jsonl")
     return kept
 
 
-def write_samples(path: Path, iteration: int, samples: list[dict]) -> None:
+def write_samples(run: RunStorage, iteration: int, samples: list[dict]) -> None:
     """Evaluation samples as Markdown, one file per evaluation: iteration 0 is before training."""
     if not samples:
         return
@@ -70,15 +76,14 @@ def write_samples(path: Path, iteration: int, samples: list[dict]) -> None:
     for i, s in enumerate(samples, 1):
         lines += [f"## {i}. score {s['score']:.3f}", "", "Prompt:", "", *(f"> {x}" for x in s["prompt"].splitlines()),
                   "", "Response:", "", *(f"> {x}" for x in (s["response"] or "(empty)").splitlines()), ""]
-    (path / "samples").mkdir(exist_ok=True)
-    (path / "samples" / f"iteration-{iteration:04d}.md").write_text("\n".join(lines))
+    run.write_text("\n".join(lines), "samples", f"iteration-{iteration:04d}.md")
 
 
-def write_summary(path: Path, summary: dict) -> None:
-    (path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+def write_summary(run: RunStorage, summary: dict) -> None:
+    run.write_text(json.dumps(summary, indent=2) + "\n", "summary.json")
 
 
-def plot_curves(path: Path, records: list[dict], target: float | None, eval_start: dict | None = None) -> None:
+def plot_curves(run: RunStorage, records: list[dict], target: float | None, eval_start: dict | None = None) -> None:
     """reward, response KL (with its target) and beta against iteration; evaluations (the one before
     training at iteration 0) on the reward panel."""
     import matplotlib
@@ -105,5 +110,8 @@ def plot_curves(path: Path, records: list[dict], target: float | None, eval_star
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path / "curves.png", dpi=100)
-    plt.close(fig)
+    # drawn locally, then written whole: object stores take no partial writes
+    with tempfile.TemporaryDirectory(prefix="tether-plot-") as tmp:
+        fig.savefig(os.path.join(tmp, "curves.png"), dpi=100)
+        plt.close(fig)
+        run.upload(os.path.join(tmp, "curves.png"), "curves.png")
