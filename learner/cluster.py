@@ -167,11 +167,10 @@ def roles(cfg: JobConfig) -> list[tuple[str, int]]:
     return [(role, i) for role, n in counts.items() for i in range(n)]
 
 
-def _check_node(role: str, models: list, storage_uri: str, token_file: str, token: str) -> dict:
+def _check_node(models: list, storage, probe: str) -> dict:
     """Runs on the node of one role's bundle: do the models resolve here, and is the run storage the
-    driver's (it reads back the token the driver wrote, then writes its own)?"""
-    import fsspec
-
+    driver's (the probe file the driver wrote is visible) and writable from here?"""
+    from learner.storage import StorageError
     from services.model_source import ModelNotFoundError, node_name
 
     found = {"node": node_name(), "ship": False, "problems": []}
@@ -180,40 +179,24 @@ def _check_node(role: str, models: list, storage_uri: str, token_file: str, toke
             found["ship"] |= model.check() == "ship"
         except ModelNotFoundError as err:
             found["problems"].append(str(err))
-    fs, root = fsspec.core.url_to_fs(storage_uri)
     try:
-        seen = fs.cat_file(f"{root}/{token_file}").decode()
-    except (FileNotFoundError, OSError) as err:
-        seen = f"unreadable ({type(err).__name__})"
-    if seen != token:
-        found["problems"].append(
-            f"run.output_dir {storage_uri} is not the driver's storage here: the file {token_file} the driver wrote "
-            f"there is {'missing' if 'FileNotFound' in seen else seen}. Every node must see one storage "
-            "(a shared volume mounted at the same path, or an s3:// or gs:// URI)")
-    else:
-        try:
-            fs.pipe_file(f"{root}/{token_file}.{role}", token.encode())
-        except OSError as err:
-            found["problems"].append(f"run.output_dir {storage_uri} is not writable here: {err}")
+        storage.read_probe(probe)
+        storage.check_writable()
+    except StorageError as err:
+        found["problems"].append(f"{err}. Every node must see one storage: a shared volume mounted at the same "
+                                 "path, or an s3:// or gs:// URI (run.output_dir)")
     return found
 
 
-def preflight(cfg: JobConfig, placement: Placement, models: list, storage_uri: str, log=print) -> None:
-    """Before any model loads, check every role's node: the models resolve there, and the run storage is
-    shared and writable from there. Driver-made model files go to the object store only when some node
-    lacks them. Raises ClusterError naming each node, role and what is missing."""
-    import secrets
-
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(storage_uri)
-    token, token_file = secrets.token_hex(16), f".preflight-{os.getpid()}"
-    fs.makedirs(root, exist_ok=True)
-    fs.pipe_file(f"{root}/{token_file}", token.encode())
+def preflight(cfg: JobConfig, placement: Placement, models: list, storage, log=print) -> None:
+    """Before any model loads, check every role's node: the models resolve there, and the run storage
+    (a ``RunStorage``) is shared and writable from there. Driver-made model files go to the object store
+    only when some node lacks them. Raises ClusterError naming each actor, node and what is missing."""
+    probe = storage.write_probe()
     check = ray.remote(num_cpus=0, max_retries=0)(_check_node)
     try:
         calls = {f"{role}-{i}": check.options(scheduling_strategy=placement.strategy(role, i)).remote(
-                     f"{role}-{i}", models, storage_uri, token_file, token) for role, i in roles(cfg)}
+                     models, storage, probe) for role, i in roles(cfg)}
         try:
             found = dict(zip(calls, ray.get(list(calls.values()), timeout=cfg.cluster.placement_timeout_s),
                              strict=True))
@@ -221,8 +204,7 @@ def preflight(cfg: JobConfig, placement: Placement, models: list, storage_uri: s
             raise ClusterError(f"pre-flight: node checks did not answer within {cfg.cluster.placement_timeout_s:.0f}s "
                                f"for {[name for name, ref in calls.items() if not ray.wait([ref], timeout=0)[0]]}") from err
     finally:
-        for path in fs.glob(f"{root}/{token_file}*"):
-            fs.rm(path)
+        storage.remove(probe)  # a leftover would make the run directory look like it holds a run
     problems = [f"{name} on {f['node']}: {p}" for name, f in found.items() for p in f["problems"]]
     if problems:
         raise ClusterError("pre-flight failed:\n  " + "\n  ".join(problems))

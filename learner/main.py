@@ -136,7 +136,7 @@ def run(cfg: JobConfig) -> dict:
     # ---- cluster and actors: each role on its own bundle
     cluster.connect(cfg, log=log)
     placement = cluster.reserve(cfg)
-    cluster.preflight(cfg, placement, [m for m in (model, reward_model) if m], str(run_path.resolve()), log=log)
+    cluster.preflight(cfg, placement, [m for m in (model, reward_model) if m], run_path, log=log)
     fleet = Fleet(cfg, model, placement, sampling, pad_id,
                   max_model_len=cfg.task.max_prompt_tokens + sampling.max_new_tokens + 1, reward_model=reward_model)
     learner = LearnerGroup(cfg, model, placement)

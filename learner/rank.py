@@ -79,7 +79,6 @@ class LearnerRank:
 
         world_size = self.world_size
         self.ppo, self.kl, self.learner = ppo_cfg, kl_cfg, learner_cfg
-        self.model_dir = model_dir  # the tokenizer of a Hugging Face export comes from here
         self.temperature = temperature
         self.seed = seed
         on_gpu = check_device(device, f"learner-rank-{self.rank}") == "cuda"
