@@ -36,13 +36,19 @@ class VLLMEngine:
     """vLLM in the actor's own process (single-process mode: 2-5 s starts, tensors pass directly)."""
 
     def __init__(self, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int, dtype: str = "float32",
-                 cpu_core: int | None = None) -> None:
+                 cpu_core: int | None = None, weight_transfer: str | None = None) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not cuda_available():
             # 'auto' pins every engine to core 0; pin each engine to its own core instead
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cpu_core if cpu_core is not None else 0))
         from vllm import LLM
 
+        if weight_transfer is not None:  # vLLM's trainer-to-engine transfer: "nccl" or "ipc" (GPU)
+            from vllm.config import WeightTransferConfig
+
+            transfer = {"weight_transfer_config": WeightTransferConfig(backend=weight_transfer)}
+        else:
+            transfer = {}
         self.llm = LLM(
             model=model_dir,
             dtype=dtype,
@@ -54,6 +60,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls="actors.vllm_extension.WeightSyncExtension",
             **({"gpu_memory_utilization": 0.3} if cuda_available() else {}),
+            **transfer,
         )
         self.eos_id = self.llm.get_tokenizer().eos_token_id
 
@@ -146,9 +153,9 @@ class HFEngine:
 
 
 def make_engine(kind: str, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int,
-                dtype: str = "float32", cpu_core: int | None = None):
+                dtype: str = "float32", cpu_core: int | None = None, weight_transfer: str | None = None):
     if kind == "vllm":
-        return VLLMEngine(model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core)
+        return VLLMEngine(model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core, weight_transfer)
     if kind == "hf":
         return HFEngine(model_dir, seed, dtype)
     raise ValueError(f"unknown rollout engine {kind!r}; expected 'vllm' or 'hf'")

@@ -33,12 +33,14 @@ class Fleet:
                  max_model_len: int) -> None:
         self.cfg, self.sampling, self.pad_id = cfg, sampling, pad_id
         c, restarts = cfg.cluster, cfg.run.actor_max_restarts
-        # an NCCL group cannot take back a restarted member: there a lost engine ends the job (resume it)
-        engine_restarts = 0 if cfg.learner.weight_sync == "nccl" else restarts
+        # vLLM's transfer is set up once (an NCCL group cannot take back a restarted member): there a lost
+        # engine ends the job (resume it)
+        transfer = None if cfg.learner.weight_sync == "object_store" else cfg.learner.weight_sync
+        engine_restarts = restarts if transfer is None else 0
         self.rollouts = [
             cluster.start_actor(RolloutActor, "rollout", i, c.rollout, placement, i, cfg.rollout.engine, model_dir,
                                 cfg.run.seed + i, max_model_len, cfg.rollout.kv_cache_mib, "float32", i,
-                                max_restarts=engine_restarts)
+                                max_restarts=engine_restarts, weight_transfer=transfer)
             for i in range(cfg.rollout.num_engines)
         ]
         self.references = [
