@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 import torch
 from torch import Tensor, nn
@@ -85,7 +86,9 @@ class LearnerRank:
         if not on_gpu:
             # the shared-memory allreduce op costs an ~80 s JIT build and gloo needs none of it
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False)
+        # rendezvous and every later collective give up after this, instead of hanging
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False,
+                                   timeout=timedelta(seconds=learner_cfg["collective_timeout_s"]))
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
 
         from services.models import load_causal_lm
