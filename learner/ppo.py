@@ -48,6 +48,31 @@ def masked_mean(x: Tensor, mask: Tensor, aggregation: Aggregation = "token_mean"
     raise ValueError(f"unknown loss aggregation {aggregation!r}; expected 'token_mean' or 'sequence_mean'")
 
 
+def global_loss_denominator(mask: Tensor, aggregation: Aggregation = "token_mean",
+                            device: torch.device | str = "cpu") -> Tensor:
+    """This rank's share (global count / W) of the token or row count of a minibatch split over the W
+    ranks of the default ``torch.distributed`` group (this batch's own count when there is none).
+
+    DeepSpeed averages gradients over the W ranks, so ``masked_mean(..., denominator=this)`` on each rank
+    gives the gradient of the global mean: tokens weigh the same whichever rank holds them. Every rank
+    must call it once per minibatch (an all-reduce, on ``device``: NCCL takes only CUDA tensors).
+    """
+    import torch.distributed as dist
+
+    count = loss_denominator(mask, aggregation).to(device, torch.float64)
+    world_size = 1
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(count)
+        world_size = dist.get_world_size()
+    return (count.clamp(min=1) / world_size).to(torch.float32)
+
+
+def token_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
+    """[B, T] float32 log-softmax of ``logits`` [B, T, V] (any float dtype) at ``ids`` [B, T]. The
+    softmax runs in float32: in bfloat16 it would be off by about 1e-2."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
 def masked_var(x: Tensor, mask: Tensor) -> Tensor:
     """Scalar unbiased variance of ``x`` [B, T] over masked positions."""
     n = mask.sum()

@@ -18,10 +18,11 @@ from learner.kl import check_finite, kl_estimate, kl_penalized_rewards, kl_sums
 from learner.ppo import (
     entropy_from_logits,
     gae_advantages,
+    global_loss_denominator,
     global_whiten,
-    loss_denominator,
     masked_mean,
     policy_loss,
+    token_logprobs,
     value_loss,
 )
 from services.experience import RolloutBatch, concat_batches, model_inputs
@@ -49,11 +50,6 @@ class PolicyWithValueHead(nn.Module):
         logits = out.logits[:, span].float() / temperature
         values = self.value_head(hidden[:, span]).squeeze(-1).float()
         return logits, values
-
-
-def token_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
-    """[B, T] log-softmax of ``logits`` [B, T, V] at ``ids`` [B, T]."""
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
 class LearnerRank:
@@ -226,20 +222,6 @@ class LearnerRank:
         on the rank's device: an NCCL group all-reduces only CUDA tensors."""
         return global_whiten(x, mask, self.device)
 
-    def _global_loss_denominator(self, mask: Tensor, aggregation: str) -> Tensor:
-        """This rank's share (global count / W) of the minibatch's token or row count over all ranks.
-
-        DeepSpeed averages gradients over the W ranks, so a loss of local sum / (count / W) on each rank
-        gives the gradient of global sum / count: tokens weigh the same whichever rank holds them.
-        Every rank runs this all-reduce once per minibatch (collectives stay symmetric).
-        """
-        import torch.distributed as dist
-
-        count = loss_denominator(mask, aggregation).to(self.device, torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(count)
-        return (count.clamp(min=1) / self.world_size).to(torch.float32)
-
     def _ppo_epochs(self, batch, old_logprobs, old_values, ref_logprobs, advantages, returns, kl_coef,
                     iteration) -> dict:
         micro = self.ppo["minibatch_size"] // self.world_size
@@ -252,7 +234,8 @@ class LearnerRank:
             for rows in torch.randperm(n, generator=generator).split(micro):
                 mb = batch[rows]
                 mask = mb.response_mask.to(self.device)
-                denominator = self._global_loss_denominator(mask, aggregation)
+                # global token (or row) count over all ranks: W ranks compute what one would
+                denominator = global_loss_denominator(mask, aggregation, self.device)
                 logprobs, values, logits = self._forward(mb, grad=True)
                 pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[rows].to(self.device),
                                                 advantages[rows].to(self.device), mask,

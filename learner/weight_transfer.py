@@ -22,6 +22,7 @@ differ (``metadata()`` and ``__iter__`` in 0.32; a ``metadata`` cached property 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from typing import Literal
@@ -57,10 +58,17 @@ def gathered_parameters(module: nn.Module, zero3: bool, dtype: torch.dtype | Non
     Under ZeRO-3 each is gathered (a collective: every rank must iterate to the end, in step) and
     copied, because the consumer may hold it after the gather is released.
     """
-    import deepspeed
+    if zero3:
+        import deepspeed
+
+        def gathered(param: nn.Parameter):
+            return deepspeed.zero.GatheredParameters([param], modifier_rank=None)
+    else:
+        def gathered(param: nn.Parameter):
+            return contextlib.nullcontext()
 
     for name, param in module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=zero3):
+        with gathered(param):
             yield name, param.detach().to(dtype or param.dtype, copy=zero3)
 
 
