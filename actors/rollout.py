@@ -49,6 +49,12 @@ class RolloutActor(VersionedActor):
         return time.perf_counter() - start
 
     # vLLM's weight transfer (GPU): learner.weight_transfer.EngineClient drives these four, in order
+    def gpu_location(self) -> tuple[str, list[str]]:
+        """(node id, GPU ids): learner.weight_sync='ipc' checks that this engine shares a learner GPU."""
+        from learner.weight_transfer import gpu_location
+
+        return gpu_location()
+
     def init_weight_transfer(self, init_info: dict) -> None:
         """This engine's side of vLLM's weight transfer (NCCL: join the learner's group; collective)."""
         self.engine.llm.init_weight_transfer_engine({"init_info": init_info})

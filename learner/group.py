@@ -96,6 +96,11 @@ class LearnerGroup:
         """GPU weight transfer through vLLM's API (``learner.weight_transfer``): every rank builds its
         trainer engine; rank 0 also sets up the engines' side (``nccl``: one group of rank 0 and every
         engine worker; ``ipc``: engines on the learner's GPUs)."""
+        if backend == "ipc":
+            from learner.weight_transfer import check_ipc_colocation
+
+            check_ipc_colocation(ray.get([r.gpu_location.remote() for r in rollouts]),
+                                 self._get([rank.gpu_location.remote() for rank in self.ranks], "GPU lookup"))
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
         self._get([rank.init_weight_transfer.remote(backend, rollouts, workers_per_engine, master_addr, master_port,
                                                     buffer_bytes, self.collective_timeout_s)

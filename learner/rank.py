@@ -281,6 +281,11 @@ class LearnerRank:
 
         return announced_parameters(self.engine.module.lm)
 
+    def gpu_location(self) -> tuple[str, list[str]]:
+        from learner.weight_transfer import gpu_location
+
+        return gpu_location()
+
     def init_weight_transfer(self, backend: str, rollouts: list, workers_per_engine: int, master_addr: str,
                              master_port: int, buffer_bytes: int, timeout_s: float) -> None:
         """Build vLLM's trainer-side weight-transfer engine. Every rank calls it; rank 0 also sets up the

@@ -120,6 +120,26 @@ def trainer_init_info(backend: Backend, rank: int, master_address: str, master_p
     raise ValueError(f"unknown weight-transfer backend {backend!r}; expected 'nccl' or 'ipc'")
 
 
+def gpu_location() -> tuple[str, list[str]]:
+    """(node id, GPU ids Ray gave this actor): where the calling actor's GPUs are."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return context.get_node_id(), sorted(context.get_accelerator_ids().get("GPU", []))
+
+
+def check_ipc_colocation(engines: Sequence[tuple[str, list[str]]], ranks: Sequence[tuple[str, list[str]]]) -> None:
+    """CUDA IPC shares memory within one GPU: every engine's GPU must be a learner rank's GPU on the same
+    node. Raises ValueError naming the first engine that is elsewhere."""
+    learner_gpus = {(node, gpu) for node, gpus in ranks for gpu in gpus}
+    for i, (node, gpus) in enumerate(engines):
+        if not gpus or not all((node, gpu) in learner_gpus for gpu in gpus):
+            raise ValueError(
+                f"learner.weight_sync='ipc' needs every rollout engine on a learner rank's GPU, but engine {i} "
+                f"has GPU(s) {gpus} on node {node} and the learner ranks have {sorted(learner_gpus)}; share the "
+                "GPUs (fractional cluster.*.num_gpus on one GPU) or use learner.weight_sync='nccl'")
+
+
 def engine_init_infos(init_info: dict, engines: int, workers_per_engine: int) -> list[dict]:
     """The worker init info for each of ``engines`` separate vLLM engines.
 

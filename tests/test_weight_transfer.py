@@ -140,6 +140,16 @@ def test_every_engine_worker_gets_its_own_nccl_rank():
         trainer_init_info("gloo", 0, "", 0, 2, BUFFER)  # type: ignore[arg-type]
 
 
+def test_ipc_needs_every_engine_on_a_learner_gpu():
+    from learner.weight_transfer import check_ipc_colocation
+
+    ranks = [("node-a", ["0"]), ("node-a", ["1"])]
+    check_ipc_colocation([("node-a", ["1"]), ("node-a", ["0"])], ranks)
+    for engine in (("node-a", ["2"]), ("node-b", ["0"]), ("node-a", [])):
+        with pytest.raises(ValueError, match="engine 1 has GPU"):
+            check_ipc_colocation([("node-a", ["0"]), engine], ranks)
+
+
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
 def test_config_refuses_gpu_weight_transfer_without_gpus(backend):
     from pydantic import ValidationError
@@ -177,10 +187,16 @@ def test_rollout_actor_runs_the_engine_side_of_vllms_protocol_on_cpu(ray_head, t
         client.start_weight_update()
         client.finish_weight_update()
         after = ray.get(actor.probe.remote(sequences, prompt_lengths))
+        node, gpus = ray.get(actor.gpu_location.remote())
         ray.kill(actor)
     finally:
         ray.shutdown()
     assert max(abs(a - b) for x, y in zip(before, after) for a, b in zip(x, y)) < 1e-6
+    assert node and gpus == []  # a CPU actor: no GPU to share, so IPC is refused before any transfer
+    with pytest.raises(ValueError, match="engine 0 has GPU"):
+        from learner.weight_transfer import check_ipc_colocation
+
+        check_ipc_colocation([(node, gpus)], [(node, gpus)])
 
 
 # ------------------------------------------------------------ GPU: a vLLM engine in its own process
