@@ -42,7 +42,8 @@ class VLLMEngine:
     """vLLM in the actor's own process (single-process mode: 2-5 s starts, tensors pass directly)."""
 
     def __init__(self, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int, dtype: str = "float32",
-                 cpu_core: int | None = None, device: str = "cpu", engine_args: dict | None = None) -> None:
+                 cpu_core: int | None = None, device: str = "cpu", engine_args: dict | None = None,
+                 weight_transfer: str | None = None) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if device == "cpu":
             # 'auto' pins every engine to core 0; pin each engine to its own core instead
@@ -53,6 +54,10 @@ class VLLMEngine:
         if device == "cpu":  # the KV cache is sized in bytes here; vLLM's CPU build has no GPU share
             args.pop("gpu_memory_utilization", None)
             args["kv_cache_memory_bytes"] = kv_cache_mib << 20
+        if weight_transfer is not None:  # vLLM's trainer-to-engine transfer: "nccl" or "ipc" (GPU)
+            from vllm.config import WeightTransferConfig
+
+            args["weight_transfer_config"] = WeightTransferConfig(backend=weight_transfer)
         self.llm = LLM(
             model=model_dir,
             dtype=dtype,
@@ -155,9 +160,10 @@ class HFEngine:
 
 def make_engine(kind: str, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int,
                 dtype: str = "float32", cpu_core: int | None = None, device: str = "cpu",
-                engine_args: dict | None = None):
+                engine_args: dict | None = None, weight_transfer: str | None = None):
     if kind == "vllm":
-        return VLLMEngine(model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core, device, engine_args)
+        return VLLMEngine(model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core, device, engine_args,
+                          weight_transfer)
     if kind == "hf":
         return HFEngine(model_dir, seed, dtype, device)
     raise ValueError(f"unknown rollout engine {kind!r}; expected 'vllm' or 'hf'")

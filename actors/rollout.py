@@ -15,12 +15,12 @@ class RolloutActor(VersionedActor):
 
     def __init__(self, index: int, engine: str, model: ModelSource | str, seed: int, max_model_len: int,
                  kv_cache_mib: int, dtype: str = "float32", cpu_core: int | None = None, device: str = "cpu",
-                 engine_args: dict | None = None) -> None:
+                 engine_args: dict | None = None, weight_transfer: str | None = None) -> None:
         super().__init__(index)
         self.engine_kind = engine
         model_dir = as_source(model).resolve(f"rollout-{index}")
         self.engine = make_engine(engine, model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core,
-                                  check_device(device, f"rollout-{index}"), engine_args)
+                                  check_device(device, f"rollout-{index}"), engine_args, weight_transfer)
         self.last_tokens_per_second = 0.0
 
     def generate(self, prompts: list[list[int]], prompt_index: list[int], seeds: list[int],
@@ -50,18 +50,27 @@ class RolloutActor(VersionedActor):
         self.set_state(policy_version, kl_coef)
         return time.perf_counter() - start
 
-    def init_weight_sync(self, master_addr: str, master_port: int, rank_offset: int, world_size: int) -> None:
-        """Join the learner's NCCL weight-sync group (vLLM on CUDA)."""
-        self.engine.llm.collective_rpc("init_weight_sync_group", args=(master_addr, master_port, rank_offset,
-                                                                       world_size))
+    # vLLM's weight transfer (GPU): learner.weight_transfer.EngineClient drives these four, in order
+    def gpu_location(self) -> tuple[str, list[str]]:
+        """(node id, GPU ids): learner.weight_sync='ipc' checks that this engine shares a learner GPU."""
+        from learner.weight_transfer import gpu_location
 
-    def receive_weights(self, metadata: list, bucket_bytes: int, policy_version: int, kl_coef: float) -> float:
-        """Receive rank 0's NCCL broadcast in place of ``update_weights``; returns the seconds it took."""
-        start = time.perf_counter()
-        self.engine.llm.collective_rpc("receive_policy_weights", args=(metadata, bucket_bytes))
-        self.engine.llm.reset_prefix_cache()
-        self.set_state(policy_version, kl_coef)
-        return time.perf_counter() - start
+        return gpu_location()
+
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """This engine's side of vLLM's weight transfer (NCCL: join the learner's group; collective)."""
+        self.engine.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_transfer(self) -> None:
+        self.engine.llm.start_weight_update()
+
+    def receive_weight_transfer(self, update_info: dict) -> None:
+        """Receive what learner rank 0 sends now (NCCL: runs while it broadcasts) and load it."""
+        self.engine.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_transfer(self) -> None:
+        self.engine.llm.finish_weight_update()
+        self.engine.llm.reset_prefix_cache()  # cached keys were computed by the old weights
 
     def probe(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
         """The engine's log-probs of given sequences, to compare with the learner's after a sync."""

@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# tether on one CUDA GPU, in one go (under 10 minutes): what is installed, then
-#   1. pytest -m gpu -rs                       (the GPU-marked tests)
-#   2. SmolLM2 conversion into the cache      (so the job's timings do not include it)
-#   3. the smollm2-sentiment preset for 3 iterations: vLLM on CUDA, DeepSpeed on NCCL, roles sharing the GPU
-#   4. benchmarks/rollout.py --device cuda     (vLLM alone vs transformers on the same chat prompts)
-#   5. benchmarks/gpu_report.py                (job rollout tokens/s vs vLLM alone, learner tokens/s, MFU)
+# tether on a user's CUDA machine with the `gpu` extra installed, in one go (under 10 minutes): what is
+# installed, then
+#   1. pytest -m gpu -rs                        (the GPU-marked tests: torch-only, NCCL/IPC weight transfer)
+#   2. SmolLM2 conversion into the cache       (so the job's timings do not include it)
+#   3. the smollm2-sentiment preset, 3 iterations, bfloat16: vLLM on CUDA, DeepSpeed bf16 on NCCL, GPUs per
+#      role, weights through vLLM's transfer (nccl with >= 2 GPUs, ipc on one shared GPU) and the probe after
+#      every sync
+#   4. benchmarks/rollout.py --device cuda      (vLLM alone, with the job's dtype, batch = its chunk size and
+#      its max_new_tokens)
+#   5. benchmarks/gpu_report.py                 (job rollout tokens/s vs vLLM alone, learner tokens/s, MFU
+#      against the peak of the learner's dtype, weight sync seconds and the probe's error)
 # and a summary. Every step has its own timeout (also bounded by a total budget) and its own log in OUTDIR.
 #
 #   bash benchmarks/gpu.sh OUTDIR
 #
 # Environment (all optional): PYTHON (default .venv/bin/python if present, else python3), TETHER_CACHE_DIR
-# (default ~/.cache/tether), TETHER_PEAK_FLOPS (default 989e12: H200 bf16 dense), TETHER_GPU_BUDGET_S
-# (default 570: total seconds for all steps), TETHER_GPU_SKIP_CHECK=1 (run the steps even when something is
-# missing: only to exercise this script's plumbing on a machine without a GPU). Without a GPU or a CUDA
-# build of vLLM/torch it writes OUTDIR/missing.txt, prints what is missing and exits 0. Otherwise it exits 1
-# if any step failed.
+# (default ~/.cache/tether), TETHER_PEAK_FLOPS (dense peak FLOP/s of one GPU in the learner's dtype; default:
+# gpu_report's table for H100/H200/A100/L40S), TETHER_GPU_BUDGET_S (default 570: total seconds for all
+# steps), TETHER_GPU_SKIP_CHECK=1 (run the steps even when something is missing: only to exercise this
+# script's plumbing on a machine without a GPU). Without a GPU or a CUDA build of vLLM/torch it writes
+# OUTDIR/missing.txt, prints what is missing and exits 3: nothing ran. Otherwise it exits 1 if any step
+# failed, else 0.
 set -u -o pipefail
 
 if [ $# -ne 1 ]; then
@@ -34,7 +40,6 @@ CACHE="${TETHER_CACHE_DIR:-$HOME/.cache/tether}"
 BUDGET_S="${TETHER_GPU_BUDGET_S:-570}"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-export TETHER_PEAK_FLOPS="${TETHER_PEAK_FLOPS:-989e12}"
 START=$SECONDS
 
 echo "[gpu.sh] repo $ROOT, output $OUT, python ${PY:-none}, cache $CACHE, budget ${BUDGET_S}s"
@@ -123,8 +128,8 @@ elif [ ${#missing[@]} -gt 0 ]; then
     printf '%s\n' "${missing[@]}" >"$OUT/missing.txt"
     echo "[gpu.sh] cannot run the GPU checks here; missing:"
     printf '  - %s\n' "${missing[@]}"
-    echo "[gpu.sh] wrote $OUT/missing.txt (what is installed: $OUT/env.txt)"
-    exit 0
+    echo "[gpu.sh] wrote $OUT/missing.txt (what is installed: $OUT/env.txt); nothing ran"
+    exit 3
 fi
 rm -f "$OUT/missing.txt"
 sed 's/^/  /' "$OUT/env.txt"
@@ -163,12 +168,31 @@ step smollm2-convert 150 "$PY" -c "
 from services.smollm2 import smollm2_dir
 print(smollm2_dir('$CACHE'))"
 
-step job 270 "$PY" -m learner.main --config deploy/configs/smollm2-sentiment.yaml --run.iterations 3 \
-    --cluster.rollout.num_gpus 0.3 --cluster.learner.num_gpus 0.3 --cluster.reference.num_gpus 0.2 \
+# GPUs per role: each its own where there are enough; otherwise the learner and the reference share, and on
+# one GPU every role shares it and the weights go over CUDA IPC (NCCL cannot put two ranks on one GPU)
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+if [ "${GPUS:-0}" -ge 3 ]; then ROLE_GPUS=(1 1 1); SYNC=nccl
+elif [ "${GPUS:-0}" -eq 2 ]; then ROLE_GPUS=(1 0.5 0.5); SYNC=nccl
+else ROLE_GPUS=(0.3 0.3 0.2); SYNC=ipc
+fi
+PRESET=deploy/configs/smollm2-sentiment.yaml
+echo "[gpu.sh] ${GPUS:-0} GPU(s): rollout ${ROLE_GPUS[0]}, learner ${ROLE_GPUS[1]}, reference ${ROLE_GPUS[2]} GPU, weight_sync $SYNC"
+step job 270 "$PY" -m learner.main --config "$PRESET" --run.iterations 3 --learner.dtype bfloat16 \
+    --learner.weight_sync "$SYNC" --run.probe_every 1 \
+    --cluster.rollout.num_gpus "${ROLE_GPUS[0]}" --cluster.learner.num_gpus "${ROLE_GPUS[1]}" \
+    --cluster.reference.num_gpus "${ROLE_GPUS[2]}" \
     --run.output_dir "$OUT/runs" --model.cache_dir "$CACHE" --run.overwrite
 
-step rollout 180 "$PY" benchmarks/rollout.py --device cuda --model smollm2 --cache-dir "$CACHE" \
-    --batches 1 8 16 32 64 --max-new-tokens 32 --repeats 3 --out "$OUT/rollout"
+# vLLM alone with the job's settings: its dtype, one generate call per chunk, its max_new_tokens
+"$PY" -c "
+from learner.config import load_config
+from services.tasks import get_task
+cfg = load_config('$PRESET')
+print(cfg.rollout.chunk_size, cfg.rollout.max_new_tokens or get_task(cfg.task.name).max_new_tokens)" \
+    >"$OUT/job-settings.txt" 2>"$OUT/job-settings.log" || echo "[gpu.sh] cannot read $PRESET (see $OUT/job-settings.log)"
+read -r CHUNK MAX_NEW <"$OUT/job-settings.txt"  # empty on failure: the rollout step then fails and says so
+step rollout 180 "$PY" benchmarks/rollout.py --device cuda --model smollm2 --cache-dir "$CACHE" --engines vllm \
+    --dtype bfloat16 --batches "$CHUNK" --max-new-tokens "$MAX_NEW" --repeats 3 --out "$OUT/rollout"
 
 step report 60 "$PY" benchmarks/gpu_report.py --run-dir "$OUT/runs/smollm2-sentiment" \
     --rollout-json "$OUT/rollout/rollout-cuda.json" --out "$OUT"
@@ -176,6 +200,8 @@ step report 60 "$PY" benchmarks/gpu_report.py --run-dir "$OUT/runs/smollm2-senti
 # ------------------------------------------------------------------------------------------------ summary
 failed=0
 for status in "${statuses[@]}"; do [ "$status" = ok ] || failed=1; done
+ran=0
+for status in "${statuses[@]}"; do [ "${status#skipped}" = "$status" ] && ran=1; done
 {
     echo "tether GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), $((SECONDS - START))s in all"
     echo
@@ -194,4 +220,8 @@ for status in "${statuses[@]}"; do [ "$status" = ok ] || failed=1; done
         if [ -f "$md" ]; then echo; echo "$md:"; sed 's/^/  /' "$md"; fi
     done
 } | tee "$OUT/summary.txt"
+if [ $ran -eq 0 ]; then
+    echo "[gpu.sh] no step ran (budget ${BUDGET_S}s)"
+    exit 3
+fi
 exit $failed

@@ -12,9 +12,11 @@ From the run's config.yaml and metrics.jsonl:
 - learner tokens/s: tokens the PPO epochs train on (epochs x episodes x (mean prompt tokens + mean
   response tokens)) / learner_update_seconds, and the same for the no-grad forward
   (learner_forward_seconds, one pass);
-- MFU estimate: 6 x params x trained tokens/s (2 x params for the forward) / peak FLOP/s, the peak from
-  ``--peak-flops``, else ``$TETHER_PEAK_FLOPS``, else 989e12 (H200 bf16 dense). Attention FLOPs, padding and
-  the value head are left out, and a float32 learner is set against a bf16 peak: an estimate.
+- MFU estimate: 6 x params x trained tokens/s (2 x params for the forward) / peak FLOP/s of one GPU in the
+  learner's dtype, the peak from ``--peak-flops``, else ``$TETHER_PEAK_FLOPS``, else ``PEAK_FLOPS`` below for
+  this machine's GPU (dense tensor-core bf16; plain fp32, since torch leaves TF32 off). Attention FLOPs,
+  padding and the value head are left out: an estimate. With W learner ranks the peak is W GPUs';
+- the weight transfer (``learner.weight_sync``) with its median seconds, and the probe's largest error.
 
 Writes ``<out>/gpu_report.json`` and ``gpu_report.md`` (out defaults to the run directory).
 """
@@ -31,17 +33,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import count_params, stamp, write_results
 
-H200_BF16_DENSE = 989e12
+# dense peak FLOP/s of one GPU by (name fragment, dtype), from NVIDIA's data sheets (SXM parts)
+PEAK_FLOPS = {
+    ("H200", "bfloat16"): 989e12, ("H200", "float32"): 67e12,
+    ("H100", "bfloat16"): 989e12, ("H100", "float32"): 67e12,
+    ("A100", "bfloat16"): 312e12, ("A100", "float32"): 19.5e12,
+    ("L40S", "bfloat16"): 362e12, ("L40S", "float32"): 91.6e12,
+}
+
+
+def peak_flops(gpu_name: str | None, dtype: str) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from) for one ``gpu_name`` GPU in ``dtype``; nan when unknown."""
+    for (fragment, table_dtype), value in PEAK_FLOPS.items():
+        if gpu_name and fragment in gpu_name and table_dtype == dtype:
+            return value, f"{fragment} {dtype} dense, data sheet"
+    return float("nan"), f"unknown for GPU {gpu_name!r} in {dtype}: pass --peak-flops or TETHER_PEAK_FLOPS"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--rollout-json", default=None)
-    parser.add_argument("--peak-flops", type=float, default=None)
+    parser.add_argument("--peak-flops", type=float, default=None, help="one GPU, in the learner's dtype")
+    parser.add_argument("--gpu-name", default=None, help="default: torch.cuda.get_device_name(0)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    peak = args.peak_flops or float(os.environ.get("TETHER_PEAK_FLOPS") or H200_BF16_DENSE)
     run_dir = Path(args.run_dir)
 
     import yaml
@@ -52,6 +68,16 @@ def main() -> None:
     from services.tasks import get_task
 
     cfg = JobConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    gpu_name = args.gpu_name
+    if gpu_name is None:
+        import torch
+
+        gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    if args.peak_flops or os.environ.get("TETHER_PEAK_FLOPS"):
+        peak, peak_source = args.peak_flops or float(os.environ["TETHER_PEAK_FLOPS"]), "given"
+    else:
+        peak, peak_source = peak_flops(gpu_name, cfg.learner.dtype)
+    peak_all = peak * cfg.learner.world_size  # the learner's ranks, one GPU each
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     if not records:
         sys.exit(f"{run_dir}/metrics.jsonl has no iterations")
@@ -86,11 +112,14 @@ def main() -> None:
         "zero_stage": cfg.learner.zero_stage, "ppo_epochs": epochs, "iterations": len(records),
         "prompt_tokens_mean": prompt_mean,
         "response_tokens_mean": statistics.median(r["response_length_mean"] for r in records),
-        "peak_flops": peak,
+        "gpu": gpu_name, "peak_flops_per_gpu": peak, "peak_flops_source": peak_source,
+        "weight_sync": cfg.learner.weight_sync,
+        "probe_max_abs_error": max((r["probe_max_abs_error"] for r in records
+                                    if r.get("probe_max_abs_error") is not None), default=float("nan")),
         "rollout_tokens_per_s_job": job_rollout, "rollout_tokens_per_s_job_iterations": [r["iteration"] for r in no_eval],
         "learner_train_tokens_per_s": train_tps, "learner_forward_tokens_per_s": forward_tps,
-        "mfu_update": 6 * params * train_tps / peak, "mfu_forward": 2 * params * forward_tps / peak,
-        "mfu_learner": combined_flops / peak,
+        "mfu_update": 6 * params * train_tps / peak_all, "mfu_forward": 2 * params * forward_tps / peak_all,
+        "mfu_learner": combined_flops / peak_all,
         "iteration_seconds_median": statistics.median(r["iteration_seconds"] for r in records),
         "weight_sync_seconds_median": statistics.median(r["weight_sync_seconds"] for r in records),
     }
@@ -107,7 +136,7 @@ def main() -> None:
 
     rows = [(f"Run {run_dir} ({cfg.task.name}, {params / 1e6:.1f}M params, learner {cfg.learner.dtype}, "
             f"{cfg.learner.world_size} rank(s), ZeRO-{cfg.learner.zero_stage}, {len(records)} iterations). "
-            f"Peak {peak:.3g} FLOP/s."), "",
+            f"GPU {gpu_name}; peak {peak:.3g} FLOP/s per GPU in {cfg.learner.dtype} ({peak_source})."), "",
             "| figure | value |", "|---|---|",
             (f"| rollout tokens/s in the job (iterations {report['rollout_tokens_per_s_job_iterations']}) | "
             f"{job_rollout:.0f} |")]
@@ -122,9 +151,9 @@ def main() -> None:
              f"| MFU, forward (2 N tokens/s / peak) | {report['mfu_forward'] * 100:.3g}% |",
              f"| MFU, learner forward + update | {report['mfu_learner'] * 100:.3g}% |",
              f"| median iteration (s) | {report['iteration_seconds_median']:.2f} |",
-             f"| median weight sync (s) | {report['weight_sync_seconds_median']:.3f} |",
-             "", ("MFU leaves out attention FLOPs, padding and the value head; a float32 learner against a bf16 peak "
-             "reads low by construction.")]
+             f"| median weight sync, {cfg.learner.weight_sync} (s) | {report['weight_sync_seconds_median']:.3f} |",
+             f"| largest probe error after a sync | {report['probe_max_abs_error']:.3g} |",
+             "", "MFU leaves out attention FLOPs, padding and the value head."]
     json_path, md_path = write_results(args.out or run_dir, "gpu_report", report, rows)
     print("\n".join(rows))
     print(f"[gpu_report] wrote {json_path} and {md_path}")

@@ -136,9 +136,13 @@ class LearnerConfig(Section):
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage 0-3")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
     critic: Literal["value_head", "separate"] = Field("value_head", description="value head or a separate critic")
-    weight_sync: Literal["object_store", "nccl"] = Field(
-        "object_store", description="weights to the engines: Ray object store, or an NCCL group (GPU, vLLM)")
-    sync_bucket_mib: PositiveInt = Field(64, description="NCCL weight-sync bucket size, MiB")
+    weight_sync: Literal["object_store", "nccl", "ipc"] = Field(
+        "object_store", description="weights to the engines: Ray object store (CPU or GPU), or vLLM's weight "
+        "transfer over NCCL (learner and engines on separate GPUs) or CUDA IPC (engines on the learner's GPUs)")
+    sync_bucket_mib: PositiveInt = Field(64, description="packed buffer of vLLM's NCCL/IPC weight transfer, MiB")
+    collective_timeout_s: PositiveFloat = Field(
+        1800.0, description="longest wait for the learner ranks in one call (rendezvous, collect, update, "
+        "weight sync) before the job fails naming the ranks that did not answer")
     torch_threads: PositiveInt | None = Field(
         None, description="CPU threads of each rank's torch; none = Ray's default (one per whole CPU of the "
         "actor). On a CPU-only node the engines idle during the PPO update, so a rank can use their cores too")
@@ -221,10 +225,12 @@ class JobConfig(BaseSettings):
                 f"ppo.minibatch_size={p.minibatch_size} cannot be split over learner.world_size={w} ranks"
                 + (" (ZeRO-3 partitions every step over all ranks)" if self.learner.zero_stage == 3 else "")
             )
-        if self.learner.weight_sync == "nccl" and (self.rollout.engine != "vllm" or not self.cluster.rollout.num_gpus
-                                                    or not self.cluster.learner.num_gpus):
-            raise ValueError("learner.weight_sync='nccl' needs rollout.engine='vllm' and GPUs for the rollout "
-                             "engines and the learner (cluster.rollout.num_gpus, cluster.learner.num_gpus)")
+        sync = self.learner.weight_sync
+        if sync != "object_store" and (self.rollout.engine != "vllm" or not self.cluster.rollout.num_gpus
+                                       or not self.cluster.learner.num_gpus):
+            raise ValueError(f"learner.weight_sync={sync!r} is vLLM's GPU weight transfer: it needs rollout.engine="
+                             "'vllm' and GPUs for the rollout engines and the learner (cluster.rollout.num_gpus, "
+                             "cluster.learner.num_gpus); on CPU use 'object_store'")
         if self.rollout.tensor_parallel_size > 1 and self.cluster.rollout.num_gpus < self.rollout.tensor_parallel_size:
             raise ValueError(f"rollout.tensor_parallel_size={self.rollout.tensor_parallel_size} needs that many GPUs "
                              f"per engine: cluster.rollout.num_gpus={self.cluster.rollout.num_gpus}")

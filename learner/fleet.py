@@ -34,13 +34,16 @@ class Fleet:
                  max_model_len: int, reward_model: ModelSource | None = None) -> None:
         self.cfg, self.sampling, self.pad_id = cfg, sampling, pad_id
         c, restarts, dtype = cfg.cluster, cfg.run.actor_max_restarts, cfg.learner.dtype
-        # an NCCL group cannot take back a restarted member: there a lost engine ends the job (resume it)
-        engine_restarts = 0 if cfg.learner.weight_sync == "nccl" else restarts
+        # vLLM's transfer is set up once (an NCCL group cannot take back a restarted member): there a lost
+        # engine ends the job (resume it)
+        transfer = None if cfg.learner.weight_sync == "object_store" else cfg.learner.weight_sync
+        engine_restarts = restarts if transfer is None else 0
         # engines and the reference compute in the learner's dtype, on the device their role reserved
         self.rollouts = [
             cluster.start_actor(RolloutActor, "rollout", i, c.rollout, placement, i, cfg.rollout.engine, model,
                                 cfg.run.seed + i, max_model_len, cfg.rollout.kv_cache_mib, dtype, i,
-                                cfg.device("rollout"), cfg.rollout.vllm_engine_args(), max_restarts=engine_restarts)
+                                cfg.device("rollout"), cfg.rollout.vllm_engine_args(), transfer,
+                                max_restarts=engine_restarts)
             for i in range(cfg.rollout.num_engines)
         ]
         self.references = [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import ray
 
 from learner.cluster import ClusterError, Placement, start_actor
@@ -13,6 +15,7 @@ from services.model_source import ModelSource
 class LearnerGroup:
     def __init__(self, cfg: JobConfig, model: ModelSource | str, placement: Placement | None, tag: str = "") -> None:
         self.world_size = cfg.learner.world_size
+        self.collective_timeout_s = cfg.learner.collective_timeout_s
         self.ranks = [
             start_actor(LearnerRank, "learner", i, cfg.cluster.learner, placement, i, self.world_size, tag=tag)
             for i in range(self.world_size)
@@ -26,31 +29,40 @@ class LearnerGroup:
         self._get(setups, "setup")
 
     def _get(self, refs: list, what: str, ranks: list[int] | None = None):
-        """ray.get over ``refs`` (one per rank in ``ranks``, default all); a lost rank ends the job
-        with a message naming it."""
+        """ray.get over ``refs`` (one per rank in ``ranks``, default all), within
+        ``learner.collective_timeout_s``. A lost rank ends the job with a message naming it; so do
+        ranks that do not answer in time (a collective that hangs waits for the ones that are named)."""
         ranks = list(range(len(refs))) if ranks is None else ranks
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as err:
-            for rank, ref in zip(ranks, refs, strict=True):
+        rank_of = dict(zip(refs, ranks, strict=True))
+        timeout = self.collective_timeout_s
+        deadline = time.monotonic() + timeout
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                late = sorted(rank_of[ref] for ref in pending)
+                answered = sorted(set(ranks) - set(late))
+                raise ClusterError(
+                    f"learner rank(s) {late} did not finish {what} within {timeout:.0f}s "
+                    f"(learner.collective_timeout_s); rank(s) {answered} did")
+            for ref in done:
                 try:
-                    ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError:
-                    raise ClusterError(f"learner rank {rank} (actor learner-rank-{rank}) died during {what}: "
-                                       f"{err}") from err
-                except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError):
-                    continue
-            raise
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    raise ClusterError(f"learner rank {rank_of[ref]} (actor learner-rank-{rank_of[ref]}) died "
+                                       f"during {what}: {err}") from err
+        return ray.get(refs)
 
     def collect(self, chunk_refs: dict[int, object], ref_logprob_refs: dict[int, object],
                 score_refs: dict[int, object]) -> list[int]:
         """Chunk slot i goes to rank i % W, which fetches it and runs its forward. Returns the slots
-        lost to dead actors (to regenerate and collect again)."""
-        calls = []
-        for r, rank in enumerate(self.ranks):
-            slots = [s for s in sorted(chunk_refs) if s % self.world_size == r]
-            calls.append(rank.collect.remote(slots, [chunk_refs[s] for s in slots],
-                                             [ref_logprob_refs[s] for s in slots], [score_refs[s] for s in slots]))
+        lost to dead actors (to regenerate and collect again, with only those slots)."""
+        by_rank = [[s for s in sorted(chunk_refs) if s % self.world_size == r] for r in range(self.world_size)]
+        # every rank runs this many forwards (ZeRO-3 gathers in each), whatever it got or lost
+        forwards = max(len(slots) for slots in by_rank)
+        calls = [rank.collect.remote(slots, [chunk_refs[s] for s in slots], [ref_logprob_refs[s] for s in slots],
+                                     [score_refs[s] for s in slots], forwards)
+                 for rank, slots in zip(self.ranks, by_rank, strict=True)]
         return sorted(s for result in self._get(calls, "collect") for s in result["failed"])
 
     def update(self, kl_coef: float, iteration: int) -> list[dict]:
@@ -97,18 +109,24 @@ class LearnerGroup:
         rank 0 writes it (every rank takes part in the gather under ZeRO-3)."""
         self._get([r.export_hf.remote(storage_url) for r in self.ranks], "Hugging Face export")
 
-    def connect_engines(self, rollouts: list) -> None:
-        """NCCL weight sync: rank 0 is rank 0 of a group with one rank per engine worker (TP=1)."""
-        master_addr, master_port = ray.get(self.ranks[0].address.remote())
-        world = 1 + len(rollouts)
-        joins = [r.init_weight_sync.remote(master_addr, master_port, 1 + i, world) for i, r in enumerate(rollouts)]
-        self.sync_metadata = self._get([self.ranks[0].init_weight_broadcast.remote(master_addr, master_port, world)],
-                                       "weight-sync setup")[0]
-        ray.get(joins)
+    def connect_engines(self, rollouts: list, backend: str, buffer_bytes: int, workers_per_engine: int = 1) -> None:
+        """GPU weight transfer through vLLM's API (``learner.weight_transfer``): every rank builds its
+        trainer engine; rank 0 also sets up the engines' side (``nccl``: one group of rank 0 and every
+        engine worker; ``ipc``: engines on the learner's GPUs)."""
+        if backend == "ipc":
+            from learner.weight_transfer import check_ipc_colocation
 
-    def broadcast_to(self, rollouts: list, bucket_bytes: int, policy_version: int, kl_coef: float) -> float:
-        """One NCCL broadcast from rank 0, received by every engine at once; returns the slowest engine's seconds."""
-        receives = [r.receive_weights.remote(self.sync_metadata, bucket_bytes, policy_version, kl_coef)
-                    for r in rollouts]
-        self._get([rank.broadcast_weights.remote(bucket_bytes) for rank in self.ranks], "NCCL weight broadcast")
-        return max(ray.get(receives))
+            check_ipc_colocation(ray.get([r.gpu_location.remote() for r in rollouts]),
+                                 self._get([rank.gpu_location.remote() for rank in self.ranks], "GPU lookup"))
+        master_addr, master_port = ray.get(self.ranks[0].address.remote())
+        self._get([rank.init_weight_transfer.remote(backend, rollouts, workers_per_engine, master_addr, master_port,
+                                                    buffer_bytes, self.collective_timeout_s)
+                   for rank in self.ranks], "weight-transfer setup")
+
+    def send_weights(self, rollouts: list, policy_version: int, kl_coef: float) -> float:
+        """Full weights to every engine through vLLM's transfer, then their new version and beta; returns
+        the seconds it took. Every rank takes part (ZeRO-3 gathers each parameter)."""
+        start = time.perf_counter()
+        self._get([rank.send_weights.remote() for rank in self.ranks], "weight transfer")
+        ray.get([r.set_state.remote(policy_version, kl_coef) for r in rollouts])
+        return time.perf_counter() - start

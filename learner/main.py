@@ -148,14 +148,16 @@ def run(cfg: JobConfig) -> dict:
               if cfg.kl.controller == "adaptive" else FixedKLController(cfg.kl.init_kl_coef))
     sampler = PromptSampler(len(prompts), cfg.run.seed)
     policy_version, first_iteration, weights = 0, 1, None
-    nccl = cfg.learner.weight_sync == "nccl"
-    if nccl:
-        learner.connect_engines(fleet.rollouts)
+    gpu_transfer = cfg.learner.weight_sync != "object_store"
+    if gpu_transfer:
+        learner.connect_engines(fleet.rollouts, cfg.learner.weight_sync, cfg.learner.sync_bucket_mib << 20,
+                                workers_per_engine=cfg.rollout.tensor_parallel_size)
 
     def sync_weights(version: int):
-        """Weights to the engines: over NCCL (returns None), or as one object-store ref the fleet loads."""
-        if nccl:
-            learner.broadcast_to(fleet.rollouts, cfg.learner.sync_bucket_mib << 20, version, kl_ctl.value)
+        """Weights to the engines: through vLLM's transfer, NCCL or IPC (returns None), or as one
+        object-store ref the fleet loads."""
+        if gpu_transfer:
+            learner.send_weights(fleet.rollouts, version, kl_ctl.value)
             return None
         return learner.policy_weights()
 

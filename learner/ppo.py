@@ -18,20 +18,59 @@ def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum()
 
 
-def masked_mean(x: Tensor, mask: Tensor, aggregation: Aggregation = "token_mean") -> Tensor:
+def loss_denominator(mask: Tensor, aggregation: Aggregation = "token_mean") -> Tensor:
+    """Scalar count a mean over ``mask`` [B, T] divides by: its tokens (``token_mean``) or its rows with
+    any token (``sequence_mean``). Additive, so W ranks all-reduce theirs into the global count."""
+    if aggregation == "token_mean":
+        return mask.sum()
+    if aggregation == "sequence_mean":
+        return (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected 'token_mean' or 'sequence_mean'")
+
+
+def masked_mean(x: Tensor, mask: Tensor, aggregation: Aggregation = "token_mean",
+                denominator: Tensor | float | None = None) -> Tensor:
     """Scalar mean of ``x`` [B, T] over masked positions.
 
     ``token_mean``: every response token weighs the same (sum x*mask / sum mask).
     ``sequence_mean``: each row is averaged over its own tokens, then rows with any token are averaged,
     so long and short responses weigh the same. Returns 0 when the mask is empty.
+    ``denominator``: divide by this count instead of this batch's own ``loss_denominator`` (a rank's
+    share of a global count, so W ranks compute what one rank would).
     """
+    if denominator is None:
+        denominator = loss_denominator(mask, aggregation).clamp(min=1)
     if aggregation == "token_mean":
-        return masked_sum(x, mask) / mask.sum().clamp(min=1)
+        return masked_sum(x, mask) / denominator
     if aggregation == "sequence_mean":
-        lengths = mask.sum(dim=-1)
-        per_row = (x * mask).sum(dim=-1) / lengths.clamp(min=1)
-        return per_row.sum() / (lengths > 0).sum().clamp(min=1)
+        per_row = (x * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+        return per_row.sum() / denominator
     raise ValueError(f"unknown loss aggregation {aggregation!r}; expected 'token_mean' or 'sequence_mean'")
+
+
+def global_loss_denominator(mask: Tensor, aggregation: Aggregation = "token_mean",
+                            device: torch.device | str = "cpu") -> Tensor:
+    """This rank's share (global count / W) of the token or row count of a minibatch split over the W
+    ranks of the default ``torch.distributed`` group (this batch's own count when there is none).
+
+    DeepSpeed averages gradients over the W ranks, so ``masked_mean(..., denominator=this)`` on each rank
+    gives the gradient of the global mean: tokens weigh the same whichever rank holds them. Every rank
+    must call it once per minibatch (an all-reduce, on ``device``: NCCL takes only CUDA tensors).
+    """
+    import torch.distributed as dist
+
+    count = loss_denominator(mask, aggregation).to(device, torch.float64)
+    world_size = 1
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(count)
+        world_size = dist.get_world_size()
+    return (count.clamp(min=1) / world_size).to(torch.float32)
+
+
+def token_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
+    """[B, T] float32 log-softmax of ``logits`` [B, T, V] (any float dtype) at ``ids`` [B, T]. The
+    softmax runs in float32: in bfloat16 it would be off by about 1e-2."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
 def masked_var(x: Tensor, mask: Tensor) -> Tensor:
@@ -49,6 +88,34 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask
+
+
+def whiten_moments(x: Tensor, mask: Tensor) -> Tensor:
+    """[3] float64 (sum, sum of squares, count) of ``x`` [B, T] over masked positions: additive over
+    ranks, and exact enough to whiten a whole batch from W ranks' shares."""
+    x, mask = x.double(), mask.double()
+    return torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()])
+
+
+def whiten_from_moments(x: Tensor, mask: Tensor, moments: Tensor, eps: float = 1e-8) -> Tensor:
+    """``x`` [B, T] whitened with the mean and unbiased variance of ``moments`` (``whiten_moments``,
+    summed over any number of ranks); 0 where ``mask`` is 0."""
+    total, total_sq, n = moments.tolist()
+    mean = total / max(n, 1)
+    var = (total_sq / max(n, 1) - mean**2) * n / max(n - 1, 1)
+    return ((x - mean) / (max(var, 0.0) + eps) ** 0.5 * mask).to(x.dtype)
+
+
+def global_whiten(x: Tensor, mask: Tensor, device: torch.device | str = "cpu") -> Tensor:
+    """``masked_whiten`` over the whole batch of every rank of the default ``torch.distributed`` group
+    (this batch alone when there is none). The moments are all-reduced on ``device``: NCCL takes only
+    CUDA tensors, gloo CPU ones."""
+    import torch.distributed as dist
+
+    moments = whiten_moments(x, mask).to(device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(moments)
+    return whiten_from_moments(x, mask, moments)
 
 
 def gae_advantages(
@@ -88,6 +155,7 @@ def policy_loss(
     mask: Tensor,
     clip_range: float = 0.2,
     aggregation: Aggregation = "token_mean",
+    denominator: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate: mean of max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps)).
 
@@ -95,6 +163,7 @@ def policy_loss(
         logprobs: [B, T] current policy log-probs of the sampled tokens (with grad).
         old_logprobs: [B, T] log-probs of the policy that collected the batch.
         advantages: [B, T]; mask: [B, T].
+        denominator: see ``masked_mean``.
     Returns:
         (scalar loss, {"clipfrac", "approx_kl"}) where approx_kl is the k3 estimate of
         KL(old || new), as CleanRL logs it.
@@ -103,7 +172,7 @@ def policy_loss(
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask, aggregation)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask, aggregation, denominator)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(((ratio - 1.0).abs() > clip_range).to(ratio.dtype), mask),
@@ -119,16 +188,17 @@ def value_loss(
     mask: Tensor,
     clip_range_value: float = 0.2,
     aggregation: Aggregation = "token_mean",
+    denominator: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss: 0.5 * mean of max((V - R)^2, (V_clip - R)^2), V_clip = old_V +- clip.
 
-    Args: values, old_values, returns, mask: [B, T].
+    Args: values, old_values, returns, mask: [B, T]; denominator: see ``masked_mean``.
     Returns: (scalar loss, {"vf_clipfrac"}).
     """
     clipped_values = old_values + (values - old_values).clamp(-clip_range_value, clip_range_value)
     unclipped_error = (values - returns).square()
     clipped_error = (clipped_values - returns).square()
-    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask, aggregation)
+    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask, aggregation, denominator)
     with torch.no_grad():
         stats = {"vf_clipfrac": masked_mean((clipped_error > unclipped_error).to(values.dtype), mask)}
     return loss, stats

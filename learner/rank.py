@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -18,8 +18,11 @@ from learner.kl import check_finite, kl_estimate, kl_penalized_rewards, kl_sums
 from learner.ppo import (
     entropy_from_logits,
     gae_advantages,
+    global_loss_denominator,
+    global_whiten,
     masked_mean,
     policy_loss,
+    token_logprobs,
     value_loss,
 )
 from services.experience import RolloutBatch, concat_batches, model_inputs
@@ -48,11 +51,6 @@ class PolicyWithValueHead(nn.Module):
         logits = out.logits[:, span].float() / temperature
         values = self.value_head(hidden[:, span]).squeeze(-1).float()
         return logits, values
-
-
-def token_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
-    """[B, T] log-softmax of ``logits`` [B, T, V] at ``ids`` [B, T]."""
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
 class LearnerRank:
@@ -87,7 +85,9 @@ class LearnerRank:
         if not on_gpu:
             # the shared-memory allreduce op costs an ~80 s JIT build and gloo needs none of it
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False)
+        # rendezvous and every later collective give up after this, instead of hanging
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False,
+                                   timeout=timedelta(seconds=learner_cfg["collective_timeout_s"]))
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
 
         from services.models import load_causal_lm
@@ -122,16 +122,22 @@ class LearnerRank:
 
     # ------------------------------------------------------------------ one PPO update on this rank's shard
 
-    def collect(self, slots: list[int], chunk_refs: list, ref_logprob_refs: list, score_refs: list) -> dict:
+    def collect(self, slots: list[int], chunk_refs: list, ref_logprob_refs: list, score_refs: list,
+                forwards: int | None = None) -> dict:
         """Fetch this rank's chunks and run the no-grad forward (old log-probs and values) on each.
 
         Chunk by chunk, in order, so the forward on one chunk overlaps generation of the later ones.
         A chunk lost to a dead actor is reported in ``failed`` for the driver to regenerate; any other
         error (a reward function that raised, NaN) ends the job.
+
+        ``forwards``: how many forwards every rank runs this round (the most slots any rank got). Under
+        ZeRO-3 a forward gathers parameters from all ranks, so a rank whose chunk was lost, or that got
+        fewer slots, runs a throw-away forward on a one-token batch for each missing one.
         """
         import ray
 
         failed, wait, start = [], 0.0, time.perf_counter()
+        ran = 0
         for slot, chunk_ref, ref_ref, score_ref in zip(slots, chunk_refs, ref_logprob_refs, score_refs, strict=True):
             t0 = time.perf_counter()
             try:
@@ -144,7 +150,13 @@ class LearnerRank:
             finally:
                 wait += time.perf_counter() - t0
             logprobs, values, _ = self._forward(chunk, grad=False)
+            ran += 1
             self.collected[slot] = (chunk, logprobs, values, chunk_ref_logprobs, chunk_scores)
+        if self.learner["zero_stage"] == 3:
+            if forwards is not None and ran > forwards:
+                raise ValueError(f"rank {self.rank}: ran {ran} forwards but the round has only {forwards}")
+            for _ in range((forwards if forwards is not None else len(slots)) - ran):
+                self._forward(_placeholder_batch(), grad=False)  # keeps the ZeRO-3 gathers in step
         self.timings["wait_seconds"] = self.timings.get("wait_seconds", 0.0) + wait
         self.timings["forward_seconds"] = self.timings.get("forward_seconds", 0.0) + time.perf_counter() - start - wait
         return {"failed": failed, "collected": len(self.collected)}
@@ -212,17 +224,9 @@ class LearnerRank:
         return logprobs, values, logits
 
     def _global_whiten(self, x: Tensor, mask: Tensor) -> Tensor:
-        """Whiten over the whole batch on all ranks, so W ranks see what 1 rank would."""
-        import torch.distributed as dist
-
-        moments = torch.tensor([float((x * mask).sum()), float((x * x * mask).sum()), float(mask.sum())],
-                               dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(moments)
-        total, total_sq, n = moments.tolist()
-        mean = total / max(n, 1)
-        var = (total_sq / max(n, 1) - mean**2) * n / max(n - 1, 1)
-        return ((x - mean) / np.sqrt(max(var, 0.0) + 1e-8) * mask).to(x.dtype)
+        """Whiten over the whole batch on all ranks, so W ranks see what 1 rank would. The moments live
+        on the rank's device: an NCCL group all-reduces only CUDA tensors."""
+        return global_whiten(x, mask, self.device)
 
     def _ppo_epochs(self, batch, old_logprobs, old_values, ref_logprobs, advantages, returns, kl_coef,
                     iteration) -> dict:
@@ -236,17 +240,19 @@ class LearnerRank:
             for rows in torch.randperm(n, generator=generator).split(micro):
                 mb = batch[rows]
                 mask = mb.response_mask.to(self.device)
+                # global token (or row) count over all ranks: W ranks compute what one would
+                denominator = global_loss_denominator(mask, aggregation, self.device)
                 logprobs, values, logits = self._forward(mb, grad=True)
                 pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[rows].to(self.device),
                                                 advantages[rows].to(self.device), mask,
-                                                self.ppo["clip_range"], aggregation)
+                                                self.ppo["clip_range"], aggregation, denominator)
                 vf_loss, vf_stats = value_loss(values, old_values[rows].to(self.device),
                                                returns[rows].to(self.device), mask,
-                                               self.ppo["clip_range_value"], aggregation)
+                                               self.ppo["clip_range_value"], aggregation, denominator)
                 loss = pg_loss + self.ppo["vf_coef"] * vf_loss
                 if self.kl["placement"] == "loss":
                     kl_term = masked_mean(kl_estimate(logprobs, ref_logprobs[rows].to(self.device),
-                                                      self.kl["estimator"]), mask, aggregation)
+                                                      self.kl["estimator"]), mask, aggregation, denominator)
                     loss = loss + kl_coef * kl_term
                 self.engine.backward(loss)
                 self.engine.step()
@@ -274,26 +280,36 @@ class LearnerRank:
             target = getattr(torch, dtype or self.learner["dtype"])
             return [ray.put({name: t.detach().to("cpu", target).clone() for name, t in lm.state_dict().items()})]
 
-    def init_weight_broadcast(self, master_addr: str, master_port: int, world_size: int) -> list | None:
-        """Rank 0 joins the NCCL weight-sync group as its rank 0 (collective with the engines' workers);
-        returns the weights' metadata, which every later broadcast follows."""
-        if self.rank != 0:
-            return None
-        from learner.nccl_sync import WeightBroadcaster, weight_metadata
+    def weight_metadata(self) -> list[tuple[str, str, list[int]]]:
+        """``[(name, dtype, full HF shape)]`` of the policy parameters the engines receive, as the weight
+        transfer announces them. Reads ZeRO-3's ``ds_shape``, no collective: one rank may call it alone."""
+        from learner.weight_transfer import announced_parameters
 
-        self.broadcaster = WeightBroadcaster(master_addr, master_port, world_size, self.device)
-        return weight_metadata(self.engine.module.lm.state_dict().items())
+        return announced_parameters(self.engine.module.lm)
 
-    def broadcast_weights(self, bucket_bytes: int) -> int:
-        """Full weights from rank 0 to the engines over NCCL, in buckets. Collective under ZeRO-3."""
-        import deepspeed
+    def gpu_location(self) -> tuple[str, list[str]]:
+        from learner.weight_transfer import gpu_location
 
-        lm = self.engine.module.lm
-        with deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None,
-                                               enabled=self.learner["zero_stage"] == 3):
-            if self.rank != 0:
-                return 0
-            return self.broadcaster.broadcast(list(lm.state_dict().items()), bucket_bytes)
+        return gpu_location()
+
+    def init_weight_transfer(self, backend: str, rollouts: list, workers_per_engine: int, master_addr: str,
+                             master_port: int, buffer_bytes: int, timeout_s: float) -> None:
+        """Build vLLM's trainer-side weight-transfer engine. Every rank calls it; rank 0 also sets up the
+        engines' side (NCCL: a rendezvous with every engine worker at ``master_addr:master_port``)."""
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+        from learner.weight_transfer import EngineClient, parameter_source, trainer_init_info
+
+        source = parameter_source(self.engine.module.lm, zero3=self.learner["zero_stage"] == 3)
+        info = trainer_init_info(backend, self.rank, master_addr, master_port,  # type: ignore[arg-type]
+                                 1 + len(rollouts) * workers_per_engine, buffer_bytes)
+        client = EngineClient(rollouts, workers_per_engine, timeout_s)
+        self.weight_transfer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+    def send_weights(self) -> None:
+        """Full weights to every engine (start, receive, finish on the engines' side). Every rank calls it:
+        under ZeRO-3 each parameter is gathered from all ranks."""
+        self.weight_transfer.send_weights()
 
     def probe_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]] | None:
         """This rank's log-probs of given sequences (temperature 1). Collective under ZeRO-3."""
@@ -427,6 +443,13 @@ def _lost_to_dead_actor(err: Exception) -> bool:
     if isinstance(err, RayActorError | ObjectLostError):
         return True
     return isinstance(err, RayTaskError) and isinstance(getattr(err, "cause", None), RayActorError | ObjectLostError)
+
+
+def _placeholder_batch() -> RolloutBatch:
+    """One prompt token and one response token (id 0): the cheapest forward a ZeRO-3 rank can join."""
+    from services.experience import make_batch
+
+    return make_batch([[0]], [[0]], [[0.0]], [0], [0], 0, 0, 0.0)
 
 
 def _pad_cols(tensors: list[Tensor], width: int) -> list[Tensor]:

@@ -117,3 +117,37 @@ def test_entropy_and_explained_variance():
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
     assert explained_variance(torch.zeros_like(returns), returns, mask) == pytest.approx(0.0)
+
+
+def test_shares_of_a_global_denominator_add_up_to_the_one_batch_mean():
+    """W shards, each divided by (global count / W) and averaged over W as DeepSpeed does, give the mean
+    of the whole batch: tokens (or rows) weigh the same whichever shard holds them."""
+    from learner.ppo import loss_denominator
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([6, 5, 6, 6, 1, 0, 2, 1])
+    mask = (torch.arange(6) < lengths[:, None]).double()
+    shards = [slice(0, 4), slice(4, 8)]
+    for aggregation in ("token_mean", "sequence_mean"):
+        whole = masked_mean(x, mask, aggregation)
+        total = sum(loss_denominator(mask[s], aggregation) for s in shards)
+        shares = [masked_mean(x[s], mask[s], aggregation, total / len(shards)) for s in shards]
+        assert torch.allclose(sum(shares) / len(shards), whole, atol=1e-12), aggregation
+        # the per-shard means the old code averaged differ when the shards' lengths differ
+        naive = sum(masked_mean(x[s], mask[s], aggregation) for s in shards) / len(shards)
+        assert not torch.allclose(naive, whole, atol=1e-6), aggregation
+
+
+def test_global_whiten_without_a_group_is_masked_whiten_and_moments_add_over_shards():
+    from learner.ppo import global_whiten, whiten_from_moments, whiten_moments
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(6, 5, generator=g)
+    mask = (torch.arange(5) < torch.tensor([5, 3, 0, 1, 5, 2])[:, None]).float()
+    assert torch.allclose(global_whiten(x, mask), masked_whiten(x, mask), atol=1e-5)
+    moments = whiten_moments(x[:3], mask[:3]) + whiten_moments(x[3:], mask[3:])
+    assert moments.dtype == torch.float64
+    assert torch.allclose(torch.cat([whiten_from_moments(x[:3], mask[:3], moments),
+                                     whiten_from_moments(x[3:], mask[3:], moments)]),
+                          masked_whiten(x, mask), atol=1e-5)
