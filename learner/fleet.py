@@ -16,6 +16,7 @@ from actors.reference import ReferenceActor
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
 from learner import cluster
+from learner.cluster import ClusterError
 from learner.config import JobConfig
 from services.model_source import ModelSource
 
@@ -108,18 +109,29 @@ class Fleet:
         """New weights (if any) to every engine, and (version, beta) to every actor. Returns the
         slowest engine's load seconds. An actor that is down is skipped here: it comes back at version 0
         and ``bring_up_to_date`` re-syncs it."""
-        calls = [r.update_weights.remote(weights, policy_version, kl_coef) for r in self.rollouts] \
-            if weights is not None else []
-        calls += [a.set_state.remote(policy_version, kl_coef) for a in self.references + self.rewards]
+        calls = {i: r.update_weights.remote(weights, policy_version, kl_coef) for i, r in enumerate(self.rollouts)} \
+            if weights is not None else {}
+        calls |= {i: a.set_state.remote(policy_version, kl_coef) for i, a in enumerate(self.all) if i not in calls}
         seconds = [0.0]
-        for call in calls:
+        for i, call in calls.items():
             try:
-                result = ray.get(call)
+                result = self._get(call, i, f"the sync of version {policy_version}")
             except ray.exceptions.RayActorError:
                 continue
             if isinstance(result, float):
                 seconds.append(result)
         return max(seconds)
+
+    def _get(self, call: ray.ObjectRef, actor_index: int, what: str):
+        """``ray.get`` bounded by ``learner.collective_timeout_s``; a silent actor is named, never waited on
+        forever."""
+        try:
+            return ray.get(call, timeout=self.cfg.learner.collective_timeout_s)
+        except ray.exceptions.GetTimeoutError as err:
+            names = [f"rollout-{i}" for i in range(len(self.rollouts))] + \
+                [f"reference-{i}" for i in range(len(self.references))] + [f"reward-{i}" for i in range(len(self.rewards))]
+            raise ClusterError(f"{names[actor_index]} did not answer {what} within "
+                               f"{self.cfg.learner.collective_timeout_s:.0f}s (learner.collective_timeout_s)") from err
 
     def states(self, learner=None, weights=None, policy_version: int = 0, kl_coef: float = 0.0,
                probe_set: tuple = ()) -> list[dict]:
@@ -139,7 +151,7 @@ class Fleet:
         worst = 0.0
         for engine in engines if engines is not None else self.rollouts:
             try:
-                got = ray.get(engine.probe.remote(sequences, prompt_lengths))
+                got = self._get(engine.probe.remote(sequences, prompt_lengths), self.all.index(engine), "the probe")
             except ray.exceptions.RayActorError:
                 if engines is not None:
                     raise
