@@ -100,7 +100,7 @@ def test_broadcast_and_controller(ray_head, cache_dir, tmp_path, target, directi
         (["--learner.world_size", "3", "--learner.zero_stage", "3"], "cannot be split over learner.world_size=3"),
         (["--rollout.batch_size", "0"], "rollout.batch_size"),
         (["--task.name", "nope"], "unknown task 'nope'"),
-        (["--model.path", "/nonexistent/model"], "not a Hugging Face model directory"),
+        (["--model.path", "/nonexistent/model"], "model.path '/nonexistent/model' is not a directory on this node"),
         (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
     ],
 )
