@@ -20,7 +20,7 @@ class RewardActor(VersionedActor):
     role = "reward"
 
     def __init__(self, index: int, task_name: str, task_options: dict, policy: ModelSource | str,
-                 kind: str = "function", reward_model: ModelSource | str | None = None,
+                 kind: str = "function", model_path: ModelSource | str | None = None,
                  score_clip: float | None = None, device: str = "cpu") -> None:
         from actors.engines import check_device
 
@@ -37,7 +37,7 @@ class RewardActor(VersionedActor):
         if kind == "model":
             from transformers import AutoModelForSequenceClassification
 
-            model_path = as_source(reward_model).resolve(f"reward-{index}")
+            model_path = as_source(model_path).resolve(f"reward-{index}")
             self.model = AutoModelForSequenceClassification.from_pretrained(model_path).eval().to(self.device)
             self.model_tokenizer = load_tokenizer(model_path)
             # HF classifiers score the last token that is not config.pad_token_id: pad with a real token

@@ -32,7 +32,9 @@ def node_name() -> str:
     try:
         import ray
 
-        ip = ray.util.get_node_ip_address() if ray.is_initialized() else "no ray"
+        if not ray.is_initialized():
+            return f"node {socket.gethostname()}"
+        ip = ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 - a name for a message; never the reason a check fails
         ip = "?"
     return f"node {socket.gethostname()} ({ip})"
