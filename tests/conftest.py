@@ -92,6 +92,16 @@ def ray_head():
     head.stop()
 
 
+@pytest.fixture(scope="module")
+def ray_client(ray_head):
+    """This module's driver connection to the session's head (its actors go when the module ends)."""
+    import ray
+
+    ray.init(address=ray_head.address, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> str:
     """SFT cache shared by the whole session (and across sessions when TETHER_TEST_CACHE is set)."""

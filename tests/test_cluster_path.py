@@ -45,15 +45,6 @@ def test_hub_id_resolves_offline_from_the_hf_cache_or_is_named(tiny_model_dir, t
     assert len(load_tokenizer(resolved)) == len(load_tokenizer(tiny_model_dir))
 
 
-@pytest.fixture(scope="module")
-def ray_client(ray_head):
-    import ray
-
-    ray.init(address=ray_head.address, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_driver_made_files_are_shipped_and_cached_by_content_hash(ray_client, tiny_model_dir, tmp_path):
     made = tmp_path / "driver" / "sft"
     shutil.copytree(tiny_model_dir, made)

@@ -12,13 +12,6 @@ pytestmark = pytest.mark.integration
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_client(ray_head):
-    ray.init(address=ray_head.address, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def group_config(world_size: int, zero_stage: int, **overrides):
     from learner.config import load_config
 

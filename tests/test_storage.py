@@ -85,13 +85,6 @@ def test_old_checkpoint_missing_a_new_key_at_its_default_is_compatible(tmp_path)
 # ====================================================================== learner groups on a real Ray
 
 
-@pytest.fixture(scope="module")
-def ray_client(ray_head):
-    ray.init(address=ray_head.address, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _group_config(world_size: int, zero_stage: int, dtype: str = "float32"):
     from learner.config import load_config
 
