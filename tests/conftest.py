@@ -77,7 +77,7 @@ class RayHead:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)  # the session we created: ray start and its children
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=5)  # `ray start --block` can take 30 s to exit; its group is ours
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)

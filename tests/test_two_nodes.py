@@ -108,7 +108,7 @@ class TwoNodeCluster:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 try:
-                    proc.wait(timeout=30)
+                    proc.wait(timeout=5)  # `ray start --block` can take 30 s to exit; its group is ours
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(timeout=10)
