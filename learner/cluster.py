@@ -167,13 +167,40 @@ def roles(cfg: JobConfig) -> list[tuple[str, int]]:
     return [(role, i) for role, n in counts.items() for i in range(n)]
 
 
-def _check_node(models: list, storage, probe: str) -> dict:
-    """Runs on the node of one role's bundle: do the models resolve here, and is the run storage the
-    driver's (the probe file the driver wrote is visible) and writable from here?"""
+class RendezvousStandIn:
+    """Listens where learner rank 0 will serve the ranks' rendezvous, so pre-flight can try to reach it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("", 0))
+        self.sock.listen(64)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            connection, _ = self.sock.accept()
+            connection.close()
+
+    def address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), self.sock.getsockname()[1]
+
+
+def _check_node(models: list, storage, probe: str, rendezvous: tuple[str, int] | None = None) -> dict:
+    """Runs on the node of one role's bundle: do the models resolve here, is the run storage the
+    driver's (the probe file the driver wrote is visible) and writable from here, and (a learner rank)
+    can it reach rank 0's node?"""
     from learner.storage import StorageError
     from services.model_source import ModelNotFoundError, node_name
 
     found = {"node": node_name(), "ship": False, "problems": []}
+    if rendezvous is not None:
+        try:
+            socket.create_connection(rendezvous, timeout=10).close()
+        except OSError as err:
+            found["problems"].append(f"cannot reach learner rank 0's node at {rendezvous[0]}:{rendezvous[1]} for "
+                                     f"the ranks' rendezvous: {err}")
     for model in models:
         try:
             found["ship"] |= model.check() == "ship"
@@ -189,14 +216,20 @@ def _check_node(models: list, storage, probe: str) -> dict:
 
 
 def preflight(cfg: JobConfig, placement: Placement, models: list, storage, log=print) -> None:
-    """Before any model loads, check every role's node: the models resolve there, and the run storage
-    (a ``RunStorage``) is shared and writable from there. Driver-made model files go to the object store
+    """Before any model loads, check every role's node: the models resolve there, the run storage
+    (a ``RunStorage``) is shared and writable from there, and learner ranks reach rank 0's node. Driver-made model files go to the object store
     only when some node lacks them. Raises ClusterError naming each actor, node and what is missing."""
     probe = storage.write_probe()
     check = ray.remote(num_cpus=0, max_retries=0)(_check_node)
+    stand_in = None
+    if cfg.learner.world_size > 1:
+        stand_in = ray.remote(RendezvousStandIn).options(
+            num_cpus=0, scheduling_strategy=placement.strategy("learner", 0)).remote()
     try:
+        rendezvous = ray.get(stand_in.address.remote(), timeout=cfg.cluster.placement_timeout_s) if stand_in else None
         calls = {f"{role}-{i}": check.options(scheduling_strategy=placement.strategy(role, i)).remote(
-                     models, storage, probe) for role, i in roles(cfg)}
+                     models, storage, probe, rendezvous if role == "learner" and i > 0 else None)
+                 for role, i in roles(cfg)}
         try:
             found = dict(zip(calls, ray.get(list(calls.values()), timeout=cfg.cluster.placement_timeout_s),
                              strict=True))
@@ -205,6 +238,8 @@ def preflight(cfg: JobConfig, placement: Placement, models: list, storage, log=p
                                f"for {[name for name, ref in calls.items() if not ray.wait([ref], timeout=0)[0]]}") from err
     finally:
         storage.remove(probe)  # a leftover would make the run directory look like it holds a run
+        if stand_in is not None:
+            ray.kill(stand_in)
     problems = [f"{name} on {f['node']}: {p}" for name, f in found.items() for p in f["problems"]]
     if problems:
         raise ClusterError("pre-flight failed:\n  " + "\n  ".join(problems))
