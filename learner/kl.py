@@ -198,7 +198,8 @@ def response_kl_loss(
     The rows were sampled by the behaviour policy (``old_logprobs``), the current policy is ``logprobs``
     (a PPO epoch after the first step is off-policy). Each token is weighted by the detached prefix
     importance weight ``W_t = prod_{s<=t} pi(y_s)/pi_old(y_s)``, so every minibatch is exact, not only the
-    first; all W are 1 at the behaviour policy.
+    first. All W are 1 at the behaviour policy and grow with the distance from it; they are not truncated,
+    which would bias the gradient.
 
     - ``kl_to_go``: gradient ``sum_t grad logp_t * G_t`` with the KL to go ``G_t = sum_{t'>=t} W_t' r_t'``
       (score function; the pathwise ``E[grad r_t]`` is 0, and earlier tokens' r drop out by causality).
@@ -220,7 +221,9 @@ def response_kl_loss(
     if form not in EXACT_LOSS_FORMS:
         raise ValueError(f"response_kl_loss form must be one of {EXACT_LOSS_FORMS}, got {form!r}")
     _check_logprob_pair(logprobs, ref_logprobs)
-    _check_logprob_pair(logprobs, old_logprobs)
+    if old_logprobs.shape != logprobs.shape:
+        raise ValueError(f"old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    check_finite("old_logprobs", old_logprobs)
     m = check_response_mask(mask, logprobs.shape).to(logprobs.dtype)
     log_ratio = (logprobs - ref_logprobs) * m
     weights = torch.cumsum((logprobs - old_logprobs).detach() * m, dim=-1).exp()  # W_t, 1 after the end

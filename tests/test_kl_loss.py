@@ -228,11 +228,13 @@ def test_bad_input_to_the_loss_term_fails_loudly():
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="form must be one of"):
         response_kl_loss(x, x, x, torch.ones(2, 3), "grpo_token_k3")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(ValueError, match=r"old_logprobs shape \(2, 4\) != logprobs shape \(2, 3\)"):
         response_kl_loss(x, torch.zeros(2, 4), x, torch.ones(2, 3))
+    with pytest.raises(ValueError, match="ref_logprobs shape"):
+        response_kl_loss(x, x, torch.zeros(2, 4), torch.ones(2, 3))
     with pytest.raises(ValueError, match="mask has shape"):
         response_kl_loss(x, x, x, torch.ones(2, 2))
-    with pytest.raises(ValueError, match="non-finite"):
+    with pytest.raises(ValueError, match="old_logprobs has 6 non-finite"):
         response_kl_loss(x, torch.full((2, 3), float("nan")), x, torch.ones(2, 3))
 
 
