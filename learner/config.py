@@ -13,6 +13,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
+from learner.kl import GRPO_TOKEN_K3_WARNING, LossForm
+
 # The probe's default bound on max |engine - learner| log-prob, per dtype. fp32 engines match the learner
 # to ~1e-6. In bf16 the engine's and the learner's kernels round differently: measured 0.02 on randomwalks
 # and 0.37 on SmolLM2-135M's probe (mean 0.075; 0.15 on sampled responses). bf16 still catches weights
@@ -98,6 +100,9 @@ class KLConfig(Section):
     estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimator")
     scope: Literal["response_sum", "token_mean"] = Field("response_sum", description="statistic fed to controller")
     placement: Literal["reward", "loss"] = Field("reward", description="KL penalty in the reward or in the loss")
+    loss_form: LossForm | None = Field(
+        None, description="KL term in the loss (placement 'loss' only): kl_to_go or response_k2 (exact gradient "
+        "of the response KL, per response), or grpo_token_k3 (GRPO's, only to reproduce it)")
     init_kl_coef: float = Field(0.15, ge=0, description="initial beta")
     target: PositiveFloat | None = Field(6.0, description="target response KL, nats (adaptive only)")
     horizon: PositiveInt = Field(10000, description="controller horizon, episodes")
@@ -110,6 +115,17 @@ class KLConfig(Section):
             raise ValueError("kl.target is set but kl.controller='fixed' ignores it; set kl.target=null")
         if self.scope == "token_mean":
             warnings.warn("kl.scope='token_mean' feeds the controller a per-token mean (other frameworks' choice)")
+        if self.placement == "loss" and self.loss_form is None:
+            raise ValueError(
+                "kl.placement='loss' needs kl.loss_form: a per-token k(r) in the loss has the wrong gradient "
+                f"whichever kl.estimator (here {self.estimator!r}) it uses (k1: 0 in expectation; k3: the reverse "
+                "KL's; k2: misses later tokens' log-ratios). Set kl.loss_form to 'kl_to_go' or 'response_k2' "
+                "(exact gradient of the response KL) or 'grpo_token_k3' (only to reproduce GRPO)")
+        if self.placement == "reward" and self.loss_form is not None:
+            raise ValueError(f"kl.loss_form={self.loss_form!r} is set but kl.placement='reward' ignores it; "
+                             "set kl.loss_form=null or kl.placement='loss'")
+        if self.loss_form == "grpo_token_k3":
+            warnings.warn(GRPO_TOKEN_K3_WARNING)
         return self
 
 

@@ -13,6 +13,11 @@ With ``r = logprobs - ref_logprobs``:
     k3 = exp(-r) - 1 + r    unbiased, always >= 0
 
 The controller is fed ``response_mean = mean_b sum_t kl[b, t]``: the same nats the reward penalised.
+
+With ``kl.placement: loss`` the KL is a loss term instead, aggregated per response like the controller's
+statistic (``response_kl_loss``). Its expected gradient is that of the response KL
+``E_{y~pi}[sum_t r_t]``, which no per-token ``k(r_t)`` gives: k1's is 0, k3's is the reverse KL's, and
+per-token k2 misses the later tokens' log-ratios. ``grpo_token_k3_loss`` keeps GRPO's form to reproduce it.
 """
 
 from __future__ import annotations
@@ -24,10 +29,21 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from learner.ppo import Aggregation, masked_mean
+
 Estimator = Literal["k1", "k2", "k3"]
 Scope = Literal["response_sum", "token_mean"]
+LossForm = Literal["kl_to_go", "response_k2", "grpo_token_k3"]
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 SCOPES: tuple[str, ...] = get_args(Scope)
+LOSS_FORMS: tuple[str, ...] = get_args(LossForm)
+# loss forms whose expected gradient is exactly that of the response KL (tests/test_kl_loss.py enumerates)
+EXACT_LOSS_FORMS: tuple[str, ...] = ("kl_to_go", "response_k2")
+GRPO_TOKEN_K3_WARNING = (
+    "kl.loss_form='grpo_token_k3' (GRPO's per-token k3 in the loss) has the expected gradient of the reverse "
+    "KL(pi_ref || pi) per token, not of the response KL, and as a token mean its beta and kl.target do not "
+    "mean what they mean with kl.placement='reward'; use it only to reproduce GRPO"
+)
 
 
 # ---------------------------------------------------------------- input checks (fail loudly, change nothing)
@@ -163,6 +179,84 @@ def kl_penalized_rewards(
     rows = (last >= 0).nonzero().squeeze(-1)
     rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
     return rewards, kl
+
+
+# ---------------------------------------------------------------- the KL as a loss term (kl.placement: loss)
+
+
+def response_kl_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    form: LossForm = "kl_to_go",
+    num_responses: Tensor | float | None = None,
+) -> Tensor:
+    """KL term for the loss whose expected gradient is that of the current policy's response KL
+    ``KL(theta) = E_{y~pi_theta}[sum_t r_t]``, summed per response and averaged over responses.
+
+    The rows were sampled by the behaviour policy (``old_logprobs``), the current policy is ``logprobs``
+    (a PPO epoch after the first step is off-policy). Each token is weighted by the detached prefix
+    importance weight ``W_t = prod_{s<=t} pi(y_s)/pi_old(y_s)``, so every minibatch is exact, not only the
+    first. All W are 1 at the behaviour policy and grow with the distance from it; they are not truncated,
+    which would bias the gradient.
+
+    - ``kl_to_go``: gradient ``sum_t grad logp_t * G_t`` with the KL to go ``G_t = sum_{t'>=t} W_t' r_t'``
+      (score function; the pathwise ``E[grad r_t]`` is 0, and earlier tokens' r drop out by causality).
+    - ``response_k2``: gradient of ``W_T * (sum_t r_t)^2 / 2``, i.e. ``W_T R grad log pi(y)``, whose
+      expectation is ``grad E[R]`` too; no causality, so more variance than ``kl_to_go``.
+
+    Args:
+        logprobs: [B, T] current policy log-probs of the sampled tokens (with grad).
+        old_logprobs: [B, T] log-probs of the policy that sampled the rows (PPO's old log-probs).
+        ref_logprobs: [B, T] frozen reference log-probs of the same tokens.
+        mask: [B, T] response mask (bool or 0/1, a prefix in each row).
+        form: "kl_to_go" or "response_k2".
+        num_responses: divide the sum over responses by this: a rank's share of the global count of
+            responses, empty ones included, as the controller's mean counts them; default B.
+    Returns:
+        Scalar. Its value is the mean over responses of ``sum_t W_t r_t``, unbiased for the current
+        policy's response KL in nats; its gradient is the form's.
+    """
+    if form not in EXACT_LOSS_FORMS:
+        raise ValueError(f"response_kl_loss form must be one of {EXACT_LOSS_FORMS}, got {form!r}")
+    _check_logprob_pair(logprobs, ref_logprobs)
+    if old_logprobs.shape != logprobs.shape:
+        raise ValueError(f"old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    check_finite("old_logprobs", old_logprobs)
+    m = check_response_mask(mask, logprobs.shape).to(logprobs.dtype)
+    log_ratio = (logprobs - ref_logprobs) * m
+    weights = torch.cumsum((logprobs - old_logprobs).detach() * m, dim=-1).exp()  # W_t, 1 after the end
+    weighted = (weights * log_ratio).detach()
+    value = weighted.sum(dim=-1)  # [B] importance-weighted k1 response KL
+    if form == "kl_to_go":
+        to_go = weighted.flip(-1).cumsum(-1).flip(-1)  # G_t = sum_{t' >= t} W_t' r_t'
+        surrogate = ((logprobs - logprobs.detach()) * to_go * m).sum(dim=-1)  # value 0, the gradient above
+    else:
+        half_square = 0.5 * weights[:, -1] * log_ratio.sum(dim=-1).square()
+        surrogate = half_square - half_square.detach()
+    if num_responses is None:
+        num_responses = float(logprobs.shape[0])
+    return (value + surrogate).sum() / num_responses
+
+
+def grpo_token_k3_loss(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    aggregation: Aggregation = "token_mean",
+    denominator: Tensor | float | None = None,
+) -> Tensor:
+    """GRPO's KL term, kept only to reproduce it: the masked mean of per-token k3 of the current policy.
+
+    Its expected gradient is per-token ``-E[sum_a pi_ref(a) grad log pi(a)]`` (the reverse KL's), not the
+    response KL's; it warns so. Args as ``learner.ppo.masked_mean``: [B, T] ``logprobs`` (with grad),
+    ``ref_logprobs`` and ``mask``; ``aggregation`` and ``denominator`` those of the PPO losses.
+    Returns a scalar.
+    """
+    warnings.warn(GRPO_TOKEN_K3_WARNING, stacklevel=2)
+    m = check_response_mask(mask, logprobs.shape).to(logprobs.dtype)
+    return masked_mean(kl_estimate(logprobs, ref_logprobs, "k3"), m, aggregation, denominator)
 
 
 # ---------------------------------------------------------------- statistics (exact across ranks)

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 from torch import Tensor, nn
 
-from learner.kl import check_finite, kl_estimate, kl_penalized_rewards, kl_sums
+from learner.kl import check_finite, grpo_token_k3_loss, kl_penalized_rewards, kl_sums, response_kl_loss
 from learner.ppo import (
     entropy_from_logits,
     gae_advantages,
@@ -251,8 +251,13 @@ class LearnerRank:
                                                self.ppo["clip_range_value"], aggregation, denominator)
                 loss = pg_loss + self.ppo["vf_coef"] * vf_loss
                 if self.kl["placement"] == "loss":
-                    kl_term = masked_mean(kl_estimate(logprobs, ref_logprobs[rows].to(self.device),
-                                                      self.kl["estimator"]), mask, aggregation, denominator)
+                    ref_mb = ref_logprobs[rows].to(self.device)
+                    if self.kl["loss_form"] == "grpo_token_k3":
+                        kl_term = grpo_token_k3_loss(logprobs, ref_mb, mask, aggregation, denominator)
+                    else:  # per response over all ranks' responses, empty ones too, as the controller's mean
+                        responses = global_loss_denominator(torch.ones_like(mask[:, :1]), "sequence_mean", self.device)
+                        kl_term = response_kl_loss(logprobs, old_logprobs[rows].to(self.device), ref_mb, mask,
+                                                   self.kl["loss_form"], responses)
                     loss = loss + kl_coef * kl_term
                 self.engine.backward(loss)
                 self.engine.step()

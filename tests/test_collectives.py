@@ -55,9 +55,10 @@ def train_once(cfg, model_dir: str, chunks, tag: str) -> tuple[dict[str, torch.T
     return weights, results
 
 
-@pytest.mark.parametrize("aggregation, placement", [("token_mean", "reward"), ("sequence_mean", "loss")])
+@pytest.mark.parametrize("aggregation, placement, loss_form", [("token_mean", "reward", None),
+                                                               ("sequence_mean", "loss", "kl_to_go")])
 def test_zero3_two_ranks_with_unequal_lengths_end_at_the_one_rank_weights(ray_client, tiny_model_dir, aggregation,
-                                                                         placement):
+                                                                         placement, loss_form):
     """Losses are normalised by the minibatch's global token (or row) count, not averaged per rank."""
     chunks = uneven_chunks()
     assert chunks[0].response_mask.sum() > 3 * chunks[1].response_mask.sum()
@@ -65,7 +66,7 @@ def test_zero3_two_ranks_with_unequal_lengths_end_at_the_one_rank_weights(ray_cl
     for world_size, stage in ((1, 0), (2, 3)):
         cfg = group_config(world_size, stage, ppo={"minibatch_size": 16, "epochs": 1, "lr": 1e-3,
                                                    "loss_aggregation": aggregation},
-                           kl={"placement": placement, "init_kl_coef": 0.05})
+                           kl={"placement": placement, "loss_form": loss_form, "init_kl_coef": 0.05})
         weights[world_size], _ = train_once(cfg, tiny_model_dir, chunks, f"uneven-{aggregation}-w{world_size}")
     from services.models import load_causal_lm
 
