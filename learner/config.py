@@ -77,12 +77,18 @@ class RewardConfig(Section):
     model_path: str | None = Field(None, description="sequence-classification reward model dir (kind=model)")
     num_actors: PositiveInt = Field(1, description="reward actors")
     score_clip: PositiveFloat | None = Field(None, description="clip scores to [-c, c]; none = no clip")
+    missing_eos_penalty: float | None = Field(
+        None, description="score given instead of its own to a response cut at max_new_tokens without EOS "
+        "(lm-human-preferences' penalty_reward_value, -1 there); none = no penalty")
 
 
 class PPOConfig(Section):
     epochs: PositiveInt = Field(4, description="PPO epochs over each rollout batch")
     minibatch_size: PositiveInt = Field(64, description="episodes per optimizer step, over all ranks")
     lr: PositiveFloat = Field(3e-4, description="AdamW learning rate")
+    lr_schedule: Literal["constant", "linear"] = Field(
+        "constant", description="linear: lr * (1 - (i - 1) / run.iterations) at iteration i, annealed to 0 over "
+        "the run as in lm-human-preferences; constant: lr throughout")
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     weight_decay: float = Field(1e-6, ge=0, description="AdamW weight decay")
     clip_range: PositiveFloat = Field(0.2, description="policy ratio clip epsilon")
@@ -91,6 +97,8 @@ class PPOConfig(Section):
     gamma: float = Field(1.0, gt=0, le=1, description="discount")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
     whiten_advantages: bool = Field(True, description="whiten advantages over the batch")
+    whiten_rewards: bool = Field(False, description="scale the KL-penalised per-token rewards to unit variance "
+                                 "over the batch, mean kept, before GAE (lm-human-preferences: true)")
     loss_aggregation: Literal["token_mean", "sequence_mean"] = Field("token_mean", description="loss mean")
     max_grad_norm: PositiveFloat = Field(1.0, description="gradient clipping norm")
 

@@ -23,7 +23,8 @@ class LearnerGroup:
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
         setups = [
             rank.setup.remote(master_addr, master_port, model, cfg.learner.model_dump(), cfg.ppo.model_dump(),
-                              cfg.kl.model_dump(), cfg.rollout.temperature, cfg.run.seed, cfg.device("learner"))
+                              cfg.kl.model_dump(), cfg.rollout.temperature, cfg.run.seed, cfg.device("learner"),
+                              run_iterations=cfg.run.iterations, missing_eos_penalty=cfg.reward.missing_eos_penalty)
             for rank in self.ranks
         ]
         self._get(setups, "setup")

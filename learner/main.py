@@ -279,6 +279,8 @@ def run(cfg: JobConfig) -> dict:
             "reward_mean": sums["reward_sum"] / n,
             "response_length_mean": sums["length_sum"] / n,
             "truncated_fraction": sums["truncated"] / n,
+            "missing_eos_penalized_fraction": sums["missing_eos_penalized"] / n,  # reward.missing_eos_penalty
+            "lr": results[0]["lr"],
             "rollout_learner_logprob_mismatch": sums["mismatch_abs_sum"] / max(kl["num_tokens"], 1),
             "rollout_learner_logprob_mismatch_max": sums["mismatch_max"],
             "value_mean": sums["value_sum"] / max(kl["num_tokens"], 1),

@@ -97,16 +97,21 @@ def whiten_moments(x: Tensor, mask: Tensor) -> Tensor:
     return torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()])
 
 
-def whiten_from_moments(x: Tensor, mask: Tensor, moments: Tensor, eps: float = 1e-8) -> Tensor:
+def whiten_from_moments(x: Tensor, mask: Tensor, moments: Tensor, eps: float = 1e-8,
+                        shift_mean: bool = True) -> Tensor:
     """``x`` [B, T] whitened with the mean and unbiased variance of ``moments`` (``whiten_moments``,
-    summed over any number of ranks); 0 where ``mask`` is 0."""
+    summed over any number of ranks); 0 where ``mask`` is 0. ``shift_mean=False`` adds the mean back
+    (unit variance, mean kept), as lm-human-preferences' ``whiten(rewards, shift_mean=False)``."""
     total, total_sq, n = moments.tolist()
     mean = total / max(n, 1)
     var = (total_sq / max(n, 1) - mean**2) * n / max(n - 1, 1)
-    return ((x - mean) / (max(var, 0.0) + eps) ** 0.5 * mask).to(x.dtype)
+    whitened = (x - mean) / (max(var, 0.0) + eps) ** 0.5
+    if not shift_mean:
+        whitened = whitened + mean
+    return (whitened * mask).to(x.dtype)
 
 
-def global_whiten(x: Tensor, mask: Tensor, device: torch.device | str = "cpu") -> Tensor:
+def global_whiten(x: Tensor, mask: Tensor, device: torch.device | str = "cpu", shift_mean: bool = True) -> Tensor:
     """``masked_whiten`` over the whole batch of every rank of the default ``torch.distributed`` group
     (this batch alone when there is none). The moments are all-reduced on ``device``: NCCL takes only
     CUDA tensors, gloo CPU ones."""
@@ -115,7 +120,41 @@ def global_whiten(x: Tensor, mask: Tensor, device: torch.device | str = "cpu") -
     moments = whiten_moments(x, mask).to(device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(moments)
-    return whiten_from_moments(x, mask, moments)
+    return whiten_from_moments(x, mask, moments, shift_mean=shift_mean)
+
+
+def penalize_missing_eos(scores: Tensor, finish_reason: Tensor, penalty: float | None) -> tuple[Tensor, Tensor]:
+    """lm-human-preferences' ``penalty_reward_value``: a response that reached the length cap without
+    EOS (``finish_reason`` FINISH_LENGTH) scores ``penalty`` instead of its own score.
+
+    Args: scores: [B] sequence scores; finish_reason: [B] long (``services.experience`` codes);
+        penalty: the replacement score, or None to keep every score.
+    Returns: (scores [B], penalized [B] bool: the rows replaced; all False when ``penalty`` is None).
+    """
+    from services.experience import FINISH_LENGTH
+
+    if scores.shape != finish_reason.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and finish_reason {tuple(finish_reason.shape)} must "
+                         "share one [B] shape")
+    if penalty is None:
+        return scores, torch.zeros_like(finish_reason, dtype=torch.bool)
+    penalized = finish_reason == FINISH_LENGTH
+    return torch.where(penalized, torch.full_like(scores, penalty), scores), penalized
+
+
+def scheduled_lr(lr: float, schedule: Literal["constant", "linear"], iteration: int, iterations: int) -> float:
+    """The learning rate of 1-based ``iteration`` of ``iterations``: ``lr`` (constant), or annealed
+    linearly to 0 over the run, one step per iteration, as lm-human-preferences' ``lr * (1 - step /
+    nupdates)``: ``lr * (1 - (iteration - 1) / iterations)``, from ``lr`` down to ``lr / iterations``.
+    A pure function of the iteration, so a resumed run continues the same schedule."""
+    if schedule == "constant":
+        return lr
+    if schedule != "linear":
+        raise ValueError(f"unknown ppo.lr_schedule {schedule!r}; expected 'constant' or 'linear'")
+    if not 1 <= iteration <= iterations:
+        raise ValueError(f"ppo.lr_schedule='linear': iteration {iteration} is outside 1..{iterations} "
+                         "(run.iterations)")
+    return lr * (1.0 - (iteration - 1) / iterations)
 
 
 def gae_advantages(

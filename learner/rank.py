@@ -21,7 +21,9 @@ from learner.ppo import (
     global_loss_denominator,
     global_whiten,
     masked_mean,
+    penalize_missing_eos,
     policy_loss,
+    scheduled_lr,
     token_logprobs,
     value_loss,
 )
@@ -68,7 +70,8 @@ class LearnerRank:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int, model: ModelSource | str, learner_cfg: dict, ppo_cfg: dict,
-              kl_cfg: dict, temperature: float, seed: int, device: str = "cpu") -> int:
+              kl_cfg: dict, temperature: float, seed: int, device: str = "cpu", run_iterations: int = 1,
+              missing_eos_penalty: float | None = None) -> int:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         import deepspeed
@@ -79,6 +82,7 @@ class LearnerRank:
         self.ppo, self.kl, self.learner = ppo_cfg, kl_cfg, learner_cfg
         self.temperature = temperature
         self.seed = seed
+        self.run_iterations, self.missing_eos_penalty = run_iterations, missing_eos_penalty
         on_gpu = check_device(device, f"learner-rank-{self.rank}") == "cuda"
         if learner_cfg["torch_threads"]:
             torch.set_num_threads(learner_cfg["torch_threads"])
@@ -175,16 +179,21 @@ class LearnerRank:
         old_logprobs = torch.cat(_pad_cols(old_logprobs, mask.shape[1])) * mask
         old_values = torch.cat(_pad_cols(old_values, mask.shape[1])) * mask
         ref_logprobs = torch.cat(_pad_cols(ref_logprobs, mask.shape[1])) * mask
-        scores = torch.cat(scores)
+        scores, missing_eos = penalize_missing_eos(torch.cat(scores), batch.finish_reason, self.missing_eos_penalty)
         check_finite(f"rank {self.rank} values", old_values)
 
         in_reward = self.kl["placement"] == "reward"
         rewards, _ = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask,
                                            kl_coef if in_reward else 0.0, self.kl["estimator"])
-        advantages, returns = gae_advantages(rewards, old_values, mask, self.ppo["gamma"], self.ppo["lam"])
+        # lm-human-preferences scales the rewards GAE sees, never the reported reward or the controller's KL
+        gae_rewards = self._global_whiten(rewards, mask, shift_mean=False) if self.ppo["whiten_rewards"] else rewards
+        advantages, returns = gae_advantages(gae_rewards, old_values, mask, self.ppo["gamma"], self.ppo["lam"])
         if self.ppo["whiten_advantages"]:
             advantages = self._global_whiten(advantages, mask)
 
+        lr = scheduled_lr(self.ppo["lr"], self.ppo["lr_schedule"], iteration, self.run_iterations)
+        for group in self.engine.optimizer.param_groups:  # after any checkpoint load: the schedule decides
+            group["lr"] = lr
         t0 = time.perf_counter()
         ppo_stats = self._ppo_epochs(batch, old_logprobs, old_values, ref_logprobs, advantages, returns,
                                      kl_coef, iteration)
@@ -198,6 +207,7 @@ class LearnerRank:
             "reward_sum": float((rewards * mask).sum()),  # penalty plus score, per episode summed
             "length_sum": float(lengths.sum()),
             "truncated": float((batch.finish_reason == 1).sum()),
+            "missing_eos_penalized": float(missing_eos.sum()),
             "mismatch_abs_sum": float(((old_logprobs - batch.rollout_logprobs).abs() * mask).sum()),
             "mismatch_max": float(((old_logprobs - batch.rollout_logprobs).abs() * mask).max()) if mask.any() else 0.0,
             "value_sum": float((old_values * mask).sum()),
@@ -210,6 +220,7 @@ class LearnerRank:
             "timings": timings,
             "policy_versions": sorted(set(versions.tolist())),
             "kl_coefs": sorted(set(batch.kl_coef.tolist())),
+            "lr": float(self.engine.get_lr()[0]),  # what the optimizer stepped with
             "rank": self.rank,
         }
 
@@ -223,10 +234,10 @@ class LearnerRank:
             return logprobs.detach().cpu(), values.detach().cpu(), logits.detach()
         return logprobs, values, logits
 
-    def _global_whiten(self, x: Tensor, mask: Tensor) -> Tensor:
+    def _global_whiten(self, x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
         """Whiten over the whole batch on all ranks, so W ranks see what 1 rank would. The moments live
         on the rank's device: an NCCL group all-reduces only CUDA tensors."""
-        return global_whiten(x, mask, self.device)
+        return global_whiten(x, mask, self.device, shift_mean)
 
     def _ppo_epochs(self, batch, old_logprobs, old_values, ref_logprobs, advantages, returns, kl_coef,
                     iteration) -> dict:
