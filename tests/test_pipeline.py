@@ -202,6 +202,7 @@ def test_chunk_from_an_engine_restarted_after_the_version_check_is_regenerated(r
         weights = group.policy_weights()
         ray.get(engine.update_weights.remote(weights, 3, 0.2))  # up to date at the driver's check
         ray.kill(engine, no_restart=False)
+        state: dict = {}
         for _ in range(100):  # until it is back: a call that reached it while it was dying fails
             try:
                 state = ray.get(engine.get_state.remote())

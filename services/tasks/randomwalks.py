@@ -35,7 +35,8 @@ class WalkGraph:
 
 
 def build_graph(seed: int = 1000) -> WalkGraph:
-    """The graph and walks exactly as trlX generates them: same RNG calls, same order."""
+    """The graph and walks exactly as trlX generates them: same RNG calls, same order (except on seeds
+    where trlX's graph leaves no start able to reach the goal: those draw on to the next graph)."""
     rng = np.random.RandomState(seed)
     while True:
         adjacency = rng.rand(N_NODES, N_NODES) > 1 - P_EDGE
@@ -106,7 +107,8 @@ def optimality(graph: WalkGraph, sample: str) -> float:
 
 @dataclass
 class RandomWalksTask(Task):
-    """Prompts are the 20 start letters 'b'..'u'; the reward is the walk's optimality."""
+    """Prompts are the start letters 'b'..'u' that can reach 'a' (all 20 on the default seed); the reward
+    is the walk's optimality."""
 
     name: str = "randomwalks"
     seed: int = 1000
