@@ -1,13 +1,16 @@
 """Every setting the config accepts computes what it says, or is refused with the reason (issue 11,
 sections 2, 3 and 5): top-p, the reward model's label, randomwalks on every seed, batch vs horizon, chunks
-from a restarted engine, and PPO statistics exact over ranks. No Ray here: pure functions, the config,
-and transformers models built locally."""
+from a restarted engine, and PPO statistics exact over ranks. Pure functions, the config and transformers
+models built locally, plus one short job (integration). The Ray-level checks of the last two are in
+tests/test_collectives.py and tests/test_pipeline.py."""
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from collections import deque
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,8 +40,6 @@ def test_batch_larger_than_the_horizon_is_refused_naming_both_fields():
 
 
 def test_the_committed_configs_still_validate():
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     paths = sorted((root / "deploy" / "configs").glob("*.yaml")) + sorted((root / "tests" / "configs").glob("*.yaml"))
     assert paths
@@ -209,6 +210,28 @@ def test_randomwalks_is_defined_on_every_seed():
         assert all(0.0 <= s <= 1.0 for x, s in zip(samples, scores, strict=True) if not x.startswith("a")), seed
         assert math.isfinite(task.evaluate(prompts, [""] * len(prompts))["optimality"])
     assert seeds_with_left_out > 0  # the 200 seeds do cover the case
+
+
+@pytest.mark.integration
+def test_job_on_a_seed_with_left_out_starts_trains_and_logs_exact_ppo_stats(ray_head, cache_dir, tmp_path):
+    """task.seed=3 leaves 18 of 20 starts out (it used to die at the evaluation before training); the job
+    evaluates, trains, and logs every ppo_* statistic, explained variance included."""
+    from tests.conftest import ROOT, run_job
+
+    proc = run_job(["--config", str(ROOT / "tests" / "configs" / "small.yaml"), "--task.seed", "3",
+                    "--cluster.address", ray_head.address, "--model.cache_dir", cache_dir,
+                    "--run.output_dir", str(tmp_path), "--run.name", "seed3"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "randomwalks task.seed=3: 18 of 20 start nodes" in proc.stderr
+    summary = json.loads((tmp_path / "seed3" / "summary.json").read_text())
+    assert math.isfinite(summary["eval_start"]["optimality"]) and math.isfinite(summary["eval_final"]["optimality"])
+    records = [json.loads(line) for line in Path(tmp_path / "seed3" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        for key in ("loss", "policy_loss", "value_loss", "entropy", "clipfrac", "approx_kl", "vf_clipfrac",
+                    "explained_variance"):
+            assert math.isfinite(record[f"ppo_{key}"]), key
+        assert record["ppo_optimizer_steps"] == 4 * 32 // 16
 
 
 def test_randomwalks_default_seed_is_trlx_graph():
