@@ -16,12 +16,47 @@ class RewardError(RuntimeError):
     pass
 
 
+def reward_label_index(label: int | str | None, id2label: dict, where: str) -> int:
+    """The classifier output a score is read from: ``reward.label`` as an index or a name of
+    ``id2label`` ({index: name}, as in a transformers config). Required when there is more than one
+    label: an SST-2 classifier's label 0 is NEGATIVE. Raises ValueError naming the labels."""
+    labels = {int(i): str(name) for i, name in id2label.items()}
+    listed = ", ".join(f"{i}={name!r}" for i, name in sorted(labels.items()))
+    if label is None:
+        if len(labels) == 1:
+            return next(iter(labels))
+        raise ValueError(f"{where} has {len(labels)} labels ({listed}): set reward.label to the index or the name "
+                         "of the one whose logit is the reward")
+    by_name = [i for i, name in labels.items() if name == label]
+    if by_name:
+        return by_name[0]
+    index = label if isinstance(label, int) else int(label) if label.isdigit() else None  # CLI values are text
+    if index is not None and index in labels:
+        return index
+    raise ValueError(f"reward.label={label!r} is not a label of {where}; its labels are {listed}")
+
+
+def check_reward_label(model_path: str, label: int | str | None) -> int | None:
+    """``reward_label_index`` from the config.json of ``model_path`` when this process sees that
+    directory (the driver, before any actor starts); None otherwise (a hub id, or a path only the
+    nodes have): the reward actor checks it when it loads the model."""
+    from pathlib import Path
+
+    directory = Path(model_path).expanduser()
+    if not (directory / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    return reward_label_index(label, AutoConfig.from_pretrained(directory).id2label,
+                              f"reward model {model_path} (reward.model_path)")
+
+
 class RewardActor(VersionedActor):
     role = "reward"
 
     def __init__(self, index: int, task_name: str, task_options: dict, policy: ModelSource | str,
                  kind: str = "function", model_path: ModelSource | str | None = None,
-                 score_clip: float | None = None, device: str = "cpu") -> None:
+                 score_clip: float | None = None, device: str = "cpu", label: int | str | None = None) -> None:
         from actors.engines import check_device
 
         super().__init__(index)
@@ -39,6 +74,8 @@ class RewardActor(VersionedActor):
 
             model_path = as_source(model_path).resolve(f"reward-{index}")
             self.model = AutoModelForSequenceClassification.from_pretrained(model_path).eval().to(self.device)
+            self.label_index = reward_label_index(label, self.model.config.id2label,
+                                                  f"reward model {model_path} on reward-{index}")
             self.model_tokenizer = load_tokenizer(model_path)
             # HF classifiers score the last token that is not config.pad_token_id: pad with a real token
             # (eos for GPT-2-style tokenizers that have none) and make the model look for that one
@@ -85,11 +122,11 @@ class RewardActor(VersionedActor):
 
     @torch.no_grad()
     def model_scores(self, prompts: list[str], completions: list[str]) -> list[float]:
-        """The classifier's logit at each sequence's last real token (right padding)."""
+        """The classifier's logit of label ``reward.label`` at each sequence's last real token (right padding)."""
         tok = self.model_tokenizer
         enc = tok([p + c for p, c in zip(prompts, completions, strict=True)], return_tensors="pt", padding=True,
                   padding_side="right").to(self.device)
-        logits = self.model(**enc).logits[:, 0]
+        logits = self.model(**enc).logits[:, self.label_index]
         return [float(x) for x in logits]
 
     def evaluate(self, batch: RolloutBatch, chunk_index: int = -1, keep_samples: int = 0) -> dict:

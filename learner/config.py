@@ -48,7 +48,8 @@ class RolloutConfig(Section):
     batch_size: PositiveInt = Field(128, description="episodes per iteration (one rollout batch)")
     chunk_size: PositiveInt = Field(32, description="episodes per streamed chunk")
     temperature: PositiveFloat = Field(1.0, description="sampling temperature")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass; only 1.0 (no truncation) is "
+                         "accepted: the learner and the reference score the full softmax")
     max_new_tokens: PositiveInt | None = Field(None, description="response length cap; none = the task's")
     kv_cache_mib: PositiveInt = Field(256, description="vLLM KV cache size in MiB (CPU)")
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM's share of its GPU (CUDA only)")
@@ -66,6 +67,15 @@ class RolloutConfig(Section):
             args["distributed_executor_backend"] = self.distributed_executor_backend
         return args
 
+    @model_validator(mode="after")
+    def _no_truncated_sampling(self) -> RolloutConfig:
+        if self.top_p < 1:
+            raise ValueError(
+                f"rollout.top_p={self.top_p} is refused: the learner's and the reference's log-probs are taken on "
+                "the full softmax, so the PPO ratio and the KL would be computed against a distribution that did "
+                "not produce the samples; use rollout.top_p=1.0 (rollout.temperature is applied on both sides)")
+        return self
+
 
 class ReferenceConfig(Section):
     backend: Literal["hf", "vllm"] = Field("hf", description="hf: learner numerics (default); vllm: prompt_logprobs")
@@ -75,6 +85,8 @@ class ReferenceConfig(Section):
 class RewardConfig(Section):
     kind: Literal["function", "model"] = Field("function", description="the task's function or a classifier model")
     model_path: str | None = Field(None, description="sequence-classification reward model dir (kind=model)")
+    label: int | str | None = Field(None, description="the classifier output that is the reward: an index or a "
+                                    "name from its config.id2label; required when it has more than one label")
     num_actors: PositiveInt = Field(1, description="reward actors")
     score_clip: PositiveFloat | None = Field(None, description="clip scores to [-c, c]; none = no clip")
     missing_eos_penalty: float | None = Field(
@@ -260,8 +272,15 @@ class JobConfig(BaseSettings):
                              f"per engine: cluster.rollout.num_gpus={self.cluster.rollout.num_gpus}")
         if self.run.resume and self.run.overwrite:
             raise ValueError("run.resume and run.overwrite exclude each other: resuming keeps the run directory")
+        if self.kl.controller == "adaptive" and r.batch_size > self.kl.horizon:
+            raise ValueError(f"rollout.batch_size={r.batch_size} exceeds kl.horizon={self.kl.horizon}: the adaptive "
+                             "KL controller updates once per batch with n_steps=batch_size and refuses more than "
+                             "its horizon (beta could flip sign); raise kl.horizon or lower rollout.batch_size")
         if self.reward.kind == "model" and not self.reward.model_path:
             raise ValueError("reward.kind='model' needs reward.model_path")
+        if self.reward.kind != "model" and self.reward.label is not None:
+            raise ValueError(f"reward.label={self.reward.label!r} is set but reward.kind='function' has no labels; "
+                             "set reward.label=null")
         return self
 
     @property

@@ -56,7 +56,7 @@ class Fleet:
         self.rewards = [
             cluster.start_actor(RewardActor, "reward", i, c.reward, placement, i, cfg.task.name,
                                 {"seed": cfg.task.seed}, model, cfg.reward.kind, reward_model,
-                                cfg.reward.score_clip, cfg.device("reward"), max_restarts=restarts)
+                                cfg.reward.score_clip, cfg.device("reward"), cfg.reward.label, max_restarts=restarts)
             for i in range(cfg.reward.num_actors)
         ]
         self.all = self.rollouts + self.references + self.rewards

@@ -55,14 +55,15 @@ class LearnerGroup:
         return ray.get(refs)
 
     def collect(self, chunk_refs: dict[int, object], ref_logprob_refs: dict[int, object],
-                score_refs: dict[int, object]) -> list[int]:
+                score_refs: dict[int, object], expected_state: tuple[int, float] | None = None) -> list[int]:
         """Chunk slot i goes to rank i % W, which fetches it and runs its forward. Returns the slots
-        lost to dead actors (to regenerate and collect again, with only those slots)."""
+        lost to dead actors, or generated under another (policy_version, kl_coef) than ``expected_state``
+        (to regenerate and collect again, with only those slots)."""
         by_rank = [[s for s in sorted(chunk_refs) if s % self.world_size == r] for r in range(self.world_size)]
         # every rank runs this many forwards (ZeRO-3 gathers in each), whatever it got or lost
         forwards = max(len(slots) for slots in by_rank)
         calls = [rank.collect.remote(slots, [chunk_refs[s] for s in slots], [ref_logprob_refs[s] for s in slots],
-                                     [score_refs[s] for s in slots], forwards)
+                                     [score_refs[s] for s in slots], forwards, expected_state)
                  for rank, slots in zip(self.ranks, by_rank, strict=True)]
         return sorted(s for result in self._get(calls, "collect") for s in result["failed"])
 

@@ -95,10 +95,12 @@ def run(cfg: JobConfig) -> dict:
     import ray
 
     from actors.engines import SamplingSettings
+    from actors.reward import check_reward_label
     from learner import checkpoint, cluster, rundir
     from learner.fleet import Fleet
     from learner.group import LearnerGroup
     from learner.kl import AdaptiveKLController, FixedKLController, controller_statistic, kl_stats_from_sums
+    from learner.ppo import ppo_stats_from_sums
     from services.metrics import DriverMetrics
     from services.model_source import ModelSource
     from services.models import load_tokenizer, policy_source
@@ -119,6 +121,8 @@ def run(cfg: JobConfig) -> dict:
     model = policy_source(task, cfg.model.path, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps,
                           cfg.model.sft_batch_size, cfg.model.sft_lr, log=log)
     reward_model = ModelSource.configured(cfg.reward.model_path) if cfg.reward.kind == "model" else None
+    if reward_model is not None:
+        check_reward_label(cfg.reward.model_path, cfg.reward.label)  # a local dir: its labels, before any actor
     tokenizer = load_tokenizer(model.resolve("driver"))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts, eval_prompts = (
@@ -210,15 +214,18 @@ def run(cfg: JobConfig) -> dict:
         ref_refs, score_refs = fleet.score(chunk_refs)
 
         # 3. learner: ranks fetch their chunks and run the forward as they arrive; lost chunks are redone
-        lost = learner.collect(chunk_refs, ref_refs, score_refs)
+        # a chunk from an engine that restarted after step 0 is stamped with its version 0: lost too
+        current = (policy_version, kl_ctl.value)
+        lost = learner.collect(chunk_refs, ref_refs, score_refs, current)
         for retry in range(cfg.run.max_chunk_retries):
             if not lost:
                 break
-            log(f"iteration {iteration}: chunks {lost} lost to a dead actor; regenerating (retry {retry + 1})")
+            log(f"iteration {iteration}: chunks {lost} lost to a dead or restarted actor; regenerating "
+                f"(retry {retry + 1})")
             resynced += fleet.bring_up_to_date(learner, weights, policy_version, kl_ctl.value, probe_set)
             chunk_refs = fleet.generate(prompt_rows, prompts, iteration, slots=lost)
             ref_refs, score_refs = fleet.score(chunk_refs)
-            lost = learner.collect(chunk_refs, ref_refs, score_refs)
+            lost = learner.collect(chunk_refs, ref_refs, score_refs, current)
         if lost:
             raise RuntimeError(f"iteration {iteration}: chunks {lost} still lost after "
                                f"{cfg.run.max_chunk_retries} retries")
@@ -259,7 +266,7 @@ def run(cfg: JobConfig) -> dict:
 
         # 6. metrics and a progress line
         n = kl["num_responses"]
-        ppo_stats = {k: sum(r["ppo"][k] for r in results) / len(results) for k in results[0]["ppo"]}
+        ppo_stats = ppo_stats_from_sums([r["ppo_sums"] for r in results])  # exact over ranks
         record = {
             "iteration": iteration,
             "policy_version": policy_version,

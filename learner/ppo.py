@@ -249,9 +249,51 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(log_p.exp() * log_p).sum(dim=-1)
 
 
+def explained_variance_moments(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """[5] float64 (count, sum R, sum R^2, sum R-V, sum (R-V)^2) of ``values`` and ``returns`` [B, T] over
+    masked positions: additive, so W ranks' moments sum to the whole batch's."""
+    v, r, m = values.double(), returns.double(), mask.double()
+    residual = r - v
+    return torch.stack([m.sum(), (r * m).sum(), (r * r * m).sum(), (residual * m).sum(),
+                        (residual * residual * m).sum()])
+
+
+def explained_variance_from_moments(moments: Tensor | list[float]) -> float:
+    """1 - Var(R - V) / Var(R) from ``explained_variance_moments`` (summed over any number of ranks);
+    nan when the returns have no variance."""
+    n, r_sum, r_sq, e_sum, e_sq = (float(x) for x in moments)
+    if n < 2:
+        return float("nan")
+    var_returns = (r_sq - r_sum**2 / n) / (n - 1)
+    if var_returns <= 1e-12 * r_sq / n:  # zero up to the rounding of the moments
+        return float("nan")
+    return 1.0 - (e_sq - e_sum**2 / n) / (n - 1) / var_returns
+
+
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     """1 - Var(R - V) / Var(R) over masked positions; nan when the returns have no variance."""
-    var_returns = masked_var(returns, mask)
-    if var_returns <= 0:
-        return float("nan")
-    return float(1.0 - masked_var(returns - values, mask) / var_returns)
+    return explained_variance_from_moments(explained_variance_moments(values, returns, mask))
+
+
+def ppo_stats_from_sums(parts: list[dict]) -> dict[str, float]:
+    """The PPO diagnostics of one update, exact over ranks, from every rank's ``ppo_sums``:
+    ``{"stats": {name: [sum, count]}, "explained_variance_moments": [5], "optimizer_steps": n}``.
+
+    Each statistic is the sum of its sums over the sum of its counts. Token statistics (entropy,
+    clipfrac, ...) count tokens. Losses count optimizer steps: a rank's loss is its share of the global
+    minibatch mean (``global_loss_denominator``), so W ranks' sums over W * steps are the mean over steps of
+    the global loss. Explained variance is taken from the summed moments.
+    """
+    if not parts:
+        raise ValueError("ppo_stats_from_sums needs at least one rank's sums")
+    totals: dict[str, list[float]] = {}
+    for part in parts:
+        for name, (total, count) in part["stats"].items():
+            acc = totals.setdefault(name, [0.0, 0.0])
+            acc[0] += total
+            acc[1] += count
+    stats = {name: total / count if count else float("nan") for name, (total, count) in totals.items()}
+    moments = torch.tensor([part["explained_variance_moments"] for part in parts], dtype=torch.float64).sum(0)
+    stats["explained_variance"] = explained_variance_from_moments(moments)
+    stats["optimizer_steps"] = max(part["optimizer_steps"] for part in parts)
+    return stats

@@ -17,17 +17,19 @@ from torch import Tensor, nn
 from learner.kl import check_finite, grpo_token_k3_loss, kl_penalized_rewards, kl_sums, response_kl_loss
 from learner.ppo import (
     entropy_from_logits,
+    explained_variance_moments,
     gae_advantages,
     global_loss_denominator,
     global_whiten,
     masked_mean,
     penalize_missing_eos,
     policy_loss,
+    ppo_stats_from_sums,
     scheduled_lr,
     token_logprobs,
     value_loss,
 )
-from services.experience import RolloutBatch, concat_batches, model_inputs
+from services.experience import RolloutBatch, concat_batches, model_inputs, stale_rows
 from services.model_source import ModelSource, as_source
 
 
@@ -127,7 +129,7 @@ class LearnerRank:
     # ------------------------------------------------------------------ one PPO update on this rank's shard
 
     def collect(self, slots: list[int], chunk_refs: list, ref_logprob_refs: list, score_refs: list,
-                forwards: int | None = None) -> dict:
+                forwards: int | None = None, expected_state: tuple[int, float] | None = None) -> dict:
         """Fetch this rank's chunks and run the no-grad forward (old log-probs and values) on each.
 
         Chunk by chunk, in order, so the forward on one chunk overlaps generation of the later ones.
@@ -137,6 +139,9 @@ class LearnerRank:
         ``forwards``: how many forwards every rank runs this round (the most slots any rank got). Under
         ZeRO-3 a forward gathers parameters from all ranks, so a rank whose chunk was lost, or that got
         fewer slots, runs a throw-away forward on a one-token batch for each missing one.
+
+        ``expected_state``: the driver's (policy_version, kl_coef). A chunk with rows stamped otherwise
+        (its engine restarted after the driver's version check) is reported in ``failed`` too, never trained on.
         """
         import ray
 
@@ -153,6 +158,9 @@ class LearnerRank:
                 continue
             finally:
                 wait += time.perf_counter() - t0
+            if expected_state is not None and bool(stale_rows(chunk, *expected_state).any()):
+                failed.append(slot)
+                continue
             logprobs, values, _ = self._forward(chunk, grad=False)
             ran += 1
             self.collected[slot] = (chunk, logprobs, values, chunk_ref_logprobs, chunk_scores)
@@ -195,8 +203,10 @@ class LearnerRank:
         for group in self.engine.optimizer.param_groups:  # after any checkpoint load: the schedule decides
             group["lr"] = lr
         t0 = time.perf_counter()
-        ppo_stats = self._ppo_epochs(batch, old_logprobs, old_values, ref_logprobs, advantages, returns,
-                                     kl_coef, iteration)
+        ppo_sums = self._ppo_epochs(batch, old_logprobs, old_values, ref_logprobs, advantages, returns,
+                                    kl_coef, iteration)
+        # values before the update against the returns they are trained towards, as CleanRL logs it
+        ppo_sums["explained_variance_moments"] = explained_variance_moments(old_values, returns, mask).tolist()
         timings["update_seconds"] = time.perf_counter() - t0
         self.updates += 1
 
@@ -216,7 +226,8 @@ class LearnerRank:
         versions = batch.policy_version
         return {
             "sums": sums,
-            "ppo": ppo_stats,
+            "ppo": ppo_stats_from_sums([ppo_sums]),  # this rank's own; the driver combines ``ppo_sums``
+            "ppo_sums": ppo_sums,
             "timings": timings,
             "policy_versions": sorted(set(versions.tolist())),
             "kl_coefs": sorted(set(batch.kl_coef.tolist())),
@@ -245,7 +256,7 @@ class LearnerRank:
         n = batch.shape[0]
         generator = torch.Generator().manual_seed(self.seed * 100_003 + iteration)
         aggregation = self.ppo["loss_aggregation"]
-        totals: dict[str, float] = {}
+        totals: dict[str, list[float]] = {}  # name -> [sum, count], additive over ranks
         steps = 0
         for _ in range(self.ppo["epochs"]):
             for rows in torch.randperm(n, generator=generator).split(micro):
@@ -274,11 +285,19 @@ class LearnerRank:
                 self.engine.step()
                 with torch.no_grad():
                     entropy = masked_mean(entropy_from_logits(logits), mask)
-                for key, value in {"loss": loss, "policy_loss": pg_loss, "value_loss": vf_loss,
-                                   "entropy": entropy, **pg_stats, **vf_stats}.items():
-                    totals[key] = totals.get(key, 0.0) + float(value.detach())
+                # losses are this rank's share of the global minibatch mean: one count per step; token
+                # statistics are this rank's token means: weighted by its tokens
+                tokens = float(mask.sum())
+                step_stats = {"loss": (loss, 1.0), "policy_loss": (pg_loss, 1.0), "value_loss": (vf_loss, 1.0)}
+                if self.kl["placement"] == "loss":
+                    step_stats["kl_loss"] = (kl_term, 1.0)
+                step_stats |= {k: (v, tokens) for k, v in {"entropy": entropy, **pg_stats, **vf_stats}.items()}
+                for key, (value, count) in step_stats.items():
+                    acc = totals.setdefault(key, [0.0, 0.0])
+                    acc[0] += float(value.detach()) * count
+                    acc[1] += count
                 steps += 1
-        return {key: value / max(steps, 1) for key, value in totals.items()} | {"optimizer_steps": steps}
+        return {"stats": totals, "optimizer_steps": steps}
 
     # ------------------------------------------------------------------ weights, probes, fixed-batch checks
 

@@ -79,6 +79,13 @@ def make_batch(
     )
 
 
+def stale_rows(batch: RolloutBatch, policy_version: int, kl_coef: float) -> Tensor:
+    """[B] bool: rows stamped with another policy version or beta than ``(policy_version, kl_coef)``, as
+    from an engine that restarted (at version 0) after the driver's version check."""
+    beta_differs = (batch.kl_coef.double() - kl_coef).abs() > 1e-6 * max(abs(kl_coef), 1.0)
+    return (batch.policy_version != policy_version) | beta_differs
+
+
 def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
     """Concatenate chunks, left-padding prompts to a common width first."""
     width = max(b.prompt_ids.shape[1] for b in batches)

@@ -121,7 +121,8 @@ def policy_dir(task: Task, model_path: str | None, cache_dir: str, seed: int, st
     recipe = {
         "task": task.name, "task_seed": getattr(task, "seed", None), "vocab": task.vocabulary,
         "model": task.model_config, "seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr,
-        "format": 1,
+        # the corpus itself, not only the task seed that drew it: a task may change how a seed draws
+        "corpus": hashlib.sha256(json.dumps(task.sft_corpus()).encode()).hexdigest(), "format": 1,
     }
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir).expanduser() / "sft" / f"{task.name}-{key}"

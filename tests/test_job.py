@@ -99,6 +99,8 @@ def test_broadcast_and_controller(ray_head, cache_dir, tmp_path, target, directi
         (["--kl.controller", "fixed"], "kl.target is set but kl.controller='fixed'"),
         (["--learner.world_size", "3", "--learner.zero_stage", "3"], "cannot be split over learner.world_size=3"),
         (["--rollout.batch_size", "0"], "rollout.batch_size"),
+        (["--rollout.top_p", "0.9"], "rollout.top_p=0.9 is refused"),
+        (["--kl.horizon", "100"], "rollout.batch_size=128 exceeds kl.horizon=100"),
         (["--task.name", "nope"], "unknown task 'nope'"),
         (["--model.path", "/nonexistent/model"], "model.path '/nonexistent/model' is not a directory on this node"),
         (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),

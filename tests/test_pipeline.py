@@ -168,3 +168,49 @@ def test_vllm_reference_backend_matches_hf(ray_client, tiny_model_dir, roles):
         kill(vllm_reference)
     assert hf_scores.shape == vllm_scores.shape
     assert torch.allclose(hf_scores, vllm_scores, atol=1e-4)
+
+
+def test_chunk_from_an_engine_restarted_after_the_version_check_is_regenerated(roles, tiny_model_dir):
+    """A real engine restart between the driver's version check and ``generate``: the chunk comes back at
+    version 0, the learner reports it lost (never trains on it), and the one generated after the re-sync
+    is kept."""
+    import time
+
+    from actors.engines import SamplingSettings
+    from actors.rollout import RolloutActor
+    from learner.cluster import start_actor
+
+    group, sampling = roles["learner"], SamplingSettings(1.0, 1.0, 9)
+    prompts = [[i % 20 + 1] for i in range(8)]
+    engine = start_actor(RolloutActor, "rollout", 2, small_config().cluster.rollout, None, 2, "hf", tiny_model_dir,
+                         0, 32, 64, max_restarts=1)
+
+    def generate_and_collect():
+        chunk = engine.generate.remote(prompts, list(range(8)), list(range(8)), sampling, 22)
+        lost = group.collect({0: chunk}, {0: roles["reference"].score.remote(chunk)},
+                             {0: roles["reward"].score.remote(chunk, 0)}, (3, 0.2))
+        return ray.get(chunk), lost
+
+    try:
+        weights = group.policy_weights()
+        ray.get(engine.update_weights.remote(weights, 3, 0.2))  # up to date at the driver's check
+        ray.kill(engine, no_restart=False)
+        state: dict = {}
+        for _ in range(600):  # ray.kill acts after a while; then calls fail until the restarted one answers
+            try:
+                state = ray.get(engine.get_state.remote())
+            except ray.exceptions.RayActorError:
+                state = {}
+            if state.get("policy_version") == 0:
+                break
+            time.sleep(0.2)
+        assert state == {"name": "rollout-2", "policy_version": 0, "kl_coef": 0.0}
+        chunk, lost = generate_and_collect()
+        assert chunk.policy_version.tolist() == [0] * 8 and lost == [0]
+        ray.get(engine.update_weights.remote(weights, 3, 0.2))  # what the driver's bring_up_to_date does
+        chunk, lost = generate_and_collect()
+        assert chunk.policy_version.tolist() == [3] * 8 and lost == []
+        results = group.update(0.2, iteration=1)
+    finally:
+        kill(engine)
+    assert results[0]["sums"]["num_responses"] == 8 and results[0]["policy_versions"] == [3]

@@ -4,6 +4,7 @@ the shortest path. Needs no download: graph, walks, tokenizer and a tiny GPT-2 a
 from __future__ import annotations
 
 import string
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -26,17 +27,29 @@ class WalkGraph:
     walks: list[str]
     best: list[int]  # best[s]: nodes on a shortest path s -> 'a', start and goal counted, capped at M
 
+    @property
+    def scorable_starts(self) -> list[int]:
+        """Start nodes with a path to the goal shorter than the walk length: from the others every walk
+        ends at the cap (unreachable, or reached only at the M-th node), so optimality has nothing to rank."""
+        return [s for s in range(N_NODES) if s != GOAL and self.best[s] < MAX_LENGTH]
+
 
 def build_graph(seed: int = 1000) -> WalkGraph:
-    """The graph and walks exactly as trlX generates them: same RNG calls, same order."""
+    """The graph and walks exactly as trlX generates them: same RNG calls, same order (except on seeds
+    where trlX's graph leaves no start able to reach the goal: those draw on to the next graph)."""
     rng = np.random.RandomState(seed)
     while True:
         adjacency = rng.rand(N_NODES, N_NODES) > 1 - P_EDGE
         np.fill_diagonal(adjacency, False)
-        if np.all(adjacency.sum(1) > 0):  # every node has an out-edge (trlX checks rows)
+        if not np.all(adjacency.sum(1) > 0):  # every node has an out-edge (trlX checks rows)
+            continue
+        adjacency[GOAL, :] = False
+        adjacency[GOAL, GOAL] = True  # the goal is absorbing
+        best = [_shortest_path_nodes(adjacency, s) for s in range(N_NODES)]
+        # beyond trlX (same draws wherever it has a task): on ~12% of seeds no start reaches the goal within
+        # the walk length (often 'a' has no in-edge), which leaves no prompt; draw another graph then
+        if any(best[s] < MAX_LENGTH for s in range(N_NODES) if s != GOAL):
             break
-    adjacency[GOAL, :] = False
-    adjacency[GOAL, GOAL] = True  # the goal is absorbing
 
     walks = []
     for _ in range(N_WALKS):
@@ -50,8 +63,6 @@ def build_graph(seed: int = 1000) -> WalkGraph:
             if node == GOAL:
                 break
         walks.append("".join(LETTERS[i] for i in walk))
-
-    best = [_shortest_path_nodes(adjacency, s) for s in range(N_NODES)]
     return WalkGraph(adjacency=adjacency, walks=walks, best=best)
 
 
@@ -89,12 +100,15 @@ def optimality(graph: WalkGraph, sample: str) -> float:
         prev = node
     start = LETTERS.index(sample[0]) if sample and sample[0] in LETTERS else GOAL
     # trlX's best[] covers starts 1..N-1, so a start at the goal reads its last entry (a quirk kept as is)
-    return (MAX_LENGTH - bound) / (MAX_LENGTH - graph.best[start if start != GOAL else N_NODES - 1])
+    headroom = MAX_LENGTH - graph.best[start if start != GOAL else N_NODES - 1]
+    # a start without a path shorter than the cap (left out of the prompts) has bound = M: 0, not 0/0
+    return (MAX_LENGTH - bound) / headroom if headroom else 0.0
 
 
 @dataclass
 class RandomWalksTask(Task):
-    """Prompts are the 20 start letters 'b'..'u'; the reward is the walk's optimality."""
+    """Prompts are the start letters 'b'..'u' that can reach 'a' (all 20 on the default seed); the reward
+    is the walk's optimality."""
 
     name: str = "randomwalks"
     seed: int = 1000
@@ -123,7 +137,16 @@ class RandomWalksTask(Task):
         return list(LETTERS) + ["|"]
 
     def prompts(self) -> list[str]:
-        return sorted({walk[0] for walk in self.graph.walks})
+        """The walks' start letters that can reach 'a' within the walk length; the others are left out
+        (with a warning naming them), since no walk from them can score."""
+        starts = sorted({walk[0] for walk in self.graph.walks})
+        scorable = {LETTERS[s] for s in self.graph.scorable_starts}
+        left_out = [s for s in starts if s not in scorable]
+        if left_out:
+            warnings.warn(f"randomwalks task.seed={self.seed}: {len(left_out)} of {len(starts)} start nodes "
+                          f"({''.join(left_out)}) have no path to 'a' shorter than {MAX_LENGTH} nodes and are left "
+                          f"out of the prompts", stacklevel=2)
+        return [s for s in starts if s in scorable]
 
     def eval_prompts(self) -> list[str]:
         return self.prompts()
