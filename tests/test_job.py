@@ -74,6 +74,8 @@ def test_broadcast_and_controller(ray_head, cache_dir, tmp_path, target, directi
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_metrics(tmp_path / "ctl")
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    # the first broadcast reached the engines too: nothing needed re-syncing before iteration 1
+    assert all(r["resynced_actors"] == [] for r in records), [r["resynced_actors"] for r in records]
     for r in records:
         assert r["batch_policy_versions"] == [r["policy_version"] - 1]
         assert r["batch_kl_coefs"] == pytest.approx([r["kl_coef_used"]], rel=1e-6)
