@@ -283,13 +283,14 @@ def test_gpu_config_fits_the_interactive_cluster_too(raycluster):
 
 
 def test_gpu_smoke_config_runs_on_the_cluster_with_the_volume_paths(rayjob):
-    """deploy/configs/gpu-smoke.yaml (reference on half a GPU) still fits; its /tmp run dir needs the overrides."""
+    """deploy/configs/gpu-smoke.yaml (reference on half a GPU) fits, with its paths on the volume; a
+    driver-local run or cache dir given on the command line is flagged."""
     smoke = "python -m learner.main --config deploy/configs/gpu-smoke.yaml"
     rayjob["spec"]["entrypoint"] = smoke
+    assert validate.policy_findings(rayjob) == []
+    rayjob["spec"]["entrypoint"] = smoke + " --run.output_dir /tmp/tether-runs --model.cache_dir /tmp/cache"
     findings = validate.policy_findings(rayjob)
     assert len(findings) == 2 and all("is not on the shared volume" in f for f in findings), findings
-    rayjob["spec"]["entrypoint"] = smoke + " --run.output_dir /mnt/tether/runs --model.cache_dir /mnt/tether/cache"
-    assert validate.policy_findings(rayjob) == []
     cfg = validate.load_job_config(ROOT / "deploy" / "configs" / "gpu-smoke.yaml")
     assert validate.capacity_errors(cfg, rayjob["spec"]["rayClusterSpec"], "$") == []
 
