@@ -216,9 +216,10 @@ def _check_node(models: list, storage, probe: str, rendezvous: tuple[str, int] |
 
 
 def preflight(cfg: JobConfig, placement: Placement, models: list, storage, log=print) -> None:
-    """Before any model loads, check every role's node: the models resolve there, the run storage
-    (a ``RunStorage``) is shared and writable from there, and learner ranks reach rank 0's node. Driver-made model files go to the object store
-    only when some node lacks them. Raises ClusterError naming each actor, node and what is missing."""
+    """Before any model loads, check every role's node: the models resolve there, the run storage (a
+    ``RunStorage``) is shared and writable from there, and learner ranks reach rank 0's node. Driver-made
+    model files go to the object store only when some node lacks them. Raises ClusterError naming each
+    actor, node and what is missing."""
     probe = storage.write_probe()
     check = ray.remote(num_cpus=0, max_retries=0)(_check_node)
     stand_in = None
