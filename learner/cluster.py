@@ -81,13 +81,8 @@ def connect(cfg: JobConfig, log=print) -> None:
 def check_role_resources(cfg: JobConfig) -> None:
     """Each role's request must fit what the cluster has at all; otherwise Ray would wait forever."""
     available = ray.cluster_resources()
-    roles = {
-        "rollout": (cfg.cluster.rollout, cfg.rollout.num_engines),
-        "reference": (cfg.cluster.reference, cfg.reference.num_actors),
-        "reward": (cfg.cluster.reward, cfg.reward.num_actors),
-        "learner": (cfg.cluster.learner, cfg.learner.world_size),
-    }
-    for role, (res, count) in roles.items():
+    for role in role_counts(cfg):
+        res = getattr(cfg.cluster, role)
         wanted = {"CPU": res.num_cpus, "GPU": res.num_gpus, **res.resources}
         for name, amount in wanted.items():
             if amount and available.get(name, 0) < amount:
@@ -96,6 +91,12 @@ def check_role_resources(cfg: JobConfig) -> None:
                     f"{available.get(name, 0)} {name} in total"
                     + (" (a CPU-only cluster: set cluster.<role>.num_gpus=0)" if name == "GPU" else "")
                 )
+
+
+def role_counts(cfg: JobConfig) -> dict[str, int]:
+    """Actors per role, in bundle order; each role's resources are ``cfg.cluster.<role>``."""
+    return {"rollout": cfg.rollout.num_engines, "reference": cfg.reference.num_actors,
+            "reward": cfg.reward.num_actors, "learner": cfg.learner.world_size}
 
 
 def _options(res: RoleResources) -> dict:
@@ -124,14 +125,9 @@ class Placement:
 def reserve(cfg: JobConfig) -> Placement:
     """Reserve a bundle for every actor of every role, or fail naming the wait."""
     check_role_resources(cfg)
-    roles = [
-        ("rollout", cfg.cluster.rollout, cfg.rollout.num_engines),
-        ("reference", cfg.cluster.reference, cfg.reference.num_actors),
-        ("reward", cfg.cluster.reward, cfg.reward.num_actors),
-        ("learner", cfg.cluster.learner, cfg.learner.world_size),
-    ]
     bundles, index = [], {}
-    for role, res, count in roles:
+    for role, count in role_counts(cfg).items():
+        res = getattr(cfg.cluster, role)
         bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {}), **res.resources}
         bundle = {k: v for k, v in bundle.items() if v}
         index[role] = list(range(len(bundles), len(bundles) + count))
@@ -162,9 +158,7 @@ def start_actor(cls, role: str, i: int, res: RoleResources, placement: Placement
 
 def roles(cfg: JobConfig) -> list[tuple[str, int]]:
     """(role, index) of every actor the job starts, in bundle order."""
-    counts = {"rollout": cfg.rollout.num_engines, "reference": cfg.reference.num_actors,
-              "reward": cfg.reward.num_actors, "learner": cfg.learner.world_size}
-    return [(role, i) for role, n in counts.items() for i in range(n)]
+    return [(role, i) for role, n in role_counts(cfg).items() for i in range(n)]
 
 
 class RendezvousStandIn:

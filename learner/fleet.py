@@ -128,9 +128,8 @@ class Fleet:
         try:
             return ray.get(call, timeout=self.cfg.learner.collective_timeout_s)
         except ray.exceptions.GetTimeoutError as err:
-            names = [f"rollout-{i}" for i in range(len(self.rollouts))] + \
-                [f"reference-{i}" for i in range(len(self.references))] + [f"reward-{i}" for i in range(len(self.rewards))]
-            raise ClusterError(f"{names[actor_index]} did not answer {what} within "
+            role, i = cluster.roles(self.cfg)[actor_index]  # self.all is in bundle order
+            raise ClusterError(f"{role}-{i} did not answer {what} within "
                                f"{self.cfg.learner.collective_timeout_s:.0f}s (learner.collective_timeout_s)") from err
 
     def states(self, learner=None, weights=None, policy_version: int = 0, kl_coef: float = 0.0,
