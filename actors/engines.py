@@ -1,13 +1,16 @@
 """Generation engines behind one interface: vLLM (CPU build or CUDA) and transformers ``generate``.
 
 Each engine samples responses with their sampled-token log-probs, scores given sequences
-(log-prob of every token after the prompt), and loads new weights in place.
+(log-prob of every token after the prompt), and loads new weights in place: from a state dict (the
+object store), or through vLLM's weight transfer (NCCL or CUDA IPC on GPU). ``Engine`` is that
+interface; ``RolloutActor`` uses nothing else.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -26,6 +29,34 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
+
+
+class Engine(Protocol):
+    """What a rollout actor asks of its engine."""
+
+    eos_id: int
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seeds: list[int]) -> list[Generation]:
+        """One sampled response per prompt, seeded per prompt."""
+        ...
+
+    def score(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
+        """Log-prob of each token after the prompt (temperature 1): the probe."""
+        ...
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """New policy weights (HF names) in place."""
+        ...
+
+    # vLLM's weight transfer (learner.weight_sync nccl | ipc), in this order: init once, then per sync
+    # start, receive (while learner rank 0 sends), finish
+    def init_weight_transfer(self, init_info: dict) -> None: ...
+
+    def start_weight_transfer(self) -> None: ...
+
+    def receive_weight_transfer(self, update_info: dict) -> None: ...
+
+    def finish_weight_transfer(self) -> None: ...
 
 
 def check_device(device: str, role: str) -> str:
@@ -106,6 +137,20 @@ class VLLMEngine:
         # cached keys were computed by the old weights
         self.llm.reset_prefix_cache()
 
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """This engine's side of vLLM's weight transfer (NCCL: join the learner's group; collective)."""
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_transfer(self) -> None:
+        self.llm.start_weight_update()
+
+    def receive_weight_transfer(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_transfer(self) -> None:
+        self.llm.finish_weight_update()
+        self.llm.reset_prefix_cache()  # cached keys were computed by the old weights
+
 
 class HFEngine:
     """transformers ``generate``: the fallback engine, and the reference for what vLLM must match."""
@@ -157,10 +202,28 @@ class HFEngine:
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(weights, strict=True)
 
+    # vLLM's weight transfer has no transformers side (the config refuses it for rollout.engine='hf')
+    def init_weight_transfer(self, init_info: dict) -> None:
+        _no_weight_transfer()
+
+    def start_weight_transfer(self) -> None:
+        _no_weight_transfer()
+
+    def receive_weight_transfer(self, update_info: dict) -> None:
+        _no_weight_transfer()
+
+    def finish_weight_transfer(self) -> None:
+        _no_weight_transfer()
+
+
+def _no_weight_transfer() -> None:
+    raise ValueError("learner.weight_sync 'nccl' and 'ipc' are vLLM's weight transfer: they need "
+                     "rollout.engine='vllm', not 'hf'")
+
 
 def make_engine(kind: str, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int,
                 dtype: str = "float32", cpu_core: int | None = None, device: str = "cpu",
-                engine_args: dict | None = None, weight_transfer: str | None = None):
+                engine_args: dict | None = None, weight_transfer: str | None = None) -> Engine:
     if kind == "vllm":
         return VLLMEngine(model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core, device, engine_args,
                           weight_transfer)

@@ -6,6 +6,7 @@ import time
 
 from actors.base import VersionedActor
 from actors.engines import SamplingSettings, check_device, make_engine
+from services.devices import gpu_location
 from services.experience import RolloutBatch, make_batch
 from services.model_source import ModelSource, as_source
 
@@ -53,24 +54,21 @@ class RolloutActor(VersionedActor):
     # vLLM's weight transfer (GPU): learner.weight_transfer.EngineClient drives these four, in order
     def gpu_location(self) -> tuple[str, list[str]]:
         """(node id, GPU ids): learner.weight_sync='ipc' checks that this engine shares a learner GPU."""
-        from learner.weight_transfer import gpu_location
-
         return gpu_location()
 
     def init_weight_transfer(self, init_info: dict) -> None:
         """This engine's side of vLLM's weight transfer (NCCL: join the learner's group; collective)."""
-        self.engine.llm.init_weight_transfer_engine({"init_info": init_info})
+        self.engine.init_weight_transfer(init_info)
 
     def start_weight_transfer(self) -> None:
-        self.engine.llm.start_weight_update()
+        self.engine.start_weight_transfer()
 
     def receive_weight_transfer(self, update_info: dict) -> None:
         """Receive what learner rank 0 sends now (NCCL: runs while it broadcasts) and load it."""
-        self.engine.llm.update_weights({"update_info": update_info})
+        self.engine.receive_weight_transfer(update_info)
 
     def finish_weight_transfer(self) -> None:
-        self.engine.llm.finish_weight_update()
-        self.engine.llm.reset_prefix_cache()  # cached keys were computed by the old weights
+        self.engine.finish_weight_transfer()
 
     def probe(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
         """The engine's log-probs of given sequences, to compare with the learner's after a sync."""

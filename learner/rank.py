@@ -323,7 +323,7 @@ class LearnerRank:
         return announced_parameters(self.engine.module.lm)
 
     def gpu_location(self) -> tuple[str, list[str]]:
-        from learner.weight_transfer import gpu_location
+        from services.devices import gpu_location
 
         return gpu_location()
 

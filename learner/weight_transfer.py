@@ -120,14 +120,6 @@ def trainer_init_info(backend: Backend, rank: int, master_address: str, master_p
     raise ValueError(f"unknown weight-transfer backend {backend!r}; expected 'nccl' or 'ipc'")
 
 
-def gpu_location() -> tuple[str, list[str]]:
-    """(node id, GPU ids Ray gave this actor): where the calling actor's GPUs are."""
-    import ray
-
-    context = ray.get_runtime_context()
-    return context.get_node_id(), sorted(context.get_accelerator_ids().get("GPU", []))
-
-
 def check_ipc_colocation(engines: Sequence[tuple[str, list[str]]], ranks: Sequence[tuple[str, list[str]]]) -> None:
     """CUDA IPC shares memory within one GPU: every engine's GPU must be a learner rank's GPU on the same
     node. Raises ValueError naming the first engine that is elsewhere."""
