@@ -64,11 +64,10 @@ def worker(spec: dict) -> dict:
     ray.init(address=spec["ray_address"], namespace="bench-weight-sync", log_to_driver=False)
 
     cfg = JobConfig()
-    learner_cfg = cfg.learner.model_dump() | {"zero_stage": stage, "world_size": 1}
+    learner_cfg = cfg.learner.model_copy(update={"zero_stage": stage, "world_size": 1})
     rank = LearnerRank(0, 1)
     start = time.perf_counter()
-    rank.setup("127.0.0.1", spec["master_port"], spec["model_dir"], learner_cfg, cfg.ppo.model_dump(),
-               cfg.kl.model_dump(), 1.0, 0)
+    rank.setup("127.0.0.1", spec["master_port"], spec["model_dir"], learner_cfg, cfg.ppo, cfg.kl, 1.0, 0)
     setup_s = time.perf_counter() - start
     lm = rank.engine.module.lm
     params = list(lm.parameters())

@@ -9,6 +9,7 @@ import ray
 from learner.cluster import ClusterError, Placement, start_actor
 from learner.config import JobConfig
 from learner.rank import LearnerRank
+from learner.results import UpdateResult
 from services.model_source import ModelSource
 
 
@@ -22,8 +23,8 @@ class LearnerGroup:
         ]
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
         setups = [
-            rank.setup.remote(master_addr, master_port, model, cfg.learner.model_dump(), cfg.ppo.model_dump(),
-                              cfg.kl.model_dump(), cfg.rollout.temperature, cfg.run.seed, cfg.device("learner"),
+            rank.setup.remote(master_addr, master_port, model, cfg.learner, cfg.ppo,
+                              cfg.kl, cfg.rollout.temperature, cfg.run.seed, cfg.device("learner"),
                               run_iterations=cfg.run.iterations, missing_eos_penalty=cfg.reward.missing_eos_penalty)
             for rank in self.ranks
         ]
@@ -67,12 +68,13 @@ class LearnerGroup:
                  for rank, slots in zip(self.ranks, by_rank, strict=True)]
         return sorted(s for result in self._get(calls, "collect") for s in result["failed"])
 
-    def update(self, kl_coef: float, iteration: int) -> list[dict]:
-        """Every rank trains at once on what it collected. Returns each rank's result."""
-        return self._get([rank.update.remote(kl_coef, iteration) for rank in self.ranks], "update")
+    def update(self, kl_coef: float, iteration: int) -> UpdateResult:
+        """Every rank trains at once on what it collected. Returns their results combined."""
+        return UpdateResult.combine(self._get([rank.update.remote(kl_coef, iteration) for rank in self.ranks],
+                                              "update"))
 
     def train(self, chunk_refs: list, ref_logprob_refs: list, score_refs: list, kl_coef: float,
-              iteration: int) -> list[dict]:
+              iteration: int) -> UpdateResult:
         """collect + update, for callers that need no retries."""
         failed = self.collect(dict(enumerate(chunk_refs)), dict(enumerate(ref_logprob_refs)),
                               dict(enumerate(score_refs)))

@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 from torch import Tensor, nn
 
+from learner.config import KLConfig, LearnerConfig, PPOConfig
 from learner.kl import check_finite, grpo_token_k3_loss, kl_penalized_rewards, kl_sums, response_kl_loss
 from learner.ppo import (
     entropy_from_logits,
@@ -29,6 +30,7 @@ from learner.ppo import (
     token_logprobs,
     value_loss,
 )
+from learner.results import RankUpdate
 from services.experience import RolloutBatch, concat_batches, model_inputs, stale_rows
 from services.model_source import ModelSource, as_source
 
@@ -71,9 +73,9 @@ class LearnerRank:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int, model: ModelSource | str, learner_cfg: dict, ppo_cfg: dict,
-              kl_cfg: dict, temperature: float, seed: int, device: str = "cpu", run_iterations: int = 1,
-              missing_eos_penalty: float | None = None) -> int:
+    def setup(self, master_addr: str, master_port: int, model: ModelSource | str, learner_cfg: LearnerConfig,
+              ppo_cfg: PPOConfig, kl_cfg: KLConfig, temperature: float, seed: int, device: str = "cpu",
+              run_iterations: int = 1, missing_eos_penalty: float | None = None) -> int:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         import deepspeed
@@ -86,14 +88,14 @@ class LearnerRank:
         self.seed = seed
         self.run_iterations, self.missing_eos_penalty = run_iterations, missing_eos_penalty
         on_gpu = check_device(device, f"learner-rank-{self.rank}") == "cuda"
-        if learner_cfg["torch_threads"]:
-            torch.set_num_threads(learner_cfg["torch_threads"])
+        if learner_cfg.torch_threads:
+            torch.set_num_threads(learner_cfg.torch_threads)
         if not on_gpu:
             # the shared-memory allreduce op costs an ~80 s JIT build and gloo needs none of it
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         # rendezvous and every later collective give up after this, instead of hanging
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False,
-                                   timeout=timedelta(seconds=learner_cfg["collective_timeout_s"]))
+                                   timeout=timedelta(seconds=learner_cfg.collective_timeout_s))
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
 
         from services.models import load_causal_lm
@@ -102,27 +104,27 @@ class LearnerRank:
         self.model_dir = as_source(model).resolve(f"learner-rank-{self.rank}")
         torch.manual_seed(seed)  # same value-head init on every rank
         # fp32 master weights; with learner.dtype bfloat16 DeepSpeed trains a bf16 copy of them
-        critic = load_causal_lm(self.model_dir, "float32") if learner_cfg["critic"] == "separate" else None
+        critic = load_causal_lm(self.model_dir, "float32") if learner_cfg.critic == "separate" else None
         model = PolicyWithValueHead(load_causal_lm(self.model_dir, "float32"), critic)
         from torch.optim import AdamW
 
-        optimizer = AdamW(model.parameters(), lr=ppo_cfg["lr"], betas=tuple(ppo_cfg["adam_betas"]),
-                          weight_decay=ppo_cfg["weight_decay"], eps=1e-8)
-        micro = ppo_cfg["minibatch_size"] // world_size
+        optimizer = AdamW(model.parameters(), lr=ppo_cfg.lr, betas=tuple(ppo_cfg.adam_betas),
+                          weight_decay=ppo_cfg.weight_decay, eps=1e-8)
+        micro = ppo_cfg.minibatch_size // world_size
         ds_config = {
             "train_micro_batch_size_per_gpu": micro,
             "gradient_accumulation_steps": 1,
             "train_batch_size": micro * world_size,
-            "gradient_clipping": ppo_cfg["max_grad_norm"],
-            "zero_optimization": {"stage": learner_cfg["zero_stage"]},
+            "gradient_clipping": ppo_cfg.max_grad_norm,
+            "zero_optimization": {"stage": learner_cfg.zero_stage},
             "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": learner_cfg["dtype"] == "bfloat16"},
+            "bf16": {"enabled": learner_cfg.dtype == "bfloat16"},
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.updates = 0
-        self.collected: dict[int, tuple] = {}  # slot -> (chunk, old logprobs, old values, ref logprobs, scores)
+        self.collected: dict[int, RolloutBatch] = {}  # slot -> chunk with its old_logprobs, old_values, ref_logprobs, scores
         self.timings: dict[str, float] = {}
         return self.rank
 
@@ -161,10 +163,11 @@ class LearnerRank:
             if expected_state is not None and bool(stale_rows(chunk, *expected_state).any()):
                 failed.append(slot)
                 continue
-            logprobs, values, _ = self._forward(chunk, grad=False)
+            chunk.old_logprobs, chunk.old_values, _ = self._forward(chunk, grad=False)
+            chunk.ref_logprobs, chunk.scores = chunk_ref_logprobs, chunk_scores
             ran += 1
-            self.collected[slot] = (chunk, logprobs, values, chunk_ref_logprobs, chunk_scores)
-        if self.learner["zero_stage"] == 3:
+            self.collected[slot] = chunk
+        if self.learner.zero_stage == 3:
             if forwards is not None and ran > forwards:
                 raise ValueError(f"rank {self.rank}: ran {ran} forwards but the round has only {forwards}")
             for _ in range((forwards if forwards is not None else len(slots)) - ran):
@@ -173,67 +176,60 @@ class LearnerRank:
         self.timings["forward_seconds"] = self.timings.get("forward_seconds", 0.0) + time.perf_counter() - start - wait
         return {"failed": failed, "collected": len(self.collected)}
 
-    def update(self, kl_coef: float, iteration: int) -> dict:
+    def update(self, kl_coef: float, iteration: int) -> RankUpdate:
         """KL-penalised rewards at ``kl_coef``, GAE and the PPO epochs on everything collected;
         returns additive sums so the driver's statistics are exact over all ranks."""
-        entries = [self.collected[slot] for slot in sorted(self.collected)]
+        batch = concat_batches([self.collected[slot] for slot in sorted(self.collected)])
         timings, self.collected, self.timings = self.timings, {}, {}
-        parts = [e[0] for e in entries]
-        old_logprobs, old_values = [e[1] for e in entries], [e[2] for e in entries]
-        ref_logprobs, scores = [e[3] for e in entries], [e[4] for e in entries]
-
-        batch = concat_batches(parts)
         mask = batch.response_mask
-        old_logprobs = torch.cat(_pad_cols(old_logprobs, mask.shape[1])) * mask
-        old_values = torch.cat(_pad_cols(old_values, mask.shape[1])) * mask
-        ref_logprobs = torch.cat(_pad_cols(ref_logprobs, mask.shape[1])) * mask
-        scores, missing_eos = penalize_missing_eos(torch.cat(scores), batch.finish_reason, self.missing_eos_penalty)
-        check_finite(f"rank {self.rank} values", old_values)
+        batch.old_logprobs, batch.old_values = batch.old_logprobs * mask, batch.old_values * mask
+        batch.ref_logprobs = batch.ref_logprobs * mask
+        batch.scores, missing_eos = penalize_missing_eos(batch.scores, batch.finish_reason, self.missing_eos_penalty)
+        check_finite(f"rank {self.rank} values", batch.old_values)
 
-        in_reward = self.kl["placement"] == "reward"
-        rewards, _ = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask,
-                                           kl_coef if in_reward else 0.0, self.kl["estimator"])
+        in_reward = self.kl.placement == "reward"
+        rewards, _ = kl_penalized_rewards(batch.scores, batch.old_logprobs, batch.ref_logprobs, mask,
+                                           kl_coef if in_reward else 0.0, self.kl.estimator)
         # lm-human-preferences scales the rewards GAE sees, never the reported reward or the controller's KL
-        gae_rewards = self._global_whiten(rewards, mask, shift_mean=False) if self.ppo["whiten_rewards"] else rewards
-        advantages, returns = gae_advantages(gae_rewards, old_values, mask, self.ppo["gamma"], self.ppo["lam"])
-        if self.ppo["whiten_advantages"]:
-            advantages = self._global_whiten(advantages, mask)
+        gae_rewards = self._global_whiten(rewards, mask, shift_mean=False) if self.ppo.whiten_rewards else rewards
+        advantages, batch.returns = gae_advantages(gae_rewards, batch.old_values, mask, self.ppo.gamma, self.ppo.lam)
+        batch.advantages = self._global_whiten(advantages, mask) if self.ppo.whiten_advantages else advantages
 
-        lr = scheduled_lr(self.ppo["lr"], self.ppo["lr_schedule"], iteration, self.run_iterations)
+        lr = scheduled_lr(self.ppo.lr, self.ppo.lr_schedule, iteration, self.run_iterations)
         for group in self.engine.optimizer.param_groups:  # after any checkpoint load: the schedule decides
             group["lr"] = lr
         t0 = time.perf_counter()
-        ppo_sums = self._ppo_epochs(batch, old_logprobs, old_values, ref_logprobs, advantages, returns,
-                                    kl_coef, iteration)
+        ppo_sums = self._ppo_epochs(batch, kl_coef, iteration)
         # values before the update against the returns they are trained towards, as CleanRL logs it
-        ppo_sums["explained_variance_moments"] = explained_variance_moments(old_values, returns, mask).tolist()
+        ppo_sums["explained_variance_moments"] = explained_variance_moments(batch.old_values, batch.returns,
+                                                                            mask).tolist()
         timings["update_seconds"] = time.perf_counter() - t0
         self.updates += 1
 
         lengths = mask.sum(-1)
-        sums = kl_sums(old_logprobs, ref_logprobs, mask, self.kl["estimator"])
+        mismatch = (batch.old_logprobs - batch.rollout_logprobs).abs() * mask
+        sums = kl_sums(batch.old_logprobs, batch.ref_logprobs, mask, self.kl.estimator)
         sums.update({
-            "score_sum": float(scores.sum()),
+            "score_sum": float(batch.scores.sum()),
             "reward_sum": float((rewards * mask).sum()),  # penalty plus score, per episode summed
             "length_sum": float(lengths.sum()),
             "truncated": float((batch.finish_reason == 1).sum()),
             "missing_eos_penalized": float(missing_eos.sum()),
-            "mismatch_abs_sum": float(((old_logprobs - batch.rollout_logprobs).abs() * mask).sum()),
-            "mismatch_max": float(((old_logprobs - batch.rollout_logprobs).abs() * mask).max()) if mask.any() else 0.0,
-            "value_sum": float((old_values * mask).sum()),
-            "return_sum": float((returns * mask).sum()),
+            "mismatch_abs_sum": float(mismatch.sum()),
+            "mismatch_max": float(mismatch.max()) if mask.any() else 0.0,
+            "value_sum": float((batch.old_values * mask).sum()),
+            "return_sum": float((batch.returns * mask).sum()),
         })
-        versions = batch.policy_version
-        return {
-            "sums": sums,
-            "ppo": ppo_stats_from_sums([ppo_sums]),  # this rank's own; the driver combines ``ppo_sums``
-            "ppo_sums": ppo_sums,
-            "timings": timings,
-            "policy_versions": sorted(set(versions.tolist())),
-            "kl_coefs": sorted(set(batch.kl_coef.tolist())),
-            "lr": float(self.engine.get_lr()[0]),  # what the optimizer stepped with
-            "rank": self.rank,
-        }
+        return RankUpdate(
+            sums=sums,
+            ppo_sums=ppo_sums,
+            ppo=ppo_stats_from_sums([ppo_sums]),  # this rank's own; the group combines ``ppo_sums``
+            timings=timings,
+            policy_versions=sorted(set(batch.policy_version.tolist())),
+            kl_coefs=sorted(set(batch.kl_coef.tolist())),
+            lr=float(self.engine.get_lr()[0]),  # what the optimizer stepped with
+            rank=self.rank,
+        )
 
     def _forward(self, batch: RolloutBatch, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
         input_ids, attention_mask, position_ids = (x.to(self.device) for x in model_inputs(batch))
@@ -250,36 +246,36 @@ class LearnerRank:
         on the rank's device: an NCCL group all-reduces only CUDA tensors."""
         return global_whiten(x, mask, self.device, shift_mean)
 
-    def _ppo_epochs(self, batch, old_logprobs, old_values, ref_logprobs, advantages, returns, kl_coef,
-                    iteration) -> dict:
-        micro = self.ppo["minibatch_size"] // self.world_size
+    def _ppo_epochs(self, batch: RolloutBatch, kl_coef: float, iteration: int) -> dict:
+        """The PPO epochs over ``batch``, which carries old_logprobs, old_values, ref_logprobs, advantages
+        and returns: shuffled minibatches ``batch[rows]``, one optimizer step each."""
+        micro = self.ppo.minibatch_size // self.world_size
         n = batch.shape[0]
         generator = torch.Generator().manual_seed(self.seed * 100_003 + iteration)
-        aggregation = self.ppo["loss_aggregation"]
+        aggregation = self.ppo.loss_aggregation
         totals: dict[str, list[float]] = {}  # name -> [sum, count], additive over ranks
         steps = 0
-        for _ in range(self.ppo["epochs"]):
+        for _ in range(self.ppo.epochs):
             for rows in torch.randperm(n, generator=generator).split(micro):
                 mb = batch[rows]
                 mask = mb.response_mask.to(self.device)
                 # global token (or row) count over all ranks: W ranks compute what one would
                 denominator = global_loss_denominator(mask, aggregation, self.device)
                 logprobs, values, logits = self._forward(mb, grad=True)
-                pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[rows].to(self.device),
-                                                advantages[rows].to(self.device), mask,
-                                                self.ppo["clip_range"], aggregation, denominator)
-                vf_loss, vf_stats = value_loss(values, old_values[rows].to(self.device),
-                                               returns[rows].to(self.device), mask,
-                                               self.ppo["clip_range_value"], aggregation, denominator)
-                loss = pg_loss + self.ppo["vf_coef"] * vf_loss
-                if self.kl["placement"] == "loss":
-                    ref_mb = ref_logprobs[rows].to(self.device)
-                    if self.kl["loss_form"] == "grpo_token_k3":
+                old_logprobs = mb.old_logprobs.to(self.device)
+                pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, mb.advantages.to(self.device), mask,
+                                                self.ppo.clip_range, aggregation, denominator)
+                vf_loss, vf_stats = value_loss(values, mb.old_values.to(self.device), mb.returns.to(self.device), mask,
+                                               self.ppo.clip_range_value, aggregation, denominator)
+                loss = pg_loss + self.ppo.vf_coef * vf_loss
+                if self.kl.placement == "loss":
+                    ref_mb = mb.ref_logprobs.to(self.device)
+                    if self.kl.loss_form == "grpo_token_k3":
                         kl_term = grpo_token_k3_loss(logprobs, ref_mb, mask, aggregation, denominator)
                     else:  # per response over all ranks' responses, empty ones too, as the controller's mean
                         responses = global_loss_denominator(torch.ones_like(mask[:, :1]), "sequence_mean", self.device)
-                        kl_term = response_kl_loss(logprobs, old_logprobs[rows].to(self.device), ref_mb, mask,
-                                                   self.kl["loss_form"], responses)
+                        kl_term = response_kl_loss(logprobs, old_logprobs, ref_mb, mask,
+                                                   self.kl.loss_form, responses)
                     loss = loss + kl_coef * kl_term
                 self.engine.backward(loss)
                 self.engine.step()
@@ -289,7 +285,7 @@ class LearnerRank:
                 # statistics are this rank's token means: weighted by its tokens
                 tokens = float(mask.sum())
                 step_stats = {"loss": (loss, 1.0), "policy_loss": (pg_loss, 1.0), "value_loss": (vf_loss, 1.0)}
-                if self.kl["placement"] == "loss":
+                if self.kl.placement == "loss":
                     step_stats["kl_loss"] = (kl_term, 1.0)
                 step_stats |= {k: (v, tokens) for k, v in {"entropy": entropy, **pg_stats, **vf_stats}.items()}
                 for key, (value, count) in step_stats.items():
@@ -309,10 +305,10 @@ class LearnerRank:
 
         lm = self.engine.module.lm
         params = list(lm.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=self.learner["zero_stage"] == 3):
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=self.learner.zero_stage == 3):
             if self.rank != 0:
                 return None
-            target = getattr(torch, dtype or self.learner["dtype"])
+            target = getattr(torch, dtype or self.learner.dtype)
             return [ray.put({name: t.detach().to("cpu", target).clone() for name, t in lm.state_dict().items()})]
 
     def weight_metadata(self) -> list[tuple[str, str, list[int]]]:
@@ -335,7 +331,7 @@ class LearnerRank:
 
         from learner.weight_transfer import EngineClient, parameter_source, trainer_init_info
 
-        source = parameter_source(self.engine.module.lm, zero3=self.learner["zero_stage"] == 3)
+        source = parameter_source(self.engine.module.lm, zero3=self.learner.zero_stage == 3)
         info = trainer_init_info(backend, self.rank, master_addr, master_port,  # type: ignore[arg-type]
                                  1 + len(rollouts) * workers_per_engine, buffer_bytes)
         client = EngineClient(rollouts, workers_per_engine, timeout_s)
@@ -442,7 +438,7 @@ class LearnerRank:
 
         lm = self.engine.module.lm
         with deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None,
-                                               enabled=self.learner["zero_stage"] == 3):
+                                               enabled=self.learner.zero_stage == 3):
             if self.rank != 0:
                 return
             scratch = scratch_dir("tether-export-")
@@ -485,7 +481,3 @@ def _placeholder_batch() -> RolloutBatch:
     from services.experience import make_batch
 
     return make_batch([[0]], [[0]], [[0.0]], [0], [0], 0, 0, 0.0)
-
-
-def _pad_cols(tensors: list[Tensor], width: int) -> list[Tensor]:
-    return [torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.shape[1] < width else t for t in tensors]

@@ -3,7 +3,8 @@
 A ``RolloutBatch`` holds B episodes. Prompts are left-padded to P, responses right-padded to T, so the
 response always starts at column P of ``cat(prompt_ids, response_ids)``. Every response tensor is
 response-aligned [B, T]. Each row carries the ``policy_version`` and ``kl_coef`` it was produced under,
-so concatenating chunks keeps the stamps. ``tensordict``'s tensorclass gives indexing, ``torch.cat``,
+so concatenating chunks keeps the stamps. The learner fills the optional fields (reference log-probs,
+scores, its own old log-probs and values, advantages, returns), so one container reaches the loss. ``tensordict``'s tensorclass gives indexing, ``torch.cat``,
 ``torch.stack`` and device moves for free.
 """
 
@@ -27,6 +28,13 @@ class RolloutBatch:
     policy_version: Tensor  # [B] long: weights version that generated the row
     kl_coef: Tensor  # [B] float: beta in force when the row was generated
     prompt_index: Tensor  # [B] long: index into the task's prompt list
+    # filled by the learner rank; None until then
+    ref_logprobs: Tensor | None = None  # [B, T] the reference model's log-probs of the sampled tokens
+    scores: Tensor | None = None  # [B] sequence scores (the reward function's or model's)
+    old_logprobs: Tensor | None = None  # [B, T] the learner's log-probs before the update
+    old_values: Tensor | None = None  # [B, T] the critic's values before the update ("values" is tensordict's)
+    advantages: Tensor | None = None  # [B, T]
+    returns: Tensor | None = None  # [B, T] the value targets
 
     @property
     def response_lengths(self) -> Tensor:

@@ -39,8 +39,8 @@ def uneven_chunks(seed: int = 0):
     return chunks
 
 
-def train_once(cfg, model_dir: str, chunks, tag: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """One collect + update on fixed chunks; the full policy weights after it and each rank's result."""
+def train_once(cfg, model_dir: str, chunks, tag: str):
+    """One collect + update on fixed chunks; the full policy weights after it and the group's UpdateResult."""
     from learner.group import LearnerGroup
 
     refs = [ray.put(torch.linspace(-3.0, -1.0, 6).repeat(8, 1) * (i + 1)) for i in range(len(chunks))]
@@ -70,9 +70,11 @@ def test_zero3_two_ranks_with_unequal_lengths_end_at_the_one_rank_weights(ray_cl
         cfg = group_config(world_size, stage, ppo={"minibatch_size": 16, "epochs": 1, "lr": 1e-3,
                                                    "loss_aggregation": aggregation},
                            kl={"placement": placement, "loss_form": loss_form, "init_kl_coef": 0.05})
-        weights[world_size], results = train_once(cfg, tiny_model_dir, chunks, f"uneven-{aggregation}-w{world_size}")
-        stats[world_size] = ppo_stats_from_sums([r["ppo_sums"] for r in results])
-        per_rank_means[world_size] = {k: sum(r["ppo"][k] for r in results) / len(results) for k in results[0]["ppo"]}
+        weights[world_size], result = train_once(cfg, tiny_model_dir, chunks, f"uneven-{aggregation}-w{world_size}")
+        stats[world_size] = ppo_stats_from_sums([r.ppo_sums for r in result.ranks])
+        assert stats[world_size] == result.ppo
+        per_rank_means[world_size] = {k: sum(r.ppo[k] for r in result.ranks) / len(result.ranks)
+                                      for k in result.ranks[0].ppo}
     assert set(stats[1]) == set(stats[2]) >= {"loss", "policy_loss", "value_loss", "entropy", "clipfrac",
                                               "approx_kl", "vf_clipfrac", "explained_variance", "optimizer_steps"}
     for key in stats[1]:
@@ -122,13 +124,13 @@ def test_zero3_lost_chunk_finishes_within_the_timeout_and_the_retry_trains(ray_c
         assert group.collect({1: ray.put(restarted)}, {1: refs[1]}, {1: scores[1]}, (0, 0.05)) == [1]
         # the retry holds slot 1 only: rank 0 has no chunk and still joins rank 1's forward
         assert group.collect({1: ray.put(chunks[1])}, {1: refs[1]}, {1: scores[1]}, (0, 0.05)) == []
-        results = group.update(kl_coef=0.05, iteration=1)
+        result = group.update(kl_coef=0.05, iteration=1)
     finally:
         for rank in group.ranks:
             ray.kill(rank)
-    assert sorted(r["rank"] for r in results) == [0, 1]
-    assert sum(r["sums"]["num_responses"] for r in results) == 16
-    assert all(r["ppo"]["optimizer_steps"] == 1 for r in results)
+    assert sorted(r.rank for r in result.ranks) == [0, 1]
+    assert result.num_responses == 16
+    assert all(r.ppo["optimizer_steps"] == 1 for r in result.ranks)
 
 
 def test_zero3_weight_announcement_has_the_full_hf_shapes_without_a_collective(ray_client, tiny_model_dir):

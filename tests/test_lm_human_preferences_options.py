@@ -186,17 +186,17 @@ def test_rank_penalises_whitens_and_anneals_the_lr_across_a_resume(ray_client, t
     try:
         used = {}
         for iteration in (1, 2):
-            (result,) = group.train(chunks, refs, scores, kl_coef=beta, iteration=iteration)
-            used[iteration] = result["lr"]
-        sums = result["sums"]
+            result = group.train(chunks, refs, scores, kl_coef=beta, iteration=iteration)
+            used[iteration] = result.lr
+        sums = result.sums
         assert sums["score_sum"] == pytest.approx(expected_score_sum, abs=1e-5)
         assert sums["missing_eos_penalized"] == float(cut.sum()) == sums["truncated"]
         # the reported reward is the unwhitened KL-penalised one: mean_kl == -(reward - score) / beta
         assert sums["response_sum"] == pytest.approx(-(sums["reward_sum"] - sums["score_sum"]) / beta, rel=1e-4)
         ckpt = checkpoint.begin(run, 2)
         checkpoint.commit(run, ckpt, group.save(ckpt.url), {"iteration": 2, "config": {}}, keep=2)
-        (result,) = group.train(chunks, refs, scores, kl_coef=beta, iteration=3)
-        used[3] = result["lr"]
+        result = group.train(chunks, refs, scores, kl_coef=beta, iteration=3)
+        used[3] = result.lr
         kept_going = ray.get(group.policy_weights())
     finally:
         for rank in group.ranks:
@@ -208,12 +208,12 @@ def test_rank_penalises_whitens_and_anneals_the_lr_across_a_resume(ray_client, t
     try:
         ckpt = checkpoint.resolve(run, "latest")
         resumed.load(ckpt.url, checkpoint.read_manifest(ckpt), saved_world_size=1)
-        (result,) = resumed.train(chunks, refs, scores, kl_coef=beta, iteration=3)
+        result = resumed.train(chunks, refs, scores, kl_coef=beta, iteration=3)
         after = ray.get(resumed.policy_weights())
     finally:
         for rank in resumed.ranks:
             ray.kill(rank)
     # the checkpoint's optimizer holds iteration 2's lr; the schedule, not the checkpoint, sets iteration 3's
-    assert result["lr"] == pytest.approx(used[3], rel=1e-12)
+    assert result.lr == pytest.approx(used[3], rel=1e-12)
     for name, tensor in kept_going.items():
         torch.testing.assert_close(after[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
