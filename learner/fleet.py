@@ -1,13 +1,13 @@
 """The non-learner actors of a job, handled as one: rollout engines, references and reward actors.
 
 Rollout, reference and reward actors restart after a crash (Ray ``max_restarts``). A restarted engine
-comes back with its initial weights, so before any generation the fleet compares every actor's
-reported version with the driver's and re-syncs (and probes) the ones that are behind.
+comes back with its initial weights, so before any generation the driver's ``WeightSync`` compares every
+actor's reported version with its own and re-syncs (and probes) the ones that are behind.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 
 import ray
 
@@ -83,10 +83,11 @@ class Fleet:
         score_refs = {i: self.rewards[i % len(self.rewards)].score.remote(ch, i) for i, ch in chunk_refs.items()}
         return ref_refs, score_refs
 
-    def evaluate(self, eval_prompts: list[list[int]], iteration: int, learner=None, weights=None,
-                 policy_version: int = 0, kl_coef: float = 0.0, probe_set: tuple = ()) -> tuple[dict, list]:
-        """The task's eval metrics on sampled responses to the eval prompts (retried if an actor dies),
-        and the first ``metrics.eval_samples_saved`` of those samples as text."""
+    def evaluate(self, eval_prompts: list[list[int]], iteration: int,
+                 resync: Callable[[], object] | None = None) -> tuple[dict, list]:
+        """The task's eval metrics on sampled responses to the eval prompts, and the first
+        ``metrics.eval_samples_saved`` of those samples as text. An actor that dies is re-synced with
+        ``resync`` (``WeightSync.bring_up_to_date``) and the evaluation retried; without it, it fails."""
         keep = self.cfg.metrics.eval_samples_saved
         rows = [r for r in range(len(eval_prompts)) for _ in range(self.cfg.rollout.eval_samples_per_prompt)]
         for attempt in range(self.cfg.run.max_chunk_retries + 1):
@@ -96,9 +97,9 @@ class Fleet:
                                  for i, ch in chunks.items()])
                 break
             except ray.exceptions.RayActorError:
-                if attempt == self.cfg.run.max_chunk_retries or learner is None:
+                if attempt == self.cfg.run.max_chunk_retries or resync is None:
                     raise
-                self.bring_up_to_date(learner, weights, policy_version, kl_coef, probe_set)
+                resync()
         count = sum(p["count"] for p in parts)
         metrics = {k: sum(p["sums"][k] for p in parts) / count for k in parts[0]["sums"]}
         return metrics, [s for p in parts for s in p["samples"]][:keep]
@@ -108,7 +109,7 @@ class Fleet:
     def broadcast(self, weights: ray.ObjectRef | None, policy_version: int, kl_coef: float) -> float:
         """New weights (if any) to every engine, and (version, beta) to every actor. Returns the
         slowest engine's load seconds. An actor that is down is skipped here: it comes back at version 0
-        and ``bring_up_to_date`` re-syncs it."""
+        and ``WeightSync.bring_up_to_date`` re-syncs it."""
         calls = {i: r.update_weights.remote(weights, policy_version, kl_coef) for i, r in enumerate(self.rollouts)} \
             if weights is not None else {}
         calls |= {i: a.set_state.remote(policy_version, kl_coef) for i, a in enumerate(self.all) if i not in calls}
@@ -132,18 +133,6 @@ class Fleet:
             raise ClusterError(f"{role}-{i} did not answer {what} within "
                                f"{self.cfg.learner.collective_timeout_s:.0f}s (learner.collective_timeout_s)") from err
 
-    def states(self, learner=None, weights=None, policy_version: int = 0, kl_coef: float = 0.0,
-               probe_set: tuple = ()) -> list[dict]:
-        """Every actor's (name, version, beta); an actor that died meanwhile is brought up to date first."""
-        for attempt in range(self.cfg.run.max_chunk_retries + 1):
-            try:
-                return ray.get([a.get_state.remote() for a in self.all])
-            except ray.exceptions.RayActorError:
-                if learner is None or attempt == self.cfg.run.max_chunk_retries:
-                    raise
-                self.bring_up_to_date(learner, weights, policy_version, kl_coef, probe_set)
-        raise AssertionError("unreachable")
-
     def probe(self, learner, sequences: list[list[int]], prompt_lengths: list[int], engines=None) -> float:
         """Max |engine - learner| log-prob over a fixed probe batch; raises ProbeError past tolerance."""
         expected = learner.probe(sequences, prompt_lengths)
@@ -162,36 +151,6 @@ class Fleet:
                                  f"(run.probe_tolerance, learner.dtype={self.cfg.learner.dtype})")
             worst = max(worst, error)
         return worst
-
-    def bring_up_to_date(self, learner, weights: ray.ObjectRef | None, policy_version: int, kl_coef: float,
-                         probe_set: tuple, timeout_s: float = 300.0) -> list[dict]:
-        """Re-sync every actor whose reported version or beta differs from the driver's (a restarted
-        one comes back at version 0); engines must pass the probe before they generate again."""
-        deadline = time.monotonic() + timeout_s
-        resynced = []
-        for actor in self.all:
-            while True:
-                try:
-                    state = ray.get(actor.get_state.remote(), timeout=max(deadline - time.monotonic(), 1))
-                    break
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"actor did not come back within {timeout_s:.0f}s: {err}") from err
-                    time.sleep(1.0)
-            if state["policy_version"] == policy_version and state["kl_coef"] == kl_coef:
-                continue
-            if actor in self.rollouts and state["policy_version"] != policy_version:
-                if weights is None:
-                    weights = learner.policy_weights()
-                ray.get(actor.update_weights.remote(weights, policy_version, kl_coef))
-                probe_error = self.probe(learner, *probe_set, engines=[actor])
-                resynced.append({"actor": state["name"], "from_version": state["policy_version"],
-                                 "to_version": policy_version, "probe_max_abs_error": probe_error})
-            else:
-                ray.get(actor.set_state.remote(policy_version, kl_coef))
-                resynced.append({"actor": state["name"], "from_version": state["policy_version"],
-                                 "to_version": policy_version})
-        return resynced
 
     def take_busy_seconds(self) -> dict[str, float]:
         busy = []

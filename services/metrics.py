@@ -59,3 +59,52 @@ class ActorMetrics:
         self.kl_coef.set(kl_coef, tags=self.tags)
         if tokens_per_second is not None:
             self.tokens_per_second.set(tokens_per_second, tags=self.tags)
+
+
+def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coef_used: float,
+                     kl_target: float | None, kl: dict, sums: dict, ppo: dict, lr: float, prompt_rows: list[int],
+                     batch_policy_versions: list[int], batch_kl_coefs: list[float], sync: dict,
+                     seconds: dict) -> dict:
+    """One line of metrics.jsonl: what one iteration trained on and how it went.
+
+    ``kl``: the batch's KL statistics (``kl_stats_from_sums``); ``sums``: the learner's additive sums over
+    all ranks; ``ppo``: the PPO statistics over all ranks; ``sync``: probe_max_abs_error, actor_states,
+    resynced_actors; ``seconds``: learner, learner_forward, learner_update, weight_sync, sync_and_probe.
+    """
+    n = kl["num_responses"]
+    return {
+        "iteration": iteration,
+        "policy_version": policy_version,
+        "kl_coef": kl_coef,
+        "kl_coef_used": kl_coef_used,
+        "kl_target": kl_target,
+        "kl_response_mean": kl["response_mean"],
+        "kl_token_mean": kl["token_mean"],
+        "kl_response_sqrt": kl["response_sqrt"],
+        "kl_k1_response_mean": kl["k1_response_mean"],
+        "kl_k2_response_mean": kl["k2_response_mean"],
+        "kl_k3_response_mean": kl["k3_response_mean"],
+        "empty_responses": kl["empty_responses"],
+        "episodes": n,
+        "prompt_rows": prompt_rows,
+        "score_mean": sums["score_sum"] / n,
+        "reward_mean": sums["reward_sum"] / n,
+        "response_length_mean": sums["length_sum"] / n,
+        "truncated_fraction": sums["truncated"] / n,
+        "missing_eos_penalized_fraction": sums["missing_eos_penalized"] / n,  # reward.missing_eos_penalty
+        "lr": lr,
+        "rollout_learner_logprob_mismatch": sums["mismatch_abs_sum"] / max(kl["num_tokens"], 1),
+        "rollout_learner_logprob_mismatch_max": sums["mismatch_max"],
+        "value_mean": sums["value_sum"] / max(kl["num_tokens"], 1),
+        "probe_max_abs_error": sync["probe_max_abs_error"],
+        "batch_policy_versions": batch_policy_versions,
+        "batch_kl_coefs": batch_kl_coefs,
+        "actor_states": sync["actor_states"],
+        "resynced_actors": sync["resynced_actors"],
+        "learner_seconds": seconds["learner"],
+        "learner_forward_seconds": seconds["learner_forward"],
+        "learner_update_seconds": seconds["learner_update"],
+        "weight_sync_seconds": seconds["weight_sync"],
+        "sync_and_probe_seconds": seconds["sync_and_probe"],
+        **{f"ppo_{k}": v for k, v in ppo.items()},
+    }

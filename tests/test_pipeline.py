@@ -56,7 +56,7 @@ def probe_set():
 
 def test_one_iteration_syncs_weights_and_keeps_exact_kl_books(roles, tiny_model_dir):
     from actors.engines import SamplingSettings
-    from learner.kl import kl_stats, kl_stats_from_sums
+    from learner.kl import kl_stats
     from services.experience import concat_batches, response_forward
     from services.models import load_causal_lm
 
@@ -76,7 +76,7 @@ def test_one_iteration_syncs_weights_and_keeps_exact_kl_books(roles, tiny_model_
     ]
     ref_logprobs = [roles["reference"].score.remote(c) for c in chunks]
     scores = [roles["reward"].score.remote(c, i) for i, c in enumerate(chunks)]
-    results = roles["learner"].train(chunks, ref_logprobs, scores, kl_coef=0.1, iteration=1)
+    result = roles["learner"].train(chunks, ref_logprobs, scores, kl_coef=0.1, iteration=1)
 
     # chunks carry the state their actor had when it generated them
     batch = concat_batches(ray.get(chunks))
@@ -88,11 +88,11 @@ def test_one_iteration_syncs_weights_and_keeps_exact_kl_books(roles, tiny_model_
     with torch.no_grad():
         old_logprobs, _, _ = response_forward(load_causal_lm(tiny_model_dir), batch)
     expected = kl_stats(old_logprobs * batch.response_mask, ref, batch.response_mask)
-    got = kl_stats_from_sums(results[0]["sums"])
+    got = result.kl
     assert got["num_responses"] == 16
     assert got["response_mean"] == pytest.approx(expected["response_mean"], abs=1e-4)
     assert got["token_mean"] == pytest.approx(expected["token_mean"], abs=1e-4)
-    assert results[0]["sums"]["score_sum"] == pytest.approx(float(torch.cat(ray.get(scores)).sum()), abs=1e-5)
+    assert result.sums["score_sum"] == pytest.approx(float(torch.cat(ray.get(scores)).sum()), abs=1e-5)
 
     # weight sync: after the update, each engine's probe log-probs equal the learner's and moved
     weights = roles["learner"].policy_weights()
@@ -144,10 +144,10 @@ def test_zero_two_ranks_match_one_rank(ray_client, tiny_model_dir, stage):
         )
         group = LearnerGroup(cfg, tiny_model_dir, None, tag=f"zero{zero_stage}-w{world_size}")
         try:
-            results = group.train(chunks, refs, scores, kl_coef=0.05, iteration=1)
+            result = group.train(chunks, refs, scores, kl_coef=0.05, iteration=1)
         finally:
             kill(*group.ranks)
-        losses[world_size] = {k: sum(r["ppo"][k] for r in results) / len(results)
+        losses[world_size] = {k: sum(r.ppo[k] for r in result.ranks) / len(result.ranks)
                               for k in ("loss", "policy_loss", "value_loss")}
     for key in ("loss", "policy_loss", "value_loss"):
         assert losses[2][key] == pytest.approx(losses[1][key], rel=1e-4, abs=1e-5), key
@@ -207,10 +207,10 @@ def test_chunk_from_an_engine_restarted_after_the_version_check_is_regenerated(r
         assert state == {"name": "rollout-2", "policy_version": 0, "kl_coef": 0.0}
         chunk, lost = generate_and_collect()
         assert chunk.policy_version.tolist() == [0] * 8 and lost == [0]
-        ray.get(engine.update_weights.remote(weights, 3, 0.2))  # what the driver's bring_up_to_date does
+        ray.get(engine.update_weights.remote(weights, 3, 0.2))  # what WeightSync.bring_up_to_date does
         chunk, lost = generate_and_collect()
         assert chunk.policy_version.tolist() == [3] * 8 and lost == []
-        results = group.update(0.2, iteration=1)
+        result = group.update(0.2, iteration=1)
     finally:
         kill(engine)
-    assert results[0]["sums"]["num_responses"] == 8 and results[0]["policy_versions"] == [3]
+    assert result.num_responses == 8 and result.policy_versions == [3]

@@ -1,0 +1,116 @@
+"""WeightSync: the policy version and beta every actor must hold, and how the learner's weights reach the
+engines.
+
+- ``object_store`` (CPU, or GPU without vLLM's transfer): learner rank 0 puts the full weights once per
+  version; every engine loads that ref. The ref of the version in force is kept, so an engine that
+  restarted (it comes back at version 0 with its initial weights) is re-synced from it.
+- ``nccl`` | ``ipc``: vLLM's weight transfer (``learner/weight_transfer.py``), set up once. An NCCL group
+  cannot take back a restarted member, so there engines do not restart (``Fleet``); a re-sync, if one is
+  ever needed, gathers the weights into the object store.
+
+Between two syncs the learner holds exactly the published version's weights: the driver publishes right
+after every update, so a re-sync never labels newer weights with an older version.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from learner.cluster import ClusterError
+from learner.config import JobConfig
+
+
+class WeightSync:
+    def __init__(self, cfg: JobConfig, learner, fleet, probe_set: tuple[list[list[int]], list[int]],
+                 kl_coef: float) -> None:
+        self.learner, self.fleet, self.probe_set = learner, fleet, probe_set
+        self.probe_every = cfg.run.probe_every
+        self.max_retries = cfg.run.max_chunk_retries
+        self.transfer = None if cfg.learner.weight_sync == "object_store" else cfg.learner.weight_sync
+        self.policy_version, self.kl_coef = 0, kl_coef
+        self._weights: ray.ObjectRef | None = None  # object store: the weights of ``policy_version``, once put
+        if self.transfer is not None:
+            learner.connect_engines(fleet.rollouts, self.transfer, cfg.learner.sync_bucket_mib << 20,
+                                    workers_per_engine=cfg.rollout.tensor_parallel_size)
+
+    def start(self, policy_version: int, kl_coef: float) -> None:
+        """Every actor to (``policy_version``, ``kl_coef``); the weights too when they are not the initial
+        ones (a resume), then the probe."""
+        self.policy_version, self.kl_coef = policy_version, kl_coef
+        if policy_version:
+            self._send()
+            self.fleet.probe(self.learner, *self.probe_set)
+        else:
+            self.fleet.broadcast(None, policy_version, kl_coef)
+
+    def publish(self, kl_coef: float) -> float:
+        """The learner's weights, just updated, as the next version, with ``kl_coef``, to every actor.
+        Returns the seconds the weights took to load (object store: the slowest engine's load)."""
+        self.policy_version, self.kl_coef = self.policy_version + 1, kl_coef
+        return self._send()
+
+    def _send(self) -> float:
+        start = time.perf_counter()
+        if self.transfer is not None:
+            self._weights = None
+            self.learner.send_weights(self.fleet.rollouts, self.policy_version, self.kl_coef)
+            self.fleet.broadcast(None, self.policy_version, self.kl_coef)
+            return time.perf_counter() - start
+        self._weights = self.learner.policy_weights()
+        return self.fleet.broadcast(self._weights, self.policy_version, self.kl_coef)
+
+    def weights(self) -> ray.ObjectRef:
+        """The current version's weights in the object store (gathered now if not yet put)."""
+        if self._weights is None:
+            self._weights = self.learner.policy_weights()
+        return self._weights
+
+    def probe(self) -> float:
+        """Max |engine - learner| log-prob on the probe batch, every ``run.probe_every`` versions (else NaN)."""
+        if self.policy_version % self.probe_every:
+            return float("nan")
+        return self.fleet.probe(self.learner, *self.probe_set)
+
+    def bring_up_to_date(self, timeout_s: float = 300.0) -> list[dict]:
+        """Re-sync every actor whose reported version or beta differs from the driver's (a restarted
+        one comes back at version 0); engines must pass the probe before they generate again."""
+        deadline = time.monotonic() + timeout_s
+        resynced = []
+        for actor in self.fleet.all:
+            while True:
+                try:
+                    state = ray.get(actor.get_state.remote(), timeout=max(deadline - time.monotonic(), 1))
+                    break
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                    if time.monotonic() > deadline:
+                        raise ClusterError(f"actor did not come back within {timeout_s:.0f}s: {err}") from err
+                    time.sleep(1.0)
+            if state["policy_version"] == self.policy_version and state["kl_coef"] == self.kl_coef:
+                continue
+            if actor in self.fleet.rollouts and state["policy_version"] != self.policy_version:
+                ray.get(actor.update_weights.remote(self.weights(), self.policy_version, self.kl_coef))
+                probe_error = self.fleet.probe(self.learner, *self.probe_set, engines=[actor])
+                resynced.append({"actor": state["name"], "from_version": state["policy_version"],
+                                 "to_version": self.policy_version, "probe_max_abs_error": probe_error})
+            else:
+                ray.get(actor.set_state.remote(self.policy_version, self.kl_coef))
+                resynced.append({"actor": state["name"], "from_version": state["policy_version"],
+                                 "to_version": self.policy_version})
+        return resynced
+
+    def states(self) -> list[dict]:
+        """Every actor's (name, version, beta); an actor that died meanwhile is brought up to date first."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                return ray.get([a.get_state.remote() for a in self.fleet.all])
+            except ray.exceptions.RayActorError:
+                if attempt == self.max_retries:
+                    raise
+                self.bring_up_to_date()
+        raise AssertionError("unreachable")
+
+    def behind(self, states: list[dict]) -> list[dict]:
+        """The actors in ``states`` that do not hold the driver's version and beta."""
+        return [s for s in states if s["policy_version"] != self.policy_version or s["kl_coef"] != self.kl_coef]
