@@ -65,16 +65,23 @@ class Fleet:
     # ------------------------------------------------------------------ streaming work
 
     def generate(self, prompt_rows: list[int], prompt_set: list[list[int]], iteration: int,
-                 slots: list[int] | None = None) -> dict[int, ray.ObjectRef]:
-        """Chunk refs by slot; slot i holds rows [i*chunk, (i+1)*chunk) and goes to engine i % R."""
+                 slots: list[int] | None = None, samples_per_prompt: int | None = None) -> dict[int, ray.ObjectRef]:
+        """Chunk refs by slot. Each of ``prompt_rows`` is sampled ``samples_per_prompt`` times (default
+        ``rollout.samples_per_prompt``, n) in a row: episode e samples prompt ``prompt_rows[e // n]``, in
+        group e // n, with its own seed. Slot i holds episodes [i*chunk, (i+1)*chunk) and goes to engine
+        i % R; a chunk size that is a multiple of n keeps every group inside one chunk."""
         size = self.cfg.rollout.chunk_size
-        n_slots = (len(prompt_rows) + size - 1) // size
+        n = self.cfg.rollout.samples_per_prompt if samples_per_prompt is None else samples_per_prompt
+        episodes = [r for r in prompt_rows for _ in range(n)]
+        n_slots = (len(episodes) + size - 1) // size
         refs = {}
         for i in slots if slots is not None else range(n_slots):
-            rows = prompt_rows[i * size:(i + 1) * size]
+            rows = episodes[i * size:(i + 1) * size]
             seeds = [seed_for(self.cfg.run.seed, iteration, i * size + j) for j in range(len(rows))]
+            groups = [(i * size + j) // n for j in range(len(rows))]
             engine = self.rollouts[i % len(self.rollouts)]
-            refs[i] = engine.generate.remote([prompt_set[r] for r in rows], rows, seeds, self.sampling, self.pad_id)
+            refs[i] = engine.generate.remote([prompt_set[r] for r in rows], rows, seeds, self.sampling, self.pad_id,
+                                             groups)
         return refs
 
     def score(self, chunk_refs: dict[int, ray.ObjectRef]) -> tuple[dict, dict]:
@@ -90,7 +97,7 @@ class Fleet:
         keep = self.cfg.metrics.eval_samples_saved
         rows = [r for r in range(len(eval_prompts)) for _ in range(self.cfg.rollout.eval_samples_per_prompt)]
         for attempt in range(self.cfg.run.max_chunk_retries + 1):
-            chunks = self.generate(rows, eval_prompts, -1 - iteration)
+            chunks = self.generate(rows, eval_prompts, -1 - iteration, samples_per_prompt=1)
             try:
                 parts = ray.get([self.rewards[i % len(self.rewards)].evaluate.remote(ch, i, keep)
                                  for i, ch in chunks.items()])

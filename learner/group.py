@@ -24,7 +24,8 @@ class LearnerGroup:
         setups = [
             rank.setup.remote(master_addr, master_port, model, cfg.learner.model_dump(), cfg.ppo.model_dump(),
                               cfg.kl.model_dump(), cfg.rollout.temperature, cfg.run.seed, cfg.device("learner"),
-                              run_iterations=cfg.run.iterations, missing_eos_penalty=cfg.reward.missing_eos_penalty)
+                              run_iterations=cfg.run.iterations, missing_eos_penalty=cfg.reward.missing_eos_penalty,
+                              samples_per_prompt=cfg.rollout.samples_per_prompt)
             for rank in self.ranks
         ]
         self._get(setups, "setup")

@@ -206,8 +206,8 @@ def run(cfg: JobConfig) -> dict:
         # 0. actors that restarted come back at version 0: re-sync them (and probe) before they generate
         resynced = fleet.bring_up_to_date(learner, weights, policy_version, kl_ctl.value, probe_set)
 
-        # 1. sample prompts
-        prompt_rows = sampler.next(cfg.rollout.batch_size)
+        # 1. sample prompts: batch_size counts episodes, samples_per_prompt of each prompt
+        prompt_rows = sampler.next(cfg.rollout.batch_size // cfg.rollout.samples_per_prompt)
 
         # 2. stream chunks: generate, then reference and reward in parallel on the refs
         chunk_refs = fleet.generate(prompt_rows, prompts, iteration)

@@ -282,7 +282,8 @@ def ppo_stats_from_sums(parts: list[dict]) -> dict[str, float]:
     Each statistic is the sum of its sums over the sum of its counts. Token statistics (entropy,
     clipfrac, ...) count tokens. Losses count optimizer steps: a rank's loss is its share of the global
     minibatch mean (``global_loss_denominator``), so W ranks' sums over W * steps are the mean over steps of
-    the global loss. Explained variance is taken from the summed moments.
+    the global loss. Explained variance is taken from the summed moments (omitted when no rank has any:
+    a critic-free ``ppo.advantage``).
     """
     if not parts:
         raise ValueError("ppo_stats_from_sums needs at least one rank's sums")
@@ -293,7 +294,8 @@ def ppo_stats_from_sums(parts: list[dict]) -> dict[str, float]:
             acc[0] += total
             acc[1] += count
     stats = {name: total / count if count else float("nan") for name, (total, count) in totals.items()}
-    moments = torch.tensor([part["explained_variance_moments"] for part in parts], dtype=torch.float64).sum(0)
-    stats["explained_variance"] = explained_variance_from_moments(moments)
+    if all("explained_variance_moments" in part for part in parts):  # absent without a critic
+        moments = torch.tensor([part["explained_variance_moments"] for part in parts], dtype=torch.float64).sum(0)
+        stats["explained_variance"] = explained_variance_from_moments(moments)
     stats["optimizer_steps"] = max(part["optimizer_steps"] for part in parts)
     return stats
