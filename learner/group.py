@@ -12,6 +12,12 @@ from learner.rank import LearnerRank
 from services.model_source import ModelSource
 
 
+def rank_slots(slots, world_size: int) -> list[list[int]]:
+    """Each rank's chunk slots, in order: slot i goes to rank i % W. A whole chunk goes to one rank, so a
+    chunk of whole prompt groups keeps each group on one rank (``learner.fleet.chunk_layout``)."""
+    return [[s for s in sorted(slots) if s % world_size == r] for r in range(world_size)]
+
+
 class LearnerGroup:
     def __init__(self, cfg: JobConfig, model: ModelSource | str, placement: Placement | None, tag: str = "") -> None:
         self.world_size = cfg.learner.world_size
@@ -60,7 +66,7 @@ class LearnerGroup:
         """Chunk slot i goes to rank i % W, which fetches it and runs its forward. Returns the slots
         lost to dead actors, or generated under another (policy_version, kl_coef) than ``expected_state``
         (to regenerate and collect again, with only those slots)."""
-        by_rank = [[s for s in sorted(chunk_refs) if s % self.world_size == r] for r in range(self.world_size)]
+        by_rank = rank_slots(chunk_refs, self.world_size)
         # every rank runs this many forwards (ZeRO-3 gathers in each), whatever it got or lost
         forwards = max(len(slots) for slots in by_rank)
         calls = [rank.collect.remote(slots, [chunk_refs[s] for s in slots], [ref_logprob_refs[s] for s in slots],
