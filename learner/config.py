@@ -119,7 +119,9 @@ class PPOConfig(Section):
                                     "other estimators normalise as defined)")
     whiten_rewards: bool = Field(False, description="scale the KL-penalised per-token rewards to unit variance "
                                  "over the batch, mean kept, before GAE (lm-human-preferences: true; gae only)")
-    loss_aggregation: Literal["token_mean", "sequence_mean"] = Field("token_mean", description="loss mean")
+    loss_aggregation: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean", description="loss mean: over tokens, over sequences (each over its tokens), or "
+        "seq_mean_token_sum_norm (Dr. GRPO: each sequence's token sum over rollout.max_new_tokens, then the mean)")
     max_grad_norm: PositiveFloat = Field(1.0, description="gradient clipping norm")
 
 

@@ -284,3 +284,68 @@ def test_only_gae_builds_a_value_head():
             assert values.shape == (2, 3) and any(n.startswith("value_head.") for n in names)
         else:
             assert values is None and all(n.startswith("lm.") for n in names), estimator
+
+
+# ---------------------------------------------------------------- Dr. GRPO's loss aggregation
+
+
+def test_seq_mean_token_sum_norm_divides_each_token_sum_by_the_constant_width_and_adds_over_ranks():
+    from learner.ppo import loss_denominator, masked_mean
+
+    x = torch.tensor([[1.0, 2.0, 3.0], [10.0, 0.0, 0.0], [4.0, 4.0, 0.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    whole = masked_mean(x, mask, "seq_mean_token_sum_norm")
+    assert float(whole) == pytest.approx((6 + 10 + 0 + 14) / 3 / 4)  # every row, empty ones too, over T = 3
+    total = loss_denominator(mask[:1], "seq_mean_token_sum_norm") + loss_denominator(mask[1:], "seq_mean_token_sum_norm")
+    shares = [masked_mean(x[s], mask[s], "seq_mean_token_sum_norm", total / 2) for s in (slice(0, 1), slice(1, 4))]
+    assert torch.allclose(sum(shares) / 2, whole)
+
+
+# ---------------------------------------------------------------- the job, end to end
+
+
+@pytest.mark.integration
+def test_grpo_job_with_groups_over_two_ranks_keeps_exact_kl_accounting_builds_no_critic_and_resumes(
+        ray_head, cache_dir, tmp_path):
+    """``ppo.advantage grpo`` with 4 samples per prompt, 2 learner ranks: each rank checks that every group
+    it computes a baseline for is whole, the KL accounting is the GAE job's, no value head exists (not in the
+    checkpoint, no value loss), and the critic-free checkpoint resumes and exports."""
+    import json
+
+    from tests.conftest import run_job
+
+    def job(*extra):
+        return run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
+                        str(tmp_path), "--run.name", "grpo", "--run.seed", "1", "--model.sft_steps", "60",
+                        "--model.sft_batch_size", "50", "--rollout.batch_size", "32", "--rollout.chunk_size", "8",
+                        "--rollout.samples_per_prompt", "4", "--ppo.advantage", "grpo", "--ppo.minibatch_size",
+                        "16", "--learner.world_size", "2", "--kl.horizon", "1000", "--run.eval_every", "100", *extra])
+
+    first = job("--run.iterations", "2")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run_dir = tmp_path / "grpo"
+    states = list((run_dir / "checkpoints" / "iter-000002").rglob("*model_states.pt"))
+    assert states
+    for path in states:
+        keys = list(torch.load(path, map_location="cpu", weights_only=False)["module"])
+        assert keys and all(k.startswith("lm.") for k in keys), [k for k in keys if not k.startswith("lm.")]
+    resumed = job("--run.iterations", "3", "--run.resume", "latest")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert (run_dir / "export" / "model.safetensors").is_file()
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    # the reference and the learner start from the same weights: the first batch has no KL at all
+    assert records[0]["kl_response_mean"] == 0.0 and records[0]["kl_k3_response_mean"] == 0.0
+    for r in records:
+        assert r["episodes"] == 32 and len(r["prompt_rows"]) == 8  # 8 prompts, 4 samples each
+        assert r["batch_policy_versions"] == [r["policy_version"] - 1]
+        assert r["batch_kl_coefs"] == pytest.approx([r["kl_coef_used"]], rel=1e-6)
+        # the controller was fed exactly the response KL of this batch, once
+        e = min(max(r["kl_response_mean"] / 6.0 - 1, -0.2), 0.2)
+        assert r["kl_coef"] == pytest.approx(r["kl_coef_used"] * (1 + e * r["episodes"] / 1000), rel=1e-9)
+        # no critic: no value loss, no explained variance, no values
+        assert "ppo_value_loss" not in r and "ppo_vf_clipfrac" not in r and "ppo_explained_variance" not in r
+        assert math.isnan(r["value_mean"])
+        assert math.isfinite(r["ppo_policy_loss"]) and r["ppo_optimizer_steps"] == 4 * 2
+    assert records[1]["kl_response_mean"] > 0.0
