@@ -50,29 +50,34 @@ def run_estimator(estimator: str, cache_dir: str, out_dir: str, extra: list[str]
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", choices=ESTIMATORS, default=list(ESTIMATORS))
-    parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
-    parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
-    args = parser.parse_args()
-    results = stamp()
-    with tempfile.TemporaryDirectory() as out:
-        MeasuredJob(["--model.cache_dir", args.cache_dir, "--run.output_dir", str(Path(out) / "warmup"),
-                     "--run.name", "warmup", "--run.iterations", "1"]).run()  # fill the SFT cache
-        for estimator in args.only:
-            results[estimator] = run_estimator(estimator, args.cache_dir, out, args.extra)
+def table(results: dict, estimators: list[str]) -> list[str]:
     rows = [("| ppo.advantage | samples per prompt | optimality >= 0.95 at iteration | optimality start -> final "
              "| KL final (nats) | wall (s) | steady iteration (s) |"), "|---|---|---|---|---|---|---|"]
-    for estimator in args.only:
+    for estimator in estimators:
         r = results[estimator]
         n = SAMPLES_PER_PROMPT if estimator in GROUP_ESTIMATORS else 1
         reached = r["reached_0.95_iteration"] if r["reached_0.95_iteration"] is not None else "not reached"
         rows.append(f"| {estimator} | {n} | {reached} | {r['eval_start']['optimality']:.3f} -> "
                     f"{r['eval_final']['optimality']:.3f} | {r['kl_response_mean_final']:.2f} | "
                     f"{r['wall_seconds']:.0f} | {r['steady_iteration_seconds']:.2f} |")
-    write_results(RESULTS, "estimators", results, rows)
-    print("\n".join(rows))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=ESTIMATORS, default=list(ESTIMATORS))
+    parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
+    parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
+    args = parser.parse_args()
+    results, done = stamp(), []
+    with tempfile.TemporaryDirectory() as out:
+        MeasuredJob(["--model.cache_dir", args.cache_dir, "--run.output_dir", str(Path(out) / "warmup"),
+                     "--run.name", "warmup", "--run.iterations", "1"]).run()  # fill the SFT cache
+        for estimator in args.only:
+            results[estimator] = run_estimator(estimator, args.cache_dir, out, args.extra)
+            done.append(estimator)
+            write_results(RESULTS, "estimators", results, table(results, done))  # a partial run keeps its rows
+    print("\n".join(table(results, done)))
 
 
 if __name__ == "__main__":
