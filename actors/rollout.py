@@ -25,7 +25,7 @@ class RolloutActor(VersionedActor):
         self.last_tokens_per_second = 0.0
 
     def generate(self, prompts: list[list[int]], prompt_index: list[int], seeds: list[int],
-                 sampling: SamplingSettings, pad_id: int) -> RolloutBatch:
+                 sampling: SamplingSettings, pad_id: int, group_index: list[int] | None = None) -> RolloutBatch:
         start = time.perf_counter()
         generations = self.engine.generate(prompts, sampling, seeds)
         seconds = time.perf_counter() - start
@@ -42,6 +42,7 @@ class RolloutActor(VersionedActor):
             policy_version=self.policy_version,
             kl_coef=self.kl_coef,
             response_width=sampling.max_new_tokens,
+            group_index=group_index,
         )
 
     def update_weights(self, weights: dict, policy_version: int, kl_coef: float) -> float:

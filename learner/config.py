@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
+from learner.advantages import GROUP_ESTIMATORS, Estimator
 from learner.kl import GRPO_TOKEN_K3_WARNING, LossForm
 
 # The probe's default bound on max |engine - learner| log-prob, per dtype. fp32 engines match the learner
@@ -47,6 +48,9 @@ class RolloutConfig(Section):
     num_engines: PositiveInt = Field(1, description="rollout actors, one engine each")
     batch_size: PositiveInt = Field(128, description="episodes per iteration (one rollout batch)")
     chunk_size: PositiveInt = Field(32, description="episodes per streamed chunk")
+    samples_per_prompt: PositiveInt = Field(
+        1, description="episodes sampled per prompt (a group); batch_size and chunk_size count episodes and "
+        "must be multiples of it. The group estimators (ppo.advantage grpo, rloo, reinforce_pp_baseline) need >= 2")
     temperature: PositiveFloat = Field(1.0, description="sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass; only 1.0 (no truncation) is "
                          "accepted: the learner and the reference score the full softmax")
@@ -95,6 +99,9 @@ class RewardConfig(Section):
 
 
 class PPOConfig(Section):
+    advantage: Estimator = Field(
+        "gae", description="advantage estimator (learner.advantages): gae (with a critic), or the critic-free "
+        "grpo, rloo, reinforce_pp, reinforce_pp_baseline")
     epochs: PositiveInt = Field(4, description="PPO epochs over each rollout batch")
     minibatch_size: PositiveInt = Field(64, description="episodes per optimizer step, over all ranks")
     lr: PositiveFloat = Field(3e-4, description="AdamW learning rate")
@@ -104,14 +111,17 @@ class PPOConfig(Section):
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     weight_decay: float = Field(1e-6, ge=0, description="AdamW weight decay")
     clip_range: PositiveFloat = Field(0.2, description="policy ratio clip epsilon")
-    clip_range_value: PositiveFloat = Field(0.2, description="value clip around old values")
-    vf_coef: float = Field(1.0, ge=0, description="value loss weight")
-    gamma: float = Field(1.0, gt=0, le=1, description="discount")
+    clip_range_value: PositiveFloat = Field(0.2, description="value clip around old values (gae only)")
+    vf_coef: float = Field(1.0, ge=0, description="value loss weight (gae only)")
+    gamma: float = Field(1.0, gt=0, le=1, description="discount (gae, reinforce_pp, reinforce_pp_baseline)")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
-    whiten_advantages: bool = Field(True, description="whiten advantages over the batch")
+    whiten_advantages: bool = Field(True, description="whiten GAE's advantages over the batch (gae only: the "
+                                    "other estimators normalise as defined)")
     whiten_rewards: bool = Field(False, description="scale the KL-penalised per-token rewards to unit variance "
-                                 "over the batch, mean kept, before GAE (lm-human-preferences: true)")
-    loss_aggregation: Literal["token_mean", "sequence_mean"] = Field("token_mean", description="loss mean")
+                                 "over the batch, mean kept, before GAE (lm-human-preferences: true; gae only)")
+    loss_aggregation: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean", description="loss mean: over tokens, over sequences (each over its tokens), or "
+        "seq_mean_token_sum_norm (Dr. GRPO: each sequence's token sum over rollout.max_new_tokens, then the mean)")
     max_grad_norm: PositiveFloat = Field(1.0, description="gradient clipping norm")
 
 
@@ -247,6 +257,20 @@ class JobConfig(BaseSettings):
     @model_validator(mode="after")
     def _batch_divides(self) -> JobConfig:
         r, p, w = self.rollout, self.ppo, self.learner.world_size
+        n = r.samples_per_prompt
+        if p.advantage in GROUP_ESTIMATORS and n < 2:
+            raise ValueError(f"ppo.advantage={p.advantage!r} takes its baseline over the samples of one prompt: it "
+                             f"needs rollout.samples_per_prompt >= 2 (got {n})")
+        if self.learner.critic == "separate" and p.advantage != "gae":
+            raise ValueError(f"learner.critic='separate' builds a critic, but ppo.advantage={p.advantage!r} uses "
+                             "none (only 'gae' does); set learner.critic='value_head' (ignored without GAE)")
+        if r.batch_size % n:
+            raise ValueError(f"rollout.batch_size={r.batch_size} counts episodes: it must be a multiple of "
+                             f"rollout.samples_per_prompt={n}")
+        if r.chunk_size % n:
+            # chunks of whole groups, aligned, never split a prompt's group over chunks or learner ranks
+            raise ValueError(f"rollout.chunk_size={r.chunk_size} is not a multiple of rollout.samples_per_prompt={n}: "
+                             "a prompt's group must stay in one chunk (and so on one learner rank)")
         if r.batch_size % r.chunk_size:
             raise ValueError(f"rollout.batch_size={r.batch_size} is not a multiple of rollout.chunk_size={r.chunk_size}")
         chunks = r.batch_size // r.chunk_size

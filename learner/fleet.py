@@ -30,6 +30,17 @@ def seed_for(run_seed: int, iteration: int, row: int) -> int:
     return (run_seed * 1_000_003 + iteration * 100_003 + row) % (2**31 - 1)
 
 
+def chunk_layout(prompt_rows: list[int], samples_per_prompt: int, chunk_size: int) -> list[tuple[list[int], list[int]]]:
+    """Per chunk slot: (the prompt row of each episode, its group id). Each prompt is sampled
+    ``samples_per_prompt`` (n) times in a row: episode e samples ``prompt_rows[e // n]``, in group e // n,
+    and slot i holds episodes [i*chunk_size, (i+1)*chunk_size). A chunk size that is a multiple of n keeps
+    every group inside one chunk, and so on one learner rank."""
+    episodes = [r for r in prompt_rows for _ in range(samples_per_prompt)]
+    return [(episodes[start:start + chunk_size],
+             [e // samples_per_prompt for e in range(start, min(start + chunk_size, len(episodes)))])
+            for start in range(0, len(episodes), chunk_size)]
+
+
 class Fleet:
     def __init__(self, cfg: JobConfig, model: ModelSource, placement, sampling: SamplingSettings, pad_id: int,
                  max_model_len: int, reward_model: ModelSource | None = None) -> None:
@@ -65,16 +76,19 @@ class Fleet:
     # ------------------------------------------------------------------ streaming work
 
     def generate(self, prompt_rows: list[int], prompt_set: list[list[int]], iteration: int,
-                 slots: list[int] | None = None) -> dict[int, ray.ObjectRef]:
-        """Chunk refs by slot; slot i holds rows [i*chunk, (i+1)*chunk) and goes to engine i % R."""
+                 slots: list[int] | None = None, samples_per_prompt: int | None = None) -> dict[int, ray.ObjectRef]:
+        """Chunk refs by slot (``chunk_layout``: each prompt sampled ``samples_per_prompt`` times, default
+        ``rollout.samples_per_prompt``); slot i goes to engine i % R, every episode with its own seed."""
         size = self.cfg.rollout.chunk_size
-        n_slots = (len(prompt_rows) + size - 1) // size
+        n = self.cfg.rollout.samples_per_prompt if samples_per_prompt is None else samples_per_prompt
+        layout = chunk_layout(prompt_rows, n, size)
         refs = {}
-        for i in slots if slots is not None else range(n_slots):
-            rows = prompt_rows[i * size:(i + 1) * size]
+        for i in slots if slots is not None else range(len(layout)):
+            rows, groups = layout[i]
             seeds = [seed_for(self.cfg.run.seed, iteration, i * size + j) for j in range(len(rows))]
             engine = self.rollouts[i % len(self.rollouts)]
-            refs[i] = engine.generate.remote([prompt_set[r] for r in rows], rows, seeds, self.sampling, self.pad_id)
+            refs[i] = engine.generate.remote([prompt_set[r] for r in rows], rows, seeds, self.sampling, self.pad_id,
+                                             groups)
         return refs
 
     def score(self, chunk_refs: dict[int, ray.ObjectRef]) -> tuple[dict, dict]:
@@ -91,7 +105,7 @@ class Fleet:
         keep = self.cfg.metrics.eval_samples_saved
         rows = [r for r in range(len(eval_prompts)) for _ in range(self.cfg.rollout.eval_samples_per_prompt)]
         for attempt in range(self.cfg.run.max_chunk_retries + 1):
-            chunks = self.generate(rows, eval_prompts, -1 - iteration)
+            chunks = self.generate(rows, eval_prompts, -1 - iteration, samples_per_prompt=1)
             try:
                 parts = ray.get([self.rewards[i % len(self.rewards)].evaluate.remote(ch, i, keep)
                                  for i, ch in chunks.items()])

@@ -13,6 +13,12 @@ from learner.results import UpdateResult
 from services.model_source import ModelSource
 
 
+def rank_slots(slots, world_size: int) -> list[list[int]]:
+    """Each rank's chunk slots, in order: slot i goes to rank i % W. A whole chunk goes to one rank, so a
+    chunk of whole prompt groups keeps each group on one rank (``learner.fleet.chunk_layout``)."""
+    return [[s for s in sorted(slots) if s % world_size == r] for r in range(world_size)]
+
+
 class LearnerGroup:
     def __init__(self, cfg: JobConfig, model: ModelSource | str, placement: Placement | None, tag: str = "") -> None:
         self.world_size = cfg.learner.world_size
@@ -25,7 +31,8 @@ class LearnerGroup:
         setups = [
             rank.setup.remote(master_addr, master_port, model, cfg.learner, cfg.ppo,
                               cfg.kl, cfg.rollout.temperature, cfg.run.seed, cfg.device("learner"),
-                              run_iterations=cfg.run.iterations, missing_eos_penalty=cfg.reward.missing_eos_penalty)
+                              run_iterations=cfg.run.iterations, missing_eos_penalty=cfg.reward.missing_eos_penalty,
+                              samples_per_prompt=cfg.rollout.samples_per_prompt)
             for rank in self.ranks
         ]
         self._get(setups, "setup")
@@ -60,7 +67,7 @@ class LearnerGroup:
         """Chunk slot i goes to rank i % W, which fetches it and runs its forward. Returns the slots
         lost to dead actors, or generated under another (policy_version, kl_coef) than ``expected_state``
         (to regenerate and collect again, with only those slots)."""
-        by_rank = [[s for s in sorted(chunk_refs) if s % self.world_size == r] for r in range(self.world_size)]
+        by_rank = rank_slots(chunk_refs, self.world_size)
         # every rank runs this many forwards (ZeRO-3 gathers in each), whatever it got or lost
         forwards = max(len(slots) for slots in by_rank)
         calls = [rank.collect.remote(slots, [chunk_refs[s] for s in slots], [ref_logprob_refs[s] for s in slots],

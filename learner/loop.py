@@ -99,7 +99,7 @@ class Job:
         started = time.perf_counter()
         # actors that restarted come back at version 0: re-sync them (and probe) before they generate
         resynced = self.weights.bring_up_to_date()
-        prompt_rows = self.sampler.next(self.cfg.rollout.batch_size)
+        prompt_rows = self.sampler.next(self.cfg.rollout.batch_size // self.cfg.rollout.samples_per_prompt)
         current = (self.weights.policy_version, self.weights.kl_coef)
         lost = None
         for retry in range(self.cfg.run.max_chunk_retries + 1):

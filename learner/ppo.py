@@ -10,7 +10,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-Aggregation = Literal["token_mean", "sequence_mean"]
+Aggregation = Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"]
+AGGREGATIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
 
 
 def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
@@ -19,13 +20,17 @@ def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def loss_denominator(mask: Tensor, aggregation: Aggregation = "token_mean") -> Tensor:
-    """Scalar count a mean over ``mask`` [B, T] divides by: its tokens (``token_mean``) or its rows with
-    any token (``sequence_mean``). Additive, so W ranks all-reduce theirs into the global count."""
+    """Scalar count a mean over ``mask`` [B, T] divides by: its tokens (``token_mean``), its rows with
+    any token (``sequence_mean``), or B * T (``seq_mean_token_sum_norm``: Dr. GRPO's constant normaliser T
+    per row, every row counted; T is the response width, which the engines pad to rollout.max_new_tokens).
+    Additive, so W ranks all-reduce theirs into the global count."""
     if aggregation == "token_mean":
         return mask.sum()
     if aggregation == "sequence_mean":
         return (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
-    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected 'token_mean' or 'sequence_mean'")
+    if aggregation == "seq_mean_token_sum_norm":
+        return torch.tensor(float(mask.numel()), dtype=mask.dtype, device=mask.device)
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
 
 
 def masked_mean(x: Tensor, mask: Tensor, aggregation: Aggregation = "token_mean",
@@ -35,17 +40,19 @@ def masked_mean(x: Tensor, mask: Tensor, aggregation: Aggregation = "token_mean"
     ``token_mean``: every response token weighs the same (sum x*mask / sum mask).
     ``sequence_mean``: each row is averaged over its own tokens, then rows with any token are averaged,
     so long and short responses weigh the same. Returns 0 when the mask is empty.
+    ``seq_mean_token_sum_norm`` (Dr. GRPO): each row's token sum over the constant T, averaged over all B
+    rows: sum x*mask / (B * T), no length bias from a per-row token count.
     ``denominator``: divide by this count instead of this batch's own ``loss_denominator`` (a rank's
     share of a global count, so W ranks compute what one rank would).
     """
     if denominator is None:
         denominator = loss_denominator(mask, aggregation).clamp(min=1)
-    if aggregation == "token_mean":
+    if aggregation in ("token_mean", "seq_mean_token_sum_norm"):
         return masked_sum(x, mask) / denominator
     if aggregation == "sequence_mean":
         per_row = (x * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
         return per_row.sum() / denominator
-    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected 'token_mean' or 'sequence_mean'")
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
 
 
 def global_loss_denominator(mask: Tensor, aggregation: Aggregation = "token_mean",
@@ -282,7 +289,8 @@ def ppo_stats_from_sums(parts: list[dict]) -> dict[str, float]:
     Each statistic is the sum of its sums over the sum of its counts. Token statistics (entropy,
     clipfrac, ...) count tokens. Losses count optimizer steps: a rank's loss is its share of the global
     minibatch mean (``global_loss_denominator``), so W ranks' sums over W * steps are the mean over steps of
-    the global loss. Explained variance is taken from the summed moments.
+    the global loss. Explained variance is taken from the summed moments (omitted when no rank has any:
+    a critic-free ``ppo.advantage``).
     """
     if not parts:
         raise ValueError("ppo_stats_from_sums needs at least one rank's sums")
@@ -293,7 +301,8 @@ def ppo_stats_from_sums(parts: list[dict]) -> dict[str, float]:
             acc[0] += total
             acc[1] += count
     stats = {name: total / count if count else float("nan") for name, (total, count) in totals.items()}
-    moments = torch.tensor([part["explained_variance_moments"] for part in parts], dtype=torch.float64).sum(0)
-    stats["explained_variance"] = explained_variance_from_moments(moments)
+    if all("explained_variance_moments" in part for part in parts):  # absent without a critic
+        moments = torch.tensor([part["explained_variance_moments"] for part in parts], dtype=torch.float64).sum(0)
+        stats["explained_variance"] = explained_variance_from_moments(moments)
     stats["optimizer_steps"] = max(part["optimizer_steps"] for part in parts)
     return stats

@@ -1,8 +1,9 @@
 """One DeepSpeed ZeRO rank of the learner, run as a Ray actor without the ``deepspeed`` launcher.
 
-Each rank fetches its shard of chunk refs itself, recomputes old log-probs and values, builds
-KL-penalised rewards at the current beta, runs GAE and the PPO epochs, and returns additive sums so the
-driver's statistics are exact over the whole batch.
+Each rank fetches its shard of chunk refs itself, recomputes old log-probs (and values, with a critic),
+builds KL-penalised rewards at the current beta, computes advantages (``ppo.advantage``: GAE or a
+critic-free estimator) and runs the PPO epochs, and returns additive sums so the driver's statistics are
+exact over the whole batch.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ from datetime import timedelta
 import torch
 from torch import Tensor, nn
 
+from learner.advantages import GROUP_ESTIMATORS, check_whole_groups, compute_advantages, uses_critic
 from learner.config import KLConfig, LearnerConfig, PPOConfig
 from learner.kl import check_finite, grpo_token_k3_loss, kl_penalized_rewards, kl_sums, response_kl_loss
 from learner.ppo import (
     entropy_from_logits,
     explained_variance_moments,
-    gae_advantages,
     global_loss_denominator,
-    global_whiten,
     masked_mean,
     penalize_missing_eos,
     policy_loss,
@@ -36,25 +36,29 @@ from services.model_source import ModelSource, as_source
 
 
 class PolicyWithValueHead(nn.Module):
-    """The causal LM plus a value head (hidden -> 2*hidden -> ReLU -> 1) on the last hidden state."""
+    """The causal LM plus a value head (hidden -> 2*hidden -> ReLU -> 1) on the last hidden state; without
+    ``value_head`` (a critic-free ``ppo.advantage``) the LM alone, and no values."""
 
-    def __init__(self, lm: nn.Module, critic: nn.Module | None = None) -> None:
+    def __init__(self, lm: nn.Module, critic: nn.Module | None = None, value_head: bool = True) -> None:
         super().__init__()
         self.lm = lm
         # critic: a separate copy of the LM whose last hidden state feeds the value head; None shares the policy's
         self.critic = critic
         hidden = lm.config.hidden_size
-        self.value_head = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.ReLU(), nn.Linear(2 * hidden, 1))
+        self.value_head = (nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.ReLU(), nn.Linear(2 * hidden, 1))
+                           if value_head else None)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_width: int,
-                temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-        """Returns (logits [B, T, V] predicting each response token, values [B, T])."""
+                temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
+        """Returns (logits [B, T, V] predicting each response token, values [B, T] or None without a head)."""
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-                  "output_hidden_states": True, "use_cache": False}
+                  "output_hidden_states": self.value_head is not None, "use_cache": False}
         out = self.lm(**inputs)
-        hidden = (out if self.critic is None else self.critic(**inputs)).hidden_states[-1]
         span = slice(prompt_width - 1, input_ids.shape[1] - 1)
         logits = out.logits[:, span].float() / temperature
+        if self.value_head is None:
+            return logits, None
+        hidden = (out if self.critic is None else self.critic(**inputs)).hidden_states[-1]
         values = self.value_head(hidden[:, span]).squeeze(-1).float()
         return logits, values
 
@@ -75,7 +79,7 @@ class LearnerRank:
 
     def setup(self, master_addr: str, master_port: int, model: ModelSource | str, learner_cfg: LearnerConfig,
               ppo_cfg: PPOConfig, kl_cfg: KLConfig, temperature: float, seed: int, device: str = "cpu",
-              run_iterations: int = 1, missing_eos_penalty: float | None = None) -> int:
+              run_iterations: int = 1, missing_eos_penalty: float | None = None, samples_per_prompt: int = 1) -> int:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         import deepspeed
@@ -87,6 +91,7 @@ class LearnerRank:
         self.temperature = temperature
         self.seed = seed
         self.run_iterations, self.missing_eos_penalty = run_iterations, missing_eos_penalty
+        self.samples_per_prompt = samples_per_prompt
         on_gpu = check_device(device, f"learner-rank-{self.rank}") == "cuda"
         if learner_cfg.torch_threads:
             torch.set_num_threads(learner_cfg.torch_threads)
@@ -104,8 +109,11 @@ class LearnerRank:
         self.model_dir = as_source(model).resolve(f"learner-rank-{self.rank}")
         torch.manual_seed(seed)  # same value-head init on every rank
         # fp32 master weights; with learner.dtype bfloat16 DeepSpeed trains a bf16 copy of them
-        critic = load_causal_lm(self.model_dir, "float32") if learner_cfg.critic == "separate" else None
-        model = PolicyWithValueHead(load_causal_lm(self.model_dir, "float32"), critic)
+        # the critic (value head, or a separate LM) exists only for GAE
+        self.has_critic = uses_critic(ppo_cfg.advantage)
+        separate = self.has_critic and learner_cfg.critic == "separate"
+        critic = load_causal_lm(self.model_dir, "float32") if separate else None
+        model = PolicyWithValueHead(load_causal_lm(self.model_dir, "float32"), critic, value_head=self.has_critic)
         from torch.optim import AdamW
 
         optimizer = AdamW(model.parameters(), lr=ppo_cfg.lr, betas=tuple(ppo_cfg.adam_betas),
@@ -177,32 +185,36 @@ class LearnerRank:
         return {"failed": failed, "collected": len(self.collected)}
 
     def update(self, kl_coef: float, iteration: int) -> RankUpdate:
-        """KL-penalised rewards at ``kl_coef``, GAE and the PPO epochs on everything collected;
-        returns additive sums so the driver's statistics are exact over all ranks."""
+        """KL-penalised rewards at ``kl_coef``, advantages (``ppo.advantage``) and the PPO epochs on
+        everything collected; returns additive sums so the driver's statistics are exact over all ranks."""
         batch = concat_batches([self.collected[slot] for slot in sorted(self.collected)])
         timings, self.collected, self.timings = self.timings, {}, {}
         mask = batch.response_mask
-        batch.old_logprobs, batch.old_values = batch.old_logprobs * mask, batch.old_values * mask
-        batch.ref_logprobs = batch.ref_logprobs * mask
+        batch.old_logprobs, batch.ref_logprobs = batch.old_logprobs * mask, batch.ref_logprobs * mask
+        if self.has_critic:
+            batch.old_values = batch.old_values * mask
+            check_finite(f"rank {self.rank} values", batch.old_values)
         batch.scores, missing_eos = penalize_missing_eos(batch.scores, batch.finish_reason, self.missing_eos_penalty)
-        check_finite(f"rank {self.rank} values", batch.old_values)
 
         in_reward = self.kl.placement == "reward"
         rewards, _ = kl_penalized_rewards(batch.scores, batch.old_logprobs, batch.ref_logprobs, mask,
                                            kl_coef if in_reward else 0.0, self.kl.estimator)
-        # lm-human-preferences scales the rewards GAE sees, never the reported reward or the controller's KL
-        gae_rewards = self._global_whiten(rewards, mask, shift_mean=False) if self.ppo.whiten_rewards else rewards
-        advantages, batch.returns = gae_advantages(gae_rewards, batch.old_values, mask, self.ppo.gamma, self.ppo.lam)
-        batch.advantages = self._global_whiten(advantages, mask) if self.ppo.whiten_advantages else advantages
+        estimator = self.ppo.advantage
+        if estimator in GROUP_ESTIMATORS:  # whole chunks go to a rank, and a chunk holds whole groups
+            check_whole_groups(batch.group_index, self.samples_per_prompt, f"rank {self.rank}: ")
+        batch.advantages, batch.returns = compute_advantages(
+            estimator, rewards, mask, values=batch.old_values, group_index=batch.group_index, gamma=self.ppo.gamma,
+            lam=self.ppo.lam, whiten_advantages=self.ppo.whiten_advantages,
+            whiten_rewards=self.ppo.whiten_rewards, device=self.device)
 
         lr = scheduled_lr(self.ppo.lr, self.ppo.lr_schedule, iteration, self.run_iterations)
         for group in self.engine.optimizer.param_groups:  # after any checkpoint load: the schedule decides
             group["lr"] = lr
         t0 = time.perf_counter()
         ppo_sums = self._ppo_epochs(batch, kl_coef, iteration)
-        # values before the update against the returns they are trained towards, as CleanRL logs it
-        ppo_sums["explained_variance_moments"] = explained_variance_moments(batch.old_values, batch.returns,
-                                                                            mask).tolist()
+        if self.has_critic:  # values before the update against their targets, as CleanRL logs it
+            ppo_sums["explained_variance_moments"] = explained_variance_moments(batch.old_values, batch.returns,
+                                                                                mask).tolist()
         timings["update_seconds"] = time.perf_counter() - t0
         self.updates += 1
 
@@ -217,8 +229,9 @@ class LearnerRank:
             "missing_eos_penalized": float(missing_eos.sum()),
             "mismatch_abs_sum": float(mismatch.sum()),
             "mismatch_max": float(mismatch.max()) if mask.any() else 0.0,
-            "value_sum": float((batch.old_values * mask).sum()),
-            "return_sum": float((batch.returns * mask).sum()),
+            # no critic: no values and no returns (the driver's value_mean is nan)
+            "value_sum": float((batch.old_values * mask).sum()) if self.has_critic else float("nan"),
+            "return_sum": float((batch.returns * mask).sum()) if batch.returns is not None else float("nan"),
         })
         return RankUpdate(
             sums=sums,
@@ -238,13 +251,8 @@ class LearnerRank:
                                          self.temperature)
             logprobs = token_logprobs(logits, batch.response_ids.to(self.device))
         if not grad:
-            return logprobs.detach().cpu(), values.detach().cpu(), logits.detach()
+            return logprobs.detach().cpu(), values.detach().cpu() if values is not None else None, logits.detach()
         return logprobs, values, logits
-
-    def _global_whiten(self, x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
-        """Whiten over the whole batch on all ranks, so W ranks see what 1 rank would. The moments live
-        on the rank's device: an NCCL group all-reduces only CUDA tensors."""
-        return global_whiten(x, mask, self.device, shift_mean)
 
     def _ppo_epochs(self, batch: RolloutBatch, kl_coef: float, iteration: int) -> dict:
         """The PPO epochs over ``batch``, which carries old_logprobs, old_values, ref_logprobs, advantages
@@ -265,9 +273,11 @@ class LearnerRank:
                 old_logprobs = mb.old_logprobs.to(self.device)
                 pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, mb.advantages.to(self.device), mask,
                                                 self.ppo.clip_range, aggregation, denominator)
-                vf_loss, vf_stats = value_loss(values, mb.old_values.to(self.device), mb.returns.to(self.device), mask,
-                                               self.ppo.clip_range_value, aggregation, denominator)
-                loss = pg_loss + self.ppo.vf_coef * vf_loss
+                loss, vf_stats = pg_loss, {}
+                if self.has_critic:  # GAE's critic; the other estimators have none
+                    vf_loss, vf_stats = value_loss(values, mb.old_values.to(self.device), mb.returns.to(self.device),
+                                                   mask, self.ppo.clip_range_value, aggregation, denominator)
+                    loss = loss + self.ppo.vf_coef * vf_loss
                 if self.kl.placement == "loss":
                     ref_mb = mb.ref_logprobs.to(self.device)
                     if self.kl.loss_form == "grpo_token_k3":
@@ -284,7 +294,9 @@ class LearnerRank:
                 # losses are this rank's share of the global minibatch mean: one count per step; token
                 # statistics are this rank's token means: weighted by its tokens
                 tokens = float(mask.sum())
-                step_stats = {"loss": (loss, 1.0), "policy_loss": (pg_loss, 1.0), "value_loss": (vf_loss, 1.0)}
+                step_stats = {"loss": (loss, 1.0), "policy_loss": (pg_loss, 1.0)}
+                if self.has_critic:
+                    step_stats["value_loss"] = (vf_loss, 1.0)
                 if self.kl.placement == "loss":
                     step_stats["kl_loss"] = (kl_term, 1.0)
                 step_stats |= {k: (v, tokens) for k, v in {"entropy": entropy, **pg_stats, **vf_stats}.items()}

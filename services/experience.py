@@ -28,6 +28,7 @@ class RolloutBatch:
     policy_version: Tensor  # [B] long: weights version that generated the row
     kl_coef: Tensor  # [B] float: beta in force when the row was generated
     prompt_index: Tensor  # [B] long: index into the task's prompt list
+    group_index: Tensor  # [B] long: the episodes of one prompt's samples_per_prompt group share it; -1: none
     # filled by the learner rank; None until then
     ref_logprobs: Tensor | None = None  # [B, T] the reference model's log-probs of the sampled tokens
     scores: Tensor | None = None  # [B] sequence scores (the reward function's or model's)
@@ -69,9 +70,10 @@ def make_batch(
     policy_version: int,
     kl_coef: float,
     response_width: int | None = None,
+    group_index: list[int] | None = None,
 ) -> RolloutBatch:
     """Assemble engine outputs into a RolloutBatch (``response_width`` pads T to a fixed size, so chunks
-    of one iteration concatenate)."""
+    of one iteration concatenate; ``group_index`` None: the rows belong to no group, -1)."""
     b = len(prompts)
     return RolloutBatch(
         prompt_ids=pad_left(prompts, pad_id),
@@ -83,6 +85,7 @@ def make_batch(
         policy_version=torch.full((b,), policy_version, dtype=torch.long),
         kl_coef=torch.full((b,), kl_coef, dtype=torch.float32),
         prompt_index=torch.tensor(prompt_index, dtype=torch.long),
+        group_index=torch.tensor(group_index if group_index is not None else [-1] * b, dtype=torch.long),
         batch_size=[b],
     )
 

@@ -1,0 +1,226 @@
+"""Advantage estimators (``ppo.advantage``): GAE with a critic, and the critic-free GRPO, RLOO,
+REINFORCE++ and REINFORCE++-baseline.
+
+Pure torch. Shapes: B episodes, T response positions; ``mask`` is [B, T] float 0/1, a prefix per row;
+``group_index`` is [B] long, the same id for the ``rollout.samples_per_prompt`` episodes of one prompt
+(-1: the row belongs to no group).
+
+Every estimator reads the same per-token ``rewards`` [B, T]: ``-beta * kl_t`` on every response token
+(0 when the KL is in the loss, ``kl.placement: loss``) plus the score at the last token
+(``learner.kl.kl_penalized_rewards``). The sequence return is ``R = sum_t rewards_t``: the score minus
+``beta * KL_b`` with the KL in the reward, the score alone with it in the loss. A sequence-level
+advantage is given to every token of its response. ``returns`` (the critic's targets) exist only for GAE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from learner.kl import last_token_index
+from learner.ppo import gae_advantages, global_whiten
+
+Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+# estimators whose baseline is taken over the samples of one prompt: they need samples_per_prompt >= 2
+GROUP_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_pp_baseline"})
+GRPO_EPS = 1e-6
+
+
+def uses_critic(estimator: str) -> bool:
+    """True when the estimator needs a value head (and a value loss): only GAE."""
+    return estimator == "gae"
+
+
+# ---------------------------------------------------------------- groups
+
+
+def sequence_returns(rewards: Tensor, mask: Tensor) -> Tensor:
+    """[B] undiscounted sum of the per-token ``rewards`` [B, T] over the response ``mask`` [B, T]:
+    score - beta * KL_b. A row with an empty mask has no token to carry a score: its return is 0."""
+    return (rewards * mask).sum(dim=-1)
+
+
+def check_whole_groups(group_index: Tensor, samples_per_prompt: int, where: str = "") -> None:
+    """Raise ValueError unless every group in ``group_index`` [B] holds exactly ``samples_per_prompt``
+    rows: a group split over chunks or ranks would get a baseline from part of its samples."""
+    if bool((group_index < 0).any()):
+        raise ValueError(f"{where}{int((group_index < 0).sum())} rows carry no group (group_index -1): a group "
+                         "estimator needs the prompt group of every row (rollout.samples_per_prompt)")
+    ids, counts = torch.unique(group_index, return_counts=True)
+    bad = counts != samples_per_prompt
+    if bool(bad.any()):
+        shown = ", ".join(f"group {int(g)}: {int(c)} rows" for g, c in zip(ids[bad][:5], counts[bad][:5], strict=True))
+        raise ValueError(f"{where}a prompt group is split or incomplete ({shown}; rollout.samples_per_prompt="
+                         f"{samples_per_prompt}): every group must be whole on the rank that computes its baseline")
+
+
+def _group_moments(x: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of ``x`` [B] (float64): (its group's size, sum, sum of squares of deviations from the
+    group mean), each [B]. Rows need not be contiguous or ordered by group."""
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    x = x.double()
+    groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    count = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(x))
+    total = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, x)
+    mean = total / count
+    squares = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, (x - mean[inverse]).square())
+    return count[inverse], total[inverse], squares[inverse]
+
+
+def _group_all_equal(x: Tensor, group_index: Tensor) -> Tensor:
+    """[B] bool: the row's group holds one value only (its max equals its min)."""
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    high = torch.full((groups,), -torch.inf, dtype=x.dtype).scatter_reduce(0, inverse, x, "amax")
+    low = torch.full((groups,), torch.inf, dtype=x.dtype).scatter_reduce(0, inverse, x, "amin")
+    return (high == low)[inverse]
+
+
+def _check_group_sizes(count: Tensor, name: str) -> None:
+    if bool((count < 2).any()):
+        raise ValueError(f"{name} needs at least 2 samples per group (rollout.samples_per_prompt >= 2); "
+                         f"a group has {int(count.min())}")
+
+
+def grpo_sequence_advantages(returns: Tensor, group_index: Tensor, eps: float = GRPO_EPS) -> Tensor:
+    """GRPO: ``A_i = (R_i - mean_group R) / (std_group R + eps)``, std unbiased (n - 1), eps 1e-6.
+
+    A group whose returns are all equal gets advantage exactly 0 (no signal, not rounding noise / eps).
+    Args: returns: [B] sequence returns; group_index: [B] group ids, every group of size >= 2.
+    Returns: [B] advantages, in ``returns``' dtype.
+    """
+    count, total, squares = _group_moments(returns, group_index)
+    _check_group_sizes(count, "GRPO")
+    std = (squares / (count - 1)).sqrt()
+    advantages = (returns.double() - total / count) / (std + eps)
+    return advantages.masked_fill(_group_all_equal(returns, group_index), 0.0).to(returns.dtype)
+
+
+def rloo_sequence_advantages(returns: Tensor, group_index: Tensor) -> Tensor:
+    """RLOO: ``A_i = R_i - mean_{j != i} R_j``, the mean of the other samples of the prompt.
+
+    Sums to 0 within each group. Args: returns: [B]; group_index: [B], groups of size >= 2.
+    Returns: [B] advantages, in ``returns``' dtype.
+    """
+    count, total, _ = _group_moments(returns, group_index)
+    _check_group_sizes(count, "RLOO")
+    r = returns.double()
+    return (r - (total - r) / (count - 1)).to(returns.dtype)
+
+
+def reward_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """[B, T] ``G_t = sum_{s >= t} gamma^(s - t) r_s`` over the response ``mask`` [B, T] of the per-token
+    ``rewards`` [B, T]; 0 where the mask is 0."""
+    rewards = rewards * mask
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask[:, t]
+        out[:, t] = running
+    return out
+
+
+def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0,
+                            device: torch.device | str = "cpu") -> Tensor:
+    """REINFORCE++: the reward-to-go of the per-token rewards (score at the last token, ``-beta * kl_t``
+    on every token) with discount ``gamma``, whitened (zero mean, unit variance over every response token)
+    over the global batch: all ranks of the default ``torch.distributed`` group, so W ranks compute what
+    one would (``learner.ppo.global_whiten``; every rank must call it).
+
+    Args: rewards, mask: [B, T]. Returns: [B, T] advantages, 0 where ``mask`` is 0.
+    """
+    return global_whiten(reward_to_go(rewards, mask, gamma), mask, device)
+
+
+def reinforce_pp_baseline_advantages(rewards: Tensor, mask: Tensor, group_index: Tensor, gamma: float = 1.0,
+                                     device: torch.device | str = "cpu") -> Tensor:
+    """REINFORCE++-baseline: the group mean of the sequence return R is subtracted first (from the reward
+    at the last token, so with gamma 1 the return-to-go of the first token is ``R - mean_group R``), then
+    REINFORCE++'s reward-to-go and global whitening.
+
+    Args: rewards, mask: [B, T]; group_index: [B], groups of size >= 2. Returns: [B, T] advantages.
+    """
+    returns = sequence_returns(rewards, mask)
+    count, total, _ = _group_moments(returns, group_index)
+    _check_group_sizes(count, "REINFORCE++-baseline")
+    last = last_token_index(mask)
+    rows = (last >= 0).nonzero().squeeze(-1)
+    shifted = rewards.clone()
+    shifted[rows, last[rows]] -= (total / count)[rows].to(rewards.dtype)
+    return reinforce_pp_advantages(shifted, mask, gamma, device)
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def _gae(rewards: Tensor, mask: Tensor, values: Tensor | None, group_index: Tensor | None, gamma: float,
+         lam: float, whiten_advantages: bool, whiten_rewards: bool, device) -> tuple[Tensor, Tensor | None]:
+    if values is None:
+        raise ValueError("ppo.advantage='gae' needs the critic's values")
+    # lm-human-preferences scales the rewards GAE sees, never the reported reward or the controller's KL
+    if whiten_rewards:
+        rewards = global_whiten(rewards, mask, device, shift_mean=False)
+    advantages, returns = gae_advantages(rewards, values, mask, gamma, lam)
+    if whiten_advantages:
+        advantages = global_whiten(advantages, mask, device)
+    return advantages, returns
+
+
+def _sequence_level(fn: Callable[[Tensor, Tensor], Tensor]):
+    def estimator(rewards: Tensor, mask: Tensor, values, group_index: Tensor | None, *_args) -> tuple[Tensor, None]:
+        advantages = fn(sequence_returns(rewards, mask), _groups(group_index, rewards))
+        return advantages.unsqueeze(-1) * mask, None
+    return estimator
+
+
+def _reinforce_pp(rewards, mask, values, group_index, gamma, lam, whiten_advantages, whiten_rewards, device):
+    return reinforce_pp_advantages(rewards, mask, gamma, device), None
+
+
+def _reinforce_pp_baseline(rewards, mask, values, group_index, gamma, lam, whiten_advantages, whiten_rewards,
+                           device):
+    return reinforce_pp_baseline_advantages(rewards, mask, _groups(group_index, rewards), gamma, device), None
+
+
+def _groups(group_index: Tensor | None, rewards: Tensor) -> Tensor:
+    if group_index is None:
+        raise ValueError("a group estimator needs group_index [B]")
+    if group_index.shape != rewards.shape[:1]:
+        raise ValueError(f"group_index has shape {tuple(group_index.shape)}, expected [B] = [{rewards.shape[0]}]")
+    return group_index
+
+
+ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
+    "gae": _gae,
+    "grpo": _sequence_level(grpo_sequence_advantages),
+    "rloo": _sequence_level(rloo_sequence_advantages),
+    "reinforce_pp": _reinforce_pp,
+    "reinforce_pp_baseline": _reinforce_pp_baseline,
+}
+
+
+def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values: Tensor | None = None,
+                       group_index: Tensor | None = None, gamma: float = 1.0, lam: float = 0.95,
+                       whiten_advantages: bool = True, whiten_rewards: bool = False,
+                       device: torch.device | str = "cpu") -> tuple[Tensor, Tensor | None]:
+    """Advantages of ``estimator`` (``ppo.advantage``) for a batch.
+
+    Args:
+        rewards: [B, T] per-token rewards (``kl_penalized_rewards``); mask: [B, T].
+        values: [B, T] critic values (``gae`` only); group_index: [B] (group estimators only).
+        gamma, lam: discount (GAE, REINFORCE++) and GAE lambda.
+        whiten_advantages, whiten_rewards: GAE's optional global whitening (``ppo.whiten_*``); the other
+            estimators normalise as their definitions say and ignore both.
+        device: where the global whitening all-reduces its moments (NCCL: CUDA only).
+    Returns:
+        (advantages [B, T], returns [B, T] for the critic or None), 0 where ``mask`` is 0.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown ppo.advantage {estimator!r}; expected one of {sorted(ESTIMATORS)}")
+    if rewards.shape != mask.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must share one [B, T] shape")
+    return ESTIMATORS[estimator](rewards, mask, values, group_index, gamma, lam, whiten_advantages,
+                                 whiten_rewards, device)
