@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import numbers
 import shutil
 import tempfile
@@ -42,6 +43,10 @@ def read_rows(path: str, split: str, columns: list[tuple[str, str]], what: str) 
         try:
             data = datasets.load_from_disk(str(source))
         except Exception as err:  # any reader failure is bad input, named with its file
+            # datasets cannot load a split saved with no rows (no Arrow file): say so, not its IndexError
+            empty = [p.parent.name for p in source.glob("**/state.json") if not json.loads(p.read_text())["_data_files"]]
+            if empty:
+                raise ValueError(f"{what} {path} has no rows (saved with none: {', '.join(sorted(empty))})") from err
             raise ValueError(f"{what} {path} is not a saved Hugging Face dataset directory "
                              f"(datasets.save_to_disk): {type(err).__name__}: {err}") from err
         if isinstance(data, datasets.DatasetDict):
@@ -56,11 +61,15 @@ def read_rows(path: str, split: str, columns: list[tuple[str, str]], what: str) 
         if reader is None:
             raise ValueError(f"{what} {path}: unknown format {source.suffix!r}; give a .jsonl, .json, .csv or "
                              ".parquet file, or a directory written by datasets' save_to_disk")
+        if source.stat().st_size < 64 and not source.read_bytes().strip():
+            raise ValueError(f"{what} {path} has no rows (the file is empty)")
         cache = tempfile.mkdtemp(prefix="tether-dataset-")  # read once: leave no Arrow cache behind
         try:
             data = getattr(datasets.Dataset, reader)(str(source), cache_dir=cache, keep_in_memory=True)
         except Exception as err:  # any reader failure is bad input, named with its file
             cause = err.__cause__ or err
+            if "corresponds to no data" in str(cause):  # datasets' words for a file with a header and no rows
+                raise ValueError(f"{what} {path} has no rows") from err
             raise ValueError(f"{what} {path} cannot be read as {source.suffix}: "
                              f"{type(cause).__name__}: {cause}") from err
         finally:
