@@ -256,6 +256,34 @@ def test_reward_actor_scores_each_sample_with_its_rows_answer(tiny_model_dir, tm
         pytest.approx(expected[:2])
 
 
+def test_without_a_reward_function_a_reward_model_scores_and_evaluates(tiny_model_dir, tmp_path):
+    """reward.kind: model on a dataset task: the classifier's logit is the score, and, the task having no
+    metric of its own, the evaluation's "score" is the mean of the same logits."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from actors.reward import RewardActor
+    from services.experience import make_batch
+    from services.models import load_tokenizer
+
+    task = dataset_task(_write("csv", tmp_path), reward_function=None, reward_fields=[])
+    tok = load_tokenizer(tiny_model_dir)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tok), n_layer=1, n_embd=16, n_head=2, n_positions=32, num_labels=1,
+                        pad_token_id=tok.pad_token_id)
+    GPT2ForSequenceClassification(config).eval().save_pretrained(tmp_path / "classifier")
+    tok.save_pretrained(tmp_path / "classifier")
+    options = {"prompt_field": "prompt", "reward_function": None, "reward_fields": [],
+               "rows": {split: {"prompt": rows["prompt"]} for split, rows in task.rows.items()}}
+    actor = RewardActor(0, "dataset", options, tiny_model_dir, kind="model", model_path=str(tmp_path / "classifier"))
+    responses = [tok("cd")["input_ids"], tok("e")["input_ids"]]
+    batch = make_batch([tok("b")["input_ids"], tok("c")["input_ids"]], responses, [[0.0] * len(r) for r in responses],
+                       [0, 0], [0, 1], tok.pad_token_id, 0, 0.0, 2)
+    scores = actor.score(batch, 0)
+    out = actor.evaluate(batch, 0, keep_samples=2)
+    assert out["sums"] == {"score": pytest.approx(float(scores.sum()), abs=1e-5)}
+    assert [s["score"] for s in out["samples"]] == pytest.approx(scores.tolist(), abs=1e-6)
+
+
 def test_rows_reach_a_reward_actor_through_the_object_store(ray_client, tiny_model_dir, tmp_path):
     """``reward_actor_options`` holds an object ref, never the path: a real Ray actor builds the task from it
     after the file is gone."""
