@@ -31,8 +31,9 @@ FILE_READERS = {".jsonl": "from_json", ".json": "from_json", ".csv": "from_csv",
 
 
 def read_rows(path: str, split: str, columns: list[tuple[str, str]], what: str) -> dict[str, list]:
-    """The ``columns`` (name, the setting that names it) of a data file or of one split of a saved dataset directory, as lists.
-    Raises ValueError naming the file (and the split, the field) for anything missing or empty."""
+    """The ``columns`` ((name, the setting that names it) pairs) of a data file, or of one split of a saved
+    dataset directory, as lists. Raises ValueError naming the file (the split, the row, the field) for anything
+    missing or empty."""
     import datasets
 
     source = Path(path).expanduser()
@@ -44,7 +45,8 @@ def read_rows(path: str, split: str, columns: list[tuple[str, str]], what: str) 
             data = datasets.load_from_disk(str(source))
         except Exception as err:  # any reader failure is bad input, named with its file
             # datasets cannot load a split saved with no rows (no Arrow file): say so, not its IndexError
-            empty = [p.parent.name for p in source.glob("**/state.json") if not json.loads(p.read_text())["_data_files"]]
+            empty = [p.parent.name for p in source.glob("**/state.json")
+                     if not json.loads(p.read_text()).get("_data_files", True)]
             if empty:
                 raise ValueError(f"{what} {path} has no rows (saved with none: {', '.join(sorted(empty))})") from err
             raise ValueError(f"{what} {path} is not a saved Hugging Face dataset directory "
@@ -111,10 +113,11 @@ def import_reward_function(name: str) -> Callable:
         raise ValueError(f"task.reward_function={name!r} is not of the form package.module:function")
     try:
         function = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
+    except Exception as err:  # the module is user code: whatever its import raises is a bad setting
         raise ValueError(f"task.reward_function={name!r} cannot be imported: {type(err).__name__}: {err}") from err
     if not callable(function):
-        raise ValueError(f"task.reward_function={name!r} is a {type(function).__name__}, not a function")  # noqa: TRY004 - main reports ValueError as bad input
+        raise ValueError(  # noqa: TRY004 - main reports ValueError as bad input
+            f"task.reward_function={name!r} is a {type(function).__name__}, not a function")
     return function
 
 
