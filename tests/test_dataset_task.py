@@ -351,7 +351,8 @@ def test_dataset_job_trains_with_the_rows_answers(ray_head, cache_dir, tiny_mode
                     "--cluster.address", ray_head.address, "--run.name", "data", "--run.seed", "1",
                     "--run.iterations", "2", "--run.eval_every", "2", "--rollout.batch_size", "32",
                     "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16", "--rollout.eval_samples_per_prompt",
-                    "4", "--metrics.eval_samples_saved", "16", "--no-checkpoint.export_hf"])
+                    "4", "--metrics.eval_samples_saved", "16", "--no-checkpoint.export_hf",
+                    "--cluster.placement_timeout_s", "300"])  # a shared CPU machine can take minutes to place
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "data"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
