@@ -101,14 +101,17 @@ class RewardActor(VersionedActor):
 
     def _score(self, batch: RolloutBatch, chunk_index: int) -> torch.Tensor:
         prompts, completions = self.decode(batch)
-        return self.scores(prompts, completions, f"task {self.task.name!r}, chunk {chunk_index}")
+        return self.scores(prompts, completions, f"task {self.task.name!r}, chunk {chunk_index}",
+                           batch.prompt_index.tolist(), "train")
 
-    def scores(self, prompts: list[str], completions: list[str], where: str) -> torch.Tensor:
+    def scores(self, prompts: list[str], completions: list[str], where: str, rows: list[int],
+               split: str) -> torch.Tensor:
+        """[B] scores of samples of prompt rows ``rows`` of the task's "train" or "eval" prompts."""
         if self.kind == "model":
             scores = self.model_scores(prompts, completions)
         else:
             try:
-                scores = list(self.task.reward(prompts, completions))
+                scores = list(self.task.reward_rows(prompts, completions, rows, split))
             except Exception as err:
                 raise RewardError(f"reward function of {where} raised {type(err).__name__}: {err}") from err
         if len(scores) != len(prompts):
@@ -133,16 +136,21 @@ class RewardActor(VersionedActor):
         """The task's eval metrics over a chunk, as sums weighted by its size (so chunks merge), and
         its first ``keep_samples`` samples as text with their scores, for a person to read."""
         prompts, completions = self.decode(batch)
+        rows = batch.prompt_index.tolist()
         kept = [{"prompt": p, "response": c} for p, c in zip(prompts[:keep_samples], completions[:keep_samples])]
         if kept:
             where = f"task {self.task.name!r}, evaluation chunk {chunk_index}"
-            for sample, score in zip(kept, self.scores(prompts[:len(kept)], completions[:len(kept)], where)):
+            for sample, score in zip(kept, self.scores(prompts[:len(kept)], completions[:len(kept)], where,
+                                                       rows[:len(kept)], "eval")):
                 sample["score"] = float(score)
         try:
-            metrics = self.task.evaluate(prompts, completions)
+            metrics = self.task.evaluate_rows(prompts, completions, rows, "eval")
         except Exception as err:
             raise RewardError(f"evaluation function of task {self.task.name!r}, chunk {chunk_index} raised "
                               f"{type(err).__name__}: {err}") from err
+        if not metrics:  # a task without a metric of its own (a dataset): the job's reward is its score
+            where = f"task {self.task.name!r}, evaluation chunk {chunk_index}"
+            metrics = {"score": float(self.scores(prompts, completions, where, rows, "eval").mean())}
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         if bad:
             raise RewardError(f"evaluation function of task {self.task.name!r}, chunk {chunk_index} returned {bad}")

@@ -41,6 +41,49 @@ class TaskConfig(Section):
     seed: int = Field(1000, description="task data seed (randomwalks: graph and walks)")
     max_prompt_tokens: PositiveInt = Field(16, description="longest prompt allowed, in tokens")
     long_prompts: Literal["reject", "truncate"] = Field("reject", description="what to do with longer prompts")
+    # task.name=dataset: your own prompts from a file (services/tasks/dataset.py)
+    path: str | None = Field(None, description="dataset: a .jsonl, .json, .csv or .parquet file, or a saved Hugging "
+                             "Face dataset directory; read once, by the driver")
+    prompt_field: str = Field("prompt", description="dataset: the field with the prompt: text, or chat messages "
+                              "(a list of {role, content}) that get the model's chat template")
+    split: str = Field("train", description="dataset: the training split of a saved dataset directory with splits")
+    eval_path: str | None = Field(None, description="dataset: evaluation prompts from this file or directory")
+    eval_split: str | None = Field(None, description="dataset: evaluation prompts from this split (of eval_path, "
+                                   "or else of path); neither: the training prompts")
+    reward_function: str | None = Field(None, description="dataset: package.module:function called per sample "
+                                        "as function(prompt=, completion=, **fields) -> float (reward.kind=function)")
+    reward_fields: list[str] = Field(default_factory=list, description="dataset: the row's fields passed to "
+                                     "reward_function by name, e.g. a reference answer")
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments the task is built from (``services.tasks.get_task(name, **options)``)."""
+        if self.name != "dataset":
+            return {"seed": self.seed}
+        return {"seed": self.seed, **self.model_dump(include=set(DATASET_FIELDS))}
+
+    @model_validator(mode="after")
+    def _dataset_fields(self) -> TaskConfig:
+        if self.name != "dataset":
+            given = [f for f in DATASET_FIELDS if getattr(self, f) != TaskConfig.model_fields[f].default
+                     and getattr(self, f) != []]
+            if given:
+                raise ValueError(f"task.{given[0]} is set but task.name={self.name!r} does not read it: the "
+                                 f"{', '.join('task.' + f for f in given)} settings are for task.name='dataset'")
+            return self
+        if not self.path:
+            raise ValueError("task.name='dataset' needs task.path: a .jsonl, .json, .csv or .parquet file, or a "
+                             "saved Hugging Face dataset directory")
+        if self.reward_function is not None and ":" not in self.reward_function:
+            raise ValueError(f"task.reward_function={self.reward_function!r} is not of the form "
+                             "package.module:function")
+        reserved = {"prompt", "completion"} & set(self.reward_fields)
+        if reserved:
+            raise ValueError(f"task.reward_fields names {sorted(reserved)}: the reward function already receives "
+                             "prompt= and completion=; rename the field in the dataset")
+        return self
+
+
+DATASET_FIELDS = ("path", "prompt_field", "split", "eval_path", "eval_split", "reward_function", "reward_fields")
 
 
 class RolloutConfig(Section):
@@ -302,6 +345,14 @@ class JobConfig(BaseSettings):
                              "its horizon (beta could flip sign); raise kl.horizon or lower rollout.batch_size")
         if self.reward.kind == "model" and not self.reward.model_path:
             raise ValueError("reward.kind='model' needs reward.model_path")
+        if self.task.name == "dataset" and self.reward.kind == "function" and not self.task.reward_function:
+            raise ValueError("task.name='dataset' with reward.kind='function' needs task.reward_function "
+                             "(package.module:function), or another reward.kind")
+        if self.task.reward_function and self.reward.kind != "function":
+            raise ValueError(f"task.reward_function is set but reward.kind={self.reward.kind!r} scores the "
+                             "responses; set task.reward_function=null or reward.kind='function'")
+        if self.task.name == "dataset" and not self.model.path:
+            raise ValueError("task.name='dataset' needs model.path: the policy to train on your prompts")
         if self.reward.kind != "model" and self.reward.label is not None:
             raise ValueError(f"reward.label={self.reward.label!r} is set but reward.kind='function' has no labels; "
                              "set reward.label=null")

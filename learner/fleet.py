@@ -43,7 +43,8 @@ def chunk_layout(prompt_rows: list[int], samples_per_prompt: int, chunk_size: in
 
 class Fleet:
     def __init__(self, cfg: JobConfig, model: ModelSource, placement, sampling: SamplingSettings, pad_id: int,
-                 max_model_len: int, reward_model: ModelSource | None = None) -> None:
+                 max_model_len: int, reward_model: ModelSource | None = None,
+                 task_options: dict | None = None) -> None:
         self.cfg, self.sampling, self.pad_id = cfg, sampling, pad_id
         c, restarts, dtype = cfg.cluster, cfg.run.actor_max_restarts, cfg.learner.dtype
         # vLLM's transfer is set up once (an NCCL group cannot take back a restarted member): there a lost
@@ -66,7 +67,7 @@ class Fleet:
         ]
         self.rewards = [
             cluster.start_actor(RewardActor, "reward", i, c.reward, placement, i, cfg.task.name,
-                                {"seed": cfg.task.seed}, model, cfg.reward.kind, reward_model,
+                                task_options or cfg.task.options(), model, cfg.reward.kind, reward_model,
                                 cfg.reward.score_clip, cfg.device("reward"), cfg.reward.label, max_restarts=restarts)
             for i in range(cfg.reward.num_actors)
         ]

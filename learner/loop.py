@@ -226,7 +226,7 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     import ray
 
     wall_start = time.perf_counter()
-    task = get_task(cfg.task.name, seed=cfg.task.seed)
+    task = get_task(cfg.task.name, **cfg.task.options())
     run_path = rundir.check_free(cfg)
     resume_from, resume_state = None, None
     if cfg.run.resume:
@@ -244,8 +244,8 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts, eval_prompts = (
         encode_prompts([task.format_prompt(t, tokenizer) for t in texts], tokenizer, cfg.task.max_prompt_tokens,
-                       cfg.task.long_prompts, log)
-        for texts in (task.prompts(), task.eval_prompts())
+                       cfg.task.long_prompts, log, origin=lambda i, split=split: task.prompt_origin(i, split))
+        for split, texts in (("train", task.prompts()), ("eval", task.eval_prompts()))
     )
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p,
                                 cfg.rollout.max_new_tokens or task.max_new_tokens)
@@ -259,7 +259,8 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     placement = cluster.reserve(cfg)
     cluster.preflight(cfg, placement, [m for m in (model, reward_model) if m], run_path, log=log)
     fleet = Fleet(cfg, model, placement, sampling, pad_id,
-                  max_model_len=cfg.task.max_prompt_tokens + sampling.max_new_tokens + 1, reward_model=reward_model)
+                  max_model_len=cfg.task.max_prompt_tokens + sampling.max_new_tokens + 1, reward_model=reward_model,
+                  task_options=task.reward_actor_options())
     learner = LearnerGroup(cfg, model, placement)
     log(f"actors ready: {len(fleet.rollouts)} rollout, {len(fleet.references)} reference, {len(fleet.rewards)} "
         f"reward, {cfg.learner.world_size} learner rank(s), ZeRO-{cfg.learner.zero_stage}, {cfg.learner.dtype} "

@@ -2,27 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 
-def encode_prompts(texts: list[str], tokenizer, max_tokens: int, long_prompts: str, log=print) -> list[list[int]]:
+def encode_prompts(texts: list[str], tokenizer, max_tokens: int, long_prompts: str, log=print,
+                   origin: Callable[[int], str] | None = None) -> list[list[int]]:
     """Token ids of each prompt. Longer than ``max_tokens``: an error ("reject"), or keep the last
-    ``max_tokens`` tokens ("truncate"), counted and logged. An empty prompt set is an error."""
+    ``max_tokens`` tokens ("truncate"), counted and logged. An empty prompt set is an error. ``origin(i)``
+    says where prompt i comes from in errors (a dataset's file, row and field); "prompt i" by default."""
+    origin = origin or (lambda i: f"prompt {i}")
     if not texts:
         raise ValueError("the task has an empty prompt set")
     encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     empty = [i for i, ids in enumerate(encoded) if not ids]
     if empty:
-        raise ValueError(f"{len(empty)} prompt(s) encode to zero tokens; first is prompt {empty[0]} ({texts[empty[0]]!r})")
+        raise ValueError(f"{len(empty)} prompt(s) encode to zero tokens; first is {origin(empty[0])} ({texts[empty[0]]!r})")
     long = [i for i, ids in enumerate(encoded) if len(ids) > max_tokens]
     if long and long_prompts == "reject":
         first = long[0]
         raise ValueError(
-            f"{len(long)} prompt(s) are longer than task.max_prompt_tokens={max_tokens}; first is prompt {first} "
+            f"{len(long)} prompt(s) are longer than task.max_prompt_tokens={max_tokens}; first is {origin(first)} "
             f"with {len(encoded[first])} tokens. Set task.long_prompts=truncate to keep their last tokens"
         )
     if long:
-        log(f"prompts: truncated {len(long)} prompt(s) to their last {max_tokens} tokens")
+        log(f"prompts: truncated {len(long)} prompt(s) to their last {max_tokens} tokens (first: {origin(long[0])})")
         encoded = [ids[-max_tokens:] for ids in encoded]
     return encoded
 

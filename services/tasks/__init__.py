@@ -1,10 +1,12 @@
 """Task registry: name -> Task class."""
 
 from services.tasks.base import Task
+from services.tasks.dataset import DatasetTask
 from services.tasks.randomwalks import RandomWalksTask
 from services.tasks.sentiment import SentimentTask
 
-TASKS: dict[str, type[Task]] = {"randomwalks": RandomWalksTask, "smollm2-sentiment": SentimentTask}
+TASKS: dict[str, type[Task]] = {"randomwalks": RandomWalksTask, "smollm2-sentiment": SentimentTask,
+                                "dataset": DatasetTask}
 
 
 def get_task(name: str, **options) -> Task:

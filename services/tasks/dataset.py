@@ -1,0 +1,254 @@
+"""Your own prompts: ``task.name: dataset`` reads a JSONL, JSON, CSV or Parquet file, or a saved Hugging Face
+dataset directory, through the ``datasets`` library.
+
+The driver reads the file once (``path`` set). The reward actors get only what the reward reads, the
+prompt column and ``task.reward_fields``, as one object-store ref (``reward_actor_options``): they never open
+``task.path`` on their own node. The reward function, ``package.module:function``, is code: it is imported by
+name on the driver (to fail before any actor starts) and again on each reward actor. It is called once per
+sample as ``function(prompt=..., completion=..., **fields)`` and returns a number; ``prompt`` is the row's
+``task.prompt_field`` value as in the file (text, or the chat messages), ``completion`` the decoded response.
+
+Rows are counted from 0, in file order, in error messages.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import numbers
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from services.tasks.base import Task
+
+FILE_READERS = {".jsonl": "from_json", ".json": "from_json", ".csv": "from_csv", ".parquet": "from_parquet"}
+
+
+def read_rows(path: str, split: str, columns: list[tuple[str, str]], what: str) -> dict[str, list]:
+    """The ``columns`` ((name, the setting that names it) pairs) of a data file, or of one split of a saved
+    dataset directory, as lists. Raises ValueError naming the file (the split, the row, the field) for anything
+    missing or empty."""
+    import datasets
+
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    datasets.disable_progress_bars()
+    if source.is_dir():
+        try:
+            data = datasets.load_from_disk(str(source))
+        except Exception as err:  # any reader failure is bad input, named with its file
+            # datasets cannot load a split saved with no rows (no Arrow file): say so, not its IndexError
+            empty = [p.parent.name for p in source.glob("**/state.json")
+                     if not json.loads(p.read_text()).get("_data_files", True)]
+            if empty:
+                raise ValueError(f"{what} {path} has no rows (saved with none: {', '.join(sorted(empty))})") from err
+            raise ValueError(f"{what} {path} is not a saved Hugging Face dataset directory "
+                             f"(datasets.save_to_disk): {type(err).__name__}: {err}") from err
+        if isinstance(data, datasets.DatasetDict):
+            if split not in data:
+                raise ValueError(f"{what} {path} has no split {split!r}; its splits are {sorted(data)}")
+            data = data[split]
+            where = f"{path} (split {split!r})"
+        else:
+            where = path
+    else:
+        reader = FILE_READERS.get(source.suffix.lower())
+        if reader is None:
+            raise ValueError(f"{what} {path}: unknown format {source.suffix!r}; give a .jsonl, .json, .csv or "
+                             ".parquet file, or a directory written by datasets' save_to_disk")
+        if source.stat().st_size < 64 and not source.read_bytes().strip():
+            raise ValueError(f"{what} {path} has no rows (the file is empty)")
+        cache = tempfile.mkdtemp(prefix="tether-dataset-")  # read once: leave no Arrow cache behind
+        try:
+            data = getattr(datasets.Dataset, reader)(str(source), cache_dir=cache, keep_in_memory=True)
+        except Exception as err:  # any reader failure is bad input, named with its file
+            cause = err.__cause__ or err
+            if "corresponds to no data" in str(cause):  # datasets' words for a file with a header and no rows
+                raise ValueError(f"{what} {path} has no rows") from err
+            raise ValueError(f"{what} {path} cannot be read as {source.suffix}: "
+                             f"{type(cause).__name__}: {cause}") from err
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+        where = path
+    if len(data) == 0:
+        raise ValueError(f"{what} {where} has no rows")
+    for column, setting in columns:
+        if column not in data.column_names:
+            raise ValueError(f"{what} {where} has no field {column!r} ({setting}); its fields are "
+                             f"{data.column_names}")
+    rows = data.select_columns([c for c, _ in columns]).to_dict()
+    for column, setting in columns:
+        missing = [i for i, v in enumerate(rows[column]) if v is None]
+        if missing:
+            raise ValueError(f"{what} {where}, row {missing[0]}: field {column!r} ({setting}) has no value "
+                             f"({len(missing)} row(s) lack it)")
+    return rows
+
+
+def check_prompt(value: Any, where: str) -> None:
+    """A prompt is non-empty text, or chat messages: a non-empty list of {"role": str, "content": str}."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"{where} is empty")
+        return
+    if isinstance(value, list) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value):
+        return
+    raise ValueError(f"{where} holds {value!r:.120}; expected text or chat messages, a list of "
+                     '{"role": ..., "content": ...}')
+
+
+def import_reward_function(name: str) -> Callable:
+    """``package.module:function``, imported and checked to be callable; ValueError otherwise."""
+    module_name, _, attribute = name.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"task.reward_function={name!r} is not of the form package.module:function")
+    try:
+        function = getattr(importlib.import_module(module_name), attribute)
+    except Exception as err:  # the module is user code: whatever its import raises is a bad setting
+        raise ValueError(f"task.reward_function={name!r} cannot be imported: {type(err).__name__}: {err}") from err
+    if not callable(function):
+        raise ValueError(  # noqa: TRY004 - main reports ValueError as bad input
+            f"task.reward_function={name!r} is a {type(function).__name__}, not a function")
+    return function
+
+
+@dataclass
+class DatasetTask(Task):
+    """Prompts from a data file; the reward from ``reward_function`` or from the job's reward kind (model)."""
+
+    name: str = "dataset"
+    seed: int = 1000  # accepted like every task's; the prompt order comes from run.seed
+    tokenizer_kind: str = "pretrained"
+    model_kind: str = "pretrained"
+    path: str | None = None
+    prompt_field: str = "prompt"
+    split: str = "train"
+    eval_path: str | None = None
+    eval_split: str | None = None
+    reward_function: str | None = None
+    reward_fields: list[str] = field(default_factory=list)
+    # on a reward actor: the driver's rows, {"train": columns, "eval": columns}, or an object ref to them
+    rows: Any = None
+
+    def __post_init__(self) -> None:
+        if self.rows is None:
+            self.rows = self._read()
+        elif not isinstance(self.rows, dict):
+            import ray
+
+            self.rows = ray.get(self.rows)
+        if self.reward_function:
+            self.check_reward_function(self.function)
+
+    # ------------------------------------------------------------------ the driver reads the data once
+
+    def _read(self) -> dict[str, dict[str, list]]:
+        if self.path is None:
+            raise ValueError("task.name='dataset' needs task.path: a .jsonl, .json, .csv or .parquet file, or a "
+                             "saved Hugging Face dataset directory")
+        columns = [(self.prompt_field, "task.prompt_field")] + [(f, "task.reward_fields") for f in self.reward_fields]
+        train = read_rows(self.path, self.split, columns, "task.path")
+        if self.eval_path:
+            evaluation = read_rows(self.eval_path, self.eval_split or self.split, columns, "task.eval_path")
+        elif self.eval_split:
+            if not Path(self.path).expanduser().is_dir():
+                raise ValueError(f"task.eval_split={self.eval_split!r} needs a saved dataset directory with splits; "
+                                 f"task.path {self.path} is one file: give the evaluation file as task.eval_path")
+            evaluation = read_rows(self.path, self.eval_split, columns, "task.path")
+        else:
+            evaluation = train
+        for split, rows in (("train", train), ("eval", evaluation)):
+            for i, value in enumerate(rows[self.prompt_field]):
+                check_prompt(value, f"{self.prompt_origin(i, split)}")
+        return {"train": train, "eval": evaluation}
+
+    def prompt_origin(self, index: int, split: str = "train") -> str:
+        """Where prompt ``index`` of the "train" or "eval" prompt list comes from: file, row and field."""
+        if split == "eval" and self.eval_path:
+            source = self.eval_path
+        elif split == "eval" and self.eval_split:
+            source = f"{self.path} (split {self.eval_split!r})"
+        else:
+            source = self.path
+        return f"{source}, row {index}, field {self.prompt_field!r}"
+
+    def prompts(self) -> list:
+        """The prompt field of every training row: text, or chat messages that ``format_prompt`` renders."""
+        return list(self.rows["train"][self.prompt_field])
+
+    def eval_prompts(self) -> list:
+        """The evaluation rows' prompts: task.eval_path, task.eval_split, or else the training rows."""
+        return list(self.rows["eval"][self.prompt_field])
+
+    def format_prompt(self, text, tokenizer) -> str:
+        """Text as it is; chat messages through the tokenizer's chat template, ready for the assistant's turn."""
+        if isinstance(text, str):
+            return text
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"task.prompt_field {self.prompt_field!r} of {self.path} holds chat messages, but the "
+                             "model's tokenizer has no chat template (tokenizer_config.json 'chat_template')")
+        return tokenizer.apply_chat_template(text, tokenize=False, add_generation_prompt=True)
+
+    # ------------------------------------------------------------------ the reward, on a reward actor
+
+    def reward_actor_options(self) -> dict:
+        """What a reward actor builds this task from: the prompt column and the reward fields, put once in
+        the object store (needs a connected Ray); never the path."""
+        import ray
+
+        if not hasattr(self, "_rows_ref"):  # kept here too, so a restarted reward actor finds it
+            keep = [self.prompt_field, *self.reward_fields]
+            self._rows_ref = ray.put({split: {c: rows[c] for c in keep} for split, rows in self.rows.items()})
+        return {"prompt_field": self.prompt_field, "reward_function": self.reward_function,
+                "reward_fields": list(self.reward_fields), "rows": self._rows_ref}
+
+    @cached_property
+    def function(self) -> Callable:
+        return import_reward_function(self.reward_function)
+
+    def check_reward_function(self, function: Callable) -> None:
+        try:
+            inspect.signature(function).bind(prompt="", completion="", **dict.fromkeys(self.reward_fields))
+        except TypeError as err:
+            arguments = ", ".join(["prompt", "completion", *self.reward_fields])
+            raise ValueError(f"task.reward_function={self.reward_function!r} cannot be called with ({arguments}) "
+                             f"(task.reward_fields={self.reward_fields}): {err}") from err
+        except ValueError:
+            pass  # a builtin without a signature: called as it is
+
+    def row_fields(self, rows: list[int], split: str) -> list[dict]:
+        columns = self.rows[split]
+        return [{f: columns[f][r] for f in self.reward_fields} for r in rows]
+
+    def reward_rows(self, prompts: list[str], completions: list[str], rows: list[int], split: str) -> list:
+        if not self.reward_function:
+            raise ValueError("task 'dataset' has no task.reward_function; its scores come from reward.kind")
+        if len(rows) != len(completions):
+            raise ValueError(f"{len(rows)} rows but {len(completions)} completions")
+        row_prompts, fields = self.rows[split][self.prompt_field], self.row_fields(rows, split)
+        scores = []
+        for r, completion, kwargs in zip(rows, completions, fields, strict=True):
+            try:
+                score = self.function(prompt=row_prompts[r], completion=completion, **kwargs)
+            except Exception as err:
+                raise ValueError(f"{self.reward_function} raised {type(err).__name__} on {split} row {r}: "
+                                 f"{err}") from err
+            scores.append(float(score) if isinstance(score, numbers.Real) and not isinstance(score, bool)
+                          else score)
+        return scores
+
+    def evaluate_rows(self, prompts: list[str], completions: list[str], rows: list[int], split: str) -> dict:
+        """The mean score of the reward function; none without one (the job's reward is used then)."""
+        if not self.reward_function:
+            return {}
+        scores = self.reward_rows(prompts, completions, rows, split)
+        return {"score": sum(scores) / max(len(scores), 1)}
