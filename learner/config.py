@@ -105,6 +105,11 @@ class RolloutConfig(Section):
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
         None, description="vLLM executor for tensor_parallel_size > 1; none = vLLM's choice")
     eval_samples_per_prompt: PositiveInt = Field(8, description="samples per eval prompt")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: generate a batch, then train on it; async: the engines generate the next "
+        "batch with the weights they hold while the learner trains on this one")
+    max_staleness: int = Field(1, ge=0, description="async: the most policy versions a trained row may lag the "
+                               "learner; no batch starts that would arrive staler (0: async is sync)")
 
     def vllm_engine_args(self) -> dict[str, Any]:
         """The vLLM ``LLM(...)`` arguments these settings map to."""
@@ -166,6 +171,8 @@ class PPOConfig(Section):
         "token_mean", description="loss mean: over tokens, over sequences (each over its tokens), or "
         "seq_mean_token_sum_norm (Dr. GRPO: each sequence's token sum over rollout.max_new_tokens, then the mean)")
     max_grad_norm: PositiveFloat = Field(1.0, description="gradient clipping norm")
+    is_cap: PositiveFloat = Field(2.0, description="rollout.mode async: cap of each token's importance weight "
+                                  "pi_prox / pi_behav (truncated importance sampling)")
 
 
 class KLConfig(Section):

@@ -32,7 +32,7 @@ class LearnerGroup:
             rank.setup.remote(master_addr, master_port, model, cfg.learner, cfg.ppo,
                               cfg.kl, cfg.rollout.temperature, cfg.run.seed, cfg.device("learner"),
                               run_iterations=cfg.run.iterations, missing_eos_penalty=cfg.reward.missing_eos_penalty,
-                              samples_per_prompt=cfg.rollout.samples_per_prompt)
+                              samples_per_prompt=cfg.rollout.samples_per_prompt, off_policy=cfg.rollout.mode == "async")
             for rank in self.ranks
         ]
         self._get(setups, "setup")
@@ -63,10 +63,11 @@ class LearnerGroup:
         return ray.get(refs)
 
     def collect(self, chunk_refs: dict[int, object], ref_logprob_refs: dict[int, object],
-                score_refs: dict[int, object], expected_state: tuple[int, float] | None = None) -> list[int]:
+                score_refs: dict[int, object], expected_state: tuple | None = None) -> list[int]:
         """Chunk slot i goes to rank i % W, which fetches it and runs its forward. Returns the slots
-        lost to dead actors, or generated under another (policy_version, kl_coef) than ``expected_state``
-        (to regenerate and collect again, with only those slots)."""
+        lost to dead actors, or with rows the learner must not train on (``stale_rows(chunk,
+        *expected_state)``: another (policy_version, kl_coef), or async, too stale), to regenerate and
+        collect again, with only those slots."""
         by_rank = rank_slots(chunk_refs, self.world_size)
         # every rank runs this many forwards (ZeRO-3 gathers in each), whatever it got or lost
         forwards = max(len(slots) for slots in by_rank)

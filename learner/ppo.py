@@ -202,14 +202,17 @@ def policy_loss(
     clip_range: float = 0.2,
     aggregation: Aggregation = "token_mean",
     denominator: Tensor | float | None = None,
+    importance_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO's clipped surrogate: mean of max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps)).
+    """PPO's clipped surrogate: mean of max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps)), each token's
+    term times its importance weight w when given (decoupled PPO: rho = pi / pi_prox, w = pi_prox / pi_behav).
 
     Args:
         logprobs: [B, T] current policy log-probs of the sampled tokens (with grad).
-        old_logprobs: [B, T] log-probs of the policy that collected the batch.
+        old_logprobs: [B, T] log-probs of the policy that collected the batch (decoupled: pi_prox).
         advantages: [B, T]; mask: [B, T].
         denominator: see ``masked_mean``.
+        importance_weights: [B, T] per-token weights, used detached; None = 1.
     Returns:
         (scalar loss, {"clipfrac", "approx_kl"}) where approx_kl is the k3 estimate of
         KL(old || new), as CleanRL logs it.
@@ -218,6 +221,8 @@ def policy_loss(
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    if importance_weights is not None:  # w >= 0 commutes with the max
+        unclipped, clipped = unclipped * importance_weights.detach(), clipped * importance_weights.detach()
     loss = masked_mean(torch.maximum(unclipped, clipped), mask, aggregation, denominator)
     with torch.no_grad():
         stats = {
@@ -225,6 +230,24 @@ def policy_loss(
             "approx_kl": masked_mean((ratio - 1.0) - log_ratio, mask),
         }
     return loss, stats
+
+
+def truncated_importance_weights(prox_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor,
+                                 cap: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled PPO's per-token weight ``w = min(pi_prox / pi_behav, cap)``, detached.
+
+    Args:
+        prox_logprobs: [B, T] the learner's log-probs at the start of the update (pi_prox).
+        behaviour_logprobs: [B, T] the engine's sampled-token log-probs (pi_behav).
+        mask: [B, T]; cap: > 0.
+    Returns:
+        (w [B, T], 1 outside the mask; {"is_weight_mean", "is_capped_fraction"} over masked tokens).
+    """
+    raw = (prox_logprobs - behaviour_logprobs).detach().exp() * mask + (1 - mask)
+    weights = raw.clamp(max=cap)
+    stats = {"is_weight_mean": masked_mean(weights, mask),
+             "is_capped_fraction": masked_mean((raw > cap).to(raw.dtype), mask)}
+    return weights, stats
 
 
 def value_loss(

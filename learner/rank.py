@@ -28,6 +28,7 @@ from learner.ppo import (
     ppo_stats_from_sums,
     scheduled_lr,
     token_logprobs,
+    truncated_importance_weights,
     value_loss,
 )
 from learner.results import RankUpdate
@@ -79,7 +80,8 @@ class LearnerRank:
 
     def setup(self, master_addr: str, master_port: int, model: ModelSource | str, learner_cfg: LearnerConfig,
               ppo_cfg: PPOConfig, kl_cfg: KLConfig, temperature: float, seed: int, device: str = "cpu",
-              run_iterations: int = 1, missing_eos_penalty: float | None = None, samples_per_prompt: int = 1) -> int:
+              run_iterations: int = 1, missing_eos_penalty: float | None = None, samples_per_prompt: int = 1,
+              off_policy: bool = False) -> int:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         import deepspeed
@@ -92,6 +94,8 @@ class LearnerRank:
         self.seed = seed
         self.run_iterations, self.missing_eos_penalty = run_iterations, missing_eos_penalty
         self.samples_per_prompt = samples_per_prompt
+        # rollout.mode async: rows may be a few versions old; the engine's log-probs are the behaviour policy
+        self.off_policy = off_policy
         on_gpu = check_device(device, f"learner-rank-{self.rank}") == "cuda"
         if learner_cfg.torch_threads:
             torch.set_num_threads(learner_cfg.torch_threads)
@@ -139,7 +143,7 @@ class LearnerRank:
     # ------------------------------------------------------------------ one PPO update on this rank's shard
 
     def collect(self, slots: list[int], chunk_refs: list, ref_logprob_refs: list, score_refs: list,
-                forwards: int | None = None, expected_state: tuple[int, float] | None = None) -> dict:
+                forwards: int | None = None, expected_state: tuple | None = None) -> dict:
         """Fetch this rank's chunks and run the no-grad forward (old log-probs and values) on each.
 
         Chunk by chunk, in order, so the forward on one chunk overlaps generation of the later ones.
@@ -150,8 +154,9 @@ class LearnerRank:
         ZeRO-3 a forward gathers parameters from all ranks, so a rank whose chunk was lost, or that got
         fewer slots, runs a throw-away forward on a one-token batch for each missing one.
 
-        ``expected_state``: the driver's (policy_version, kl_coef). A chunk with rows stamped otherwise
-        (its engine restarted after the driver's version check) is reported in ``failed`` too, never trained on.
+        ``expected_state``: the driver's (policy_version, kl_coef), and in async mode (policy_version, None,
+        max_staleness): ``stale_rows``' arguments. A chunk with rows stamped otherwise (its engine restarted
+        after the driver's version check, or it is too stale) is reported in ``failed`` too, never trained on.
         """
         import ray
 
@@ -196,8 +201,11 @@ class LearnerRank:
             check_finite(f"rank {self.rank} values", batch.old_values)
         batch.scores, missing_eos = penalize_missing_eos(batch.scores, batch.finish_reason, self.missing_eos_penalty)
 
+        # the KL penalised: of the policy that generated the rows, against the reference. Sync: the learner's
+        # own log-probs of that same version; async: the engine's, since the learner has moved on since
+        behaviour = batch.rollout_logprobs * mask if self.off_policy else batch.old_logprobs
         in_reward = self.kl.placement == "reward"
-        rewards, _ = kl_penalized_rewards(batch.scores, batch.old_logprobs, batch.ref_logprobs, mask,
+        rewards, _ = kl_penalized_rewards(batch.scores, behaviour, batch.ref_logprobs, mask,
                                            kl_coef if in_reward else 0.0, self.kl.estimator)
         estimator = self.ppo.advantage
         if estimator in GROUP_ESTIMATORS:  # whole chunks go to a rank, and a chunk holds whole groups
@@ -220,7 +228,7 @@ class LearnerRank:
 
         lengths = mask.sum(-1)
         mismatch = (batch.old_logprobs - batch.rollout_logprobs).abs() * mask
-        sums = kl_sums(batch.old_logprobs, batch.ref_logprobs, mask, self.kl.estimator)
+        sums = kl_sums(behaviour, batch.ref_logprobs, mask, self.kl.estimator)  # exactly the penalty applied
         sums.update({
             "score_sum": float(batch.scores.sum()),
             "reward_sum": float((rewards * mask).sum()),  # penalty plus score, per episode summed
@@ -271,8 +279,13 @@ class LearnerRank:
                 denominator = global_loss_denominator(mask, aggregation, self.device)
                 logprobs, values, logits = self._forward(mb, grad=True)
                 old_logprobs = mb.old_logprobs.to(self.device)
+                weights, is_stats = None, {}
+                if self.off_policy:  # decoupled PPO: ratio against pi_prox, times min(pi_prox / pi_behav, cap)
+                    weights, is_stats = truncated_importance_weights(old_logprobs, mb.rollout_logprobs.to(self.device),
+                                                                     mask, self.ppo.is_cap)
                 pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, mb.advantages.to(self.device), mask,
-                                                self.ppo.clip_range, aggregation, denominator)
+                                                self.ppo.clip_range, aggregation, denominator, weights)
+                pg_stats |= is_stats
                 loss, vf_stats = pg_loss, {}
                 if self.has_critic:  # GAE's critic; the other estimators have none
                     vf_loss, vf_stats = value_loss(values, mb.old_values.to(self.device), mb.returns.to(self.device),

@@ -90,11 +90,16 @@ def make_batch(
     )
 
 
-def stale_rows(batch: RolloutBatch, policy_version: int, kl_coef: float) -> Tensor:
-    """[B] bool: rows stamped with another policy version or beta than ``(policy_version, kl_coef)``, as
-    from an engine that restarted (at version 0) after the driver's version check."""
-    beta_differs = (batch.kl_coef.double() - kl_coef).abs() > 1e-6 * max(abs(kl_coef), 1.0)
-    return (batch.policy_version != policy_version) | beta_differs
+def stale_rows(batch: RolloutBatch, policy_version: int, kl_coef: float | None, max_staleness: int = 0) -> Tensor:
+    """[B] bool: rows a learner at ``policy_version`` must not train on: generated more than
+    ``max_staleness`` versions before it (or by a version it does not have yet), as from an engine that
+    restarted (at version 0) after the driver's version check; and, when ``kl_coef`` is given (sync
+    mode), rows stamped with another beta."""
+    behind = policy_version - batch.policy_version
+    stale = (behind < 0) | (behind > max_staleness)
+    if kl_coef is not None:
+        stale |= (batch.kl_coef.double() - kl_coef).abs() > 1e-6 * max(abs(kl_coef), 1.0)
+    return stale
 
 
 def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:

@@ -99,6 +99,8 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
         "probe_max_abs_error": sync["probe_max_abs_error"],
         "batch_policy_versions": batch_policy_versions,
         "batch_kl_coefs": batch_kl_coefs,
+        # versions the oldest row lagged the learner that trained on it (0 in sync mode)
+        "batch_staleness_max": policy_version - 1 - min(batch_policy_versions),
         "actor_states": sync["actor_states"],
         "resynced_actors": sync["resynced_actors"],
         "learner_seconds": seconds["learner"],
