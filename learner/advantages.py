@@ -15,6 +15,7 @@ advantage is given to every token of its response. ``returns`` (the critic's tar
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -156,36 +157,54 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, mask: Tensor, group_index:
 # ---------------------------------------------------------------- the registry
 
 
-def _gae(rewards: Tensor, mask: Tensor, values: Tensor | None, group_index: Tensor | None, gamma: float,
-         lam: float, whiten_advantages: bool, whiten_rewards: bool, device) -> tuple[Tensor, Tensor | None]:
+@dataclass(frozen=True)
+class Settings:
+    """What the estimators read besides the batch: ``ppo.gamma``, ``ppo.lam``, GAE's optional whitening
+    (``ppo.whiten_advantages``, ``ppo.whiten_rewards``) and the device of the global whitening's all-reduce."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    whiten_rewards: bool = False
+    device: torch.device | str = "cpu"
+
+
+# (rewards [B, T], mask [B, T], values [B, T] | None, group_index [B] | None, settings) -> (advantages, returns)
+EstimatorFn = Callable[[Tensor, Tensor, "Tensor | None", "Tensor | None", Settings], tuple[Tensor, "Tensor | None"]]
+
+
+def _gae(rewards: Tensor, mask: Tensor, values: Tensor | None, _groups: Tensor | None,
+         s: Settings) -> tuple[Tensor, Tensor]:
     if values is None:
         raise ValueError("ppo.advantage='gae' needs the critic's values")
     # lm-human-preferences scales the rewards GAE sees, never the reported reward or the controller's KL
-    if whiten_rewards:
-        rewards = global_whiten(rewards, mask, device, shift_mean=False)
-    advantages, returns = gae_advantages(rewards, values, mask, gamma, lam)
-    if whiten_advantages:
-        advantages = global_whiten(advantages, mask, device)
+    if s.whiten_rewards:
+        rewards = global_whiten(rewards, mask, s.device, shift_mean=False)
+    advantages, returns = gae_advantages(rewards, values, mask, s.gamma, s.lam)
+    if s.whiten_advantages:
+        advantages = global_whiten(advantages, mask, s.device)
     return advantages, returns
 
 
-def _sequence_level(fn: Callable[[Tensor, Tensor], Tensor]):
-    def estimator(rewards: Tensor, mask: Tensor, values, group_index: Tensor | None, *_args) -> tuple[Tensor, None]:
-        advantages = fn(sequence_returns(rewards, mask), _groups(group_index, rewards))
+def _per_sequence(fn: Callable[[Tensor, Tensor], Tensor]) -> EstimatorFn:
+    """An estimator of [B] sequence advantages from [B] returns and groups, given to every response token."""
+    def estimator(rewards: Tensor, mask: Tensor, _values, group_index: Tensor | None, _s: Settings):
+        advantages = fn(sequence_returns(rewards, mask), _checked_groups(group_index, rewards))
         return advantages.unsqueeze(-1) * mask, None
     return estimator
 
 
-def _reinforce_pp(rewards, mask, values, group_index, gamma, lam, whiten_advantages, whiten_rewards, device):
-    return reinforce_pp_advantages(rewards, mask, gamma, device), None
+def _reinforce_pp(rewards: Tensor, mask: Tensor, _values, _groups, s: Settings) -> tuple[Tensor, None]:
+    return reinforce_pp_advantages(rewards, mask, s.gamma, s.device), None
 
 
-def _reinforce_pp_baseline(rewards, mask, values, group_index, gamma, lam, whiten_advantages, whiten_rewards,
-                           device):
-    return reinforce_pp_baseline_advantages(rewards, mask, _groups(group_index, rewards), gamma, device), None
+def _reinforce_pp_baseline(rewards: Tensor, mask: Tensor, _values, group_index: Tensor | None,
+                           s: Settings) -> tuple[Tensor, None]:
+    groups = _checked_groups(group_index, rewards)
+    return reinforce_pp_baseline_advantages(rewards, mask, groups, s.gamma, s.device), None
 
 
-def _groups(group_index: Tensor | None, rewards: Tensor) -> Tensor:
+def _checked_groups(group_index: Tensor | None, rewards: Tensor) -> Tensor:
     if group_index is None:
         raise ValueError("a group estimator needs group_index [B]")
     if group_index.shape != rewards.shape[:1]:
@@ -193,10 +212,10 @@ def _groups(group_index: Tensor | None, rewards: Tensor) -> Tensor:
     return group_index
 
 
-ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
+ESTIMATORS: dict[str, EstimatorFn] = {
     "gae": _gae,
-    "grpo": _sequence_level(grpo_sequence_advantages),
-    "rloo": _sequence_level(rloo_sequence_advantages),
+    "grpo": _per_sequence(grpo_sequence_advantages),
+    "rloo": _per_sequence(rloo_sequence_advantages),
     "reinforce_pp": _reinforce_pp,
     "reinforce_pp_baseline": _reinforce_pp_baseline,
 }
@@ -222,5 +241,5 @@ def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values:
         raise ValueError(f"unknown ppo.advantage {estimator!r}; expected one of {sorted(ESTIMATORS)}")
     if rewards.shape != mask.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must share one [B, T] shape")
-    return ESTIMATORS[estimator](rewards, mask, values, group_index, gamma, lam, whiten_advantages,
-                                 whiten_rewards, device)
+    settings = Settings(gamma, lam, whiten_advantages, whiten_rewards, device)
+    return ESTIMATORS[estimator](rewards, mask, values, group_index, settings)

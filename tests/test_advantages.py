@@ -319,7 +319,8 @@ def test_grpo_job_with_groups_over_two_ranks_keeps_exact_kl_accounting_builds_no
                         str(tmp_path), "--run.name", "grpo", "--run.seed", "1", "--model.sft_steps", "60",
                         "--model.sft_batch_size", "50", "--rollout.batch_size", "32", "--rollout.chunk_size", "8",
                         "--rollout.samples_per_prompt", "4", "--ppo.advantage", "grpo", "--ppo.minibatch_size",
-                        "16", "--learner.world_size", "2", "--kl.horizon", "1000", "--run.eval_every", "100", *extra])
+                        "16", "--learner.world_size", "2", "--kl.horizon", "1000", "--run.eval_every", "100",
+                        "--cluster.placement_timeout_s", "600", *extra])  # 6 agents share 2 cores
 
     first = job("--run.iterations", "2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
