@@ -7,6 +7,7 @@ reported version with the driver's and re-syncs (and probes) the ones that are b
 
 from __future__ import annotations
 
+import os
 import time
 
 import ray
@@ -53,10 +54,14 @@ class Fleet:
                                 cfg.device("reference"), max_restarts=restarts)
             for i in range(cfg.reference.num_actors)
         ]
+        # reward.kind remote: the driver's token goes to the reward actors whose environment lacks it
+        remote = ({"remote": cfg.reward, "forwarded_token": os.environ.get(cfg.reward.token_env)}
+                  if cfg.reward.kind == "remote" else {})
         self.rewards = [
             cluster.start_actor(RewardActor, "reward", i, c.reward, placement, i, cfg.task.name,
                                 {"seed": cfg.task.seed}, model, cfg.reward.kind, reward_model,
-                                cfg.reward.score_clip, cfg.device("reward"), cfg.reward.label, max_restarts=restarts)
+                                cfg.reward.score_clip, cfg.device("reward"), cfg.reward.label, max_restarts=restarts,
+                                **remote)
             for i in range(cfg.reward.num_actors)
         ]
         self.all = self.rollouts + self.references + self.rewards

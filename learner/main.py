@@ -95,7 +95,7 @@ def run(cfg: JobConfig) -> dict:
     import ray
 
     from actors.engines import SamplingSettings
-    from actors.reward import check_reward_label
+    from actors.reward import check_reward_label, check_reward_service
     from learner import checkpoint, cluster, rundir
     from learner.fleet import Fleet
     from learner.group import LearnerGroup
@@ -111,6 +111,8 @@ def run(cfg: JobConfig) -> dict:
     # ---- everything that can be wrong with the input fails here, before any actor starts
     task = get_task(cfg.task.name, seed=cfg.task.seed)
     run_path = rundir.check_free(cfg)
+    if cfg.reward.kind == "remote":
+        check_reward_service(cfg.reward, log=log)  # the service answers at reward.url, before any actor
     resume_from, resume_state = None, None
     if cfg.run.resume:
         resume_from = checkpoint.resolve(run_path, cfg.run.resume)
