@@ -199,6 +199,13 @@ class _Limiter:
         self.slots: asyncio.Semaphore | None = None  # made on the server's event loop
 
     async def __call__(self, prompts: list[str], completions: list[str], fields: list[dict], deadline: float):
+        if self.takes_fields:
+            args = (prompts, completions, fields)
+        else:
+            named = sorted({k for f in fields for k in f})
+            if named:
+                raise _HTTPError(400, f"this service's reward function takes no fields; the request sent {named}")
+            args = (prompts, completions)
         loop = asyncio.get_running_loop()
         if self.slots is None:
             self.slots = asyncio.Semaphore(self.n_slots)
@@ -207,14 +214,6 @@ class _Limiter:
             await asyncio.wait_for(slots.acquire(), max(0.0, deadline - loop.time()))
         except TimeoutError:
             raise _HTTPError(503, f"reward service busy: no reward slot freed within timeout_s={self.timeout_s}") from None
-        if self.takes_fields:
-            args = (prompts, completions, fields)
-        else:
-            named = sorted({k for f in fields for k in f})
-            if named:
-                slots.release()
-                raise _HTTPError(400, f"this service's reward function takes no fields; the request sent {named}")
-            args = (prompts, completions)
         future = loop.create_future()
 
         def settle(value: object, error: BaseException | None) -> None:
