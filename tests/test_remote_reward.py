@@ -269,10 +269,12 @@ def test_a_4xx_of_the_service_ends_the_job_naming_the_chunk(ray_head, cache_dir,
     """A service whose max_batch is below rollout.chunk_size answers 413 to the first chunk: exit code 1."""
     url = reward_service_cli("--max-batch", "4")
     proc = run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
-                    str(tmp_path), "--run.name", "refused", "--run.iterations", "2", "--reward.kind", "remote",
+                    str(tmp_path), "--run.name", "refused", "--run.seed", "1", "--model.sft_steps", "60",
+                    "--model.sft_batch_size", "50", "--run.iterations", "2", "--reward.kind", "remote",
                     "--reward.url", url], timeout_s=600)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.search(r"\[tether\] error: .*reward service of task 'randomwalks', (evaluation )?chunk \d+: "
+    assert "[tether] error:" in proc.stderr  # then Ray's note of the actor the error came from
+    assert re.search(r"reward service of task 'randomwalks', (evaluation )?chunk \d+: "
                      rf"reward service from {re.escape(url)}/score: HTTP 413: batch of \d+ samples exceeds max_batch=4",
                      proc.stderr), proc.stderr[-3000:]
 
