@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from actors.base import VersionedActor
 from services.experience import RolloutBatch
 from services.model_source import ModelSource, as_source
 from services.reward_service import RewardClient, RewardServiceError
+
+if TYPE_CHECKING:
+    from learner.config import RewardConfig
 
 
 class RewardError(RuntimeError):
@@ -44,7 +48,7 @@ def service_token(token_env: str, forwarded: str | None = None) -> str | None:
     return os.environ.get(token_env, "").strip() or forwarded or None
 
 
-def check_reward_service(reward, log=print) -> None:
+def check_reward_service(reward: RewardConfig, log=print) -> None:
     """Driver pre-flight for ``reward.kind: remote``: the service at ``reward.url`` answers GET /health
     (with the driver's token, when it has one), before any actor starts. Raises RewardError naming the URL."""
     token = service_token(reward.token_env)
@@ -95,7 +99,7 @@ class RewardActor(VersionedActor):
     def __init__(self, index: int, task_name: str, task_options: dict, policy: ModelSource | str,
                  kind: str = "function", model_path: ModelSource | str | None = None,
                  score_clip: float | None = None, device: str = "cpu", label: int | str | None = None,
-                 remote=None, forwarded_token: str | None = None) -> None:
+                 remote: RewardConfig | None = None, forwarded_token: str | None = None) -> None:
         from actors.engines import check_device
 
         super().__init__(index)
@@ -121,7 +125,7 @@ class RewardActor(VersionedActor):
             if self.model_tokenizer.pad_token is None:
                 self.model_tokenizer.pad_token = self.model_tokenizer.eos_token
             self.model.config.pad_token_id = self.model_tokenizer.pad_token_id
-        elif kind == "remote":  # remote: the job's RewardConfig (url, token_env, timeout_s, max_retries)
+        elif kind == "remote":
             self.client = RewardClient(remote.url, service_token(remote.token_env, forwarded_token),
                                        remote.timeout_s, remote.max_retries)
 
