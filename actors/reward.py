@@ -1,15 +1,22 @@
-"""RewardActor: scores a chunk with the task's reward function or a sequence-classification model."""
+"""RewardActor: scores a chunk with the task's reward function, a sequence-classification model, or a
+remote reward service over HTTP (services/reward_service.py)."""
 
 from __future__ import annotations
 
 import math
+import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from actors.base import VersionedActor
 from services.experience import RolloutBatch
 from services.model_source import ModelSource, as_source
+from services.reward_service import RewardClient, RewardServiceError
+
+if TYPE_CHECKING:
+    from learner.config import RewardConfig
 
 
 class RewardError(RuntimeError):
@@ -36,6 +43,41 @@ def reward_label_index(label: int | str | None, id2label: dict, where: str) -> i
     raise ValueError(f"reward.label={label!r} is not a label of {where}; its labels are {listed}")
 
 
+def service_token(token_env: str, forwarded: str | None = None) -> str | None:
+    """The reward service's bearer token: this process's ``$token_env``, else the one the driver forwarded."""
+    return os.environ.get(token_env, "").strip() or forwarded or None
+
+
+def check_reward_service(reward: RewardConfig, log=print) -> None:
+    """Driver pre-flight for ``reward.kind: remote``: the service at ``reward.url`` answers GET /health
+    (with the driver's token, when it has one), before any actor starts. Raises RewardError naming the URL."""
+    token = service_token(reward.token_env)
+    client = RewardClient(reward.url, token, reward.timeout_s, reward.max_retries)
+    try:
+        client.health()
+    except RewardServiceError as err:
+        if err.status == 401 and token is None:
+            log(f"pre-flight: reward service {reward.url} answers and wants a bearer token; ${reward.token_env} is "
+                "not set here, so the reward actors must have it in their environment")
+            return
+        hint = f" (the token in ${reward.token_env} was refused)" if err.status == 401 else ""
+        raise RewardError(f"pre-flight: the reward service at {reward.url} (reward.url) does not answer "
+                          f"GET /health: {err}{hint}") from None
+    finally:
+        client.close()
+    log(f"pre-flight: reward service {reward.url} answers (token {'from $' + reward.token_env if token else 'off'})")
+
+
+def remote_scores(client: RewardClient, prompts: list[str], completions: list[str], fields: list[dict],
+                  where: str) -> list[float]:
+    """The reward service's scores (retried by the client on a timeout or a 5xx); RewardError naming
+    ``where`` (the chunk) with the service's message on a 4xx, a malformed answer or retries spent."""
+    try:
+        return client.score(prompts, completions, fields)
+    except RewardServiceError as err:
+        raise RewardError(f"reward service of {where}: {err}") from None
+
+
 def check_reward_label(model_path: str, label: int | str | None) -> int | None:
     """``reward_label_index`` from the config.json of ``model_path`` when this process sees that
     directory (the driver, before any actor starts); None otherwise (a hub id, or a path only the
@@ -56,7 +98,8 @@ class RewardActor(VersionedActor):
 
     def __init__(self, index: int, task_name: str, task_options: dict, policy: ModelSource | str,
                  kind: str = "function", model_path: ModelSource | str | None = None,
-                 score_clip: float | None = None, device: str = "cpu", label: int | str | None = None) -> None:
+                 score_clip: float | None = None, device: str = "cpu", label: int | str | None = None,
+                 remote: RewardConfig | None = None, forwarded_token: str | None = None) -> None:
         from actors.engines import check_device
 
         super().__init__(index)
@@ -82,6 +125,9 @@ class RewardActor(VersionedActor):
             if self.model_tokenizer.pad_token is None:
                 self.model_tokenizer.pad_token = self.model_tokenizer.eos_token
             self.model.config.pad_token_id = self.model_tokenizer.pad_token_id
+        elif kind == "remote":
+            self.client = RewardClient(remote.url, service_token(remote.token_env, forwarded_token),
+                                       remote.timeout_s, remote.max_retries)
 
     def decode(self, batch: RolloutBatch) -> tuple[list[str], list[str]]:
         prompts, completions = [], []
@@ -109,6 +155,8 @@ class RewardActor(VersionedActor):
         """[B] scores of samples of prompt rows ``rows`` of the task's "train" or "eval" prompts."""
         if self.kind == "model":
             scores = self.model_scores(prompts, completions)
+        elif self.kind == "remote":  # the service gets each row's task.reward_fields too (a dataset's answer)
+            scores = remote_scores(self.client, prompts, completions, self.task.row_fields(rows, split), where)
         else:
             try:
                 scores = list(self.task.reward_rows(prompts, completions, rows, split))

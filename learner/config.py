@@ -135,7 +135,8 @@ class ReferenceConfig(Section):
 
 
 class RewardConfig(Section):
-    kind: Literal["function", "model"] = Field("function", description="the task's function or a classifier model")
+    kind: Literal["function", "model", "remote"] = Field(
+        "function", description="the task's function, a classifier model, or a reward service over HTTP (remote)")
     model_path: str | None = Field(None, description="sequence-classification reward model dir (kind=model)")
     label: int | str | None = Field(None, description="the classifier output that is the reward: an index or a "
                                     "name from its config.id2label; required when it has more than one label")
@@ -144,6 +145,31 @@ class RewardConfig(Section):
     missing_eos_penalty: float | None = Field(
         None, description="score given instead of its own to a response cut at max_new_tokens without EOS "
         "(lm-human-preferences' penalty_reward_value, -1 there); none = no penalty")
+    url: str | None = Field(None, description="reward service base URL, http(s)://host:port (kind=remote; "
+                            "serve one with python -m services.reward_service)")
+    token_env: str = Field("TETHER_REWARD_TOKEN", description="environment variable holding the service's "
+                           "bearer token, read on the reward actors (else forwarded from the driver's)")
+    timeout_s: PositiveFloat = Field(30.0, description="longest wait for one answer of the reward service")
+    max_retries: int = Field(3, ge=0, description="retries of a reward request that timed out or got a 5xx, "
+                             "with exponential backoff; a 4xx or a malformed answer ends the job")
+
+    @model_validator(mode="after")
+    def _remote_needs_url(self) -> RewardConfig:
+        from urllib.parse import urlsplit
+
+        if self.kind == "remote":
+            if not self.url:
+                raise ValueError("reward.kind='remote' needs reward.url (http(s)://host:port of the reward service)")
+            parts = urlsplit(self.url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"reward.url={self.url!r} must be http(s)://host:port")
+            if parts.username or parts.password:
+                raise ValueError("reward.url must not hold credentials: put the token in the environment "
+                                 "variable named by reward.token_env")
+        elif self.url is not None:
+            raise ValueError(f"reward.url is set but reward.kind={self.kind!r} ignores it; set reward.kind=remote "
+                             "or reward.url=null")
+        return self
 
 
 class PPOConfig(Section):
@@ -361,7 +387,7 @@ class JobConfig(BaseSettings):
         if self.task.name == "dataset" and not self.model.path:
             raise ValueError("task.name='dataset' needs model.path: the policy to train on your prompts")
         if self.reward.kind != "model" and self.reward.label is not None:
-            raise ValueError(f"reward.label={self.reward.label!r} is set but reward.kind='function' has no labels; "
+            raise ValueError(f"reward.label={self.reward.label!r} is set but reward.kind={self.reward.kind!r} has no labels; "
                              "set reward.label=null")
         return self
 

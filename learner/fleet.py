@@ -7,6 +7,7 @@ actor's reported version with its own and re-syncs (and probes) the ones that ar
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import ray
@@ -65,10 +66,14 @@ class Fleet:
                                 cfg.device("reference"), max_restarts=restarts)
             for i in range(cfg.reference.num_actors)
         ]
+        # reward.kind remote: the driver's token goes to the reward actors whose environment lacks it
+        remote = ({"remote": cfg.reward, "forwarded_token": os.environ.get(cfg.reward.token_env)}
+                  if cfg.reward.kind == "remote" else {})
         self.rewards = [
             cluster.start_actor(RewardActor, "reward", i, c.reward, placement, i, cfg.task.name,
                                 task_options or cfg.task.options(), model, cfg.reward.kind, reward_model,
-                                cfg.reward.score_clip, cfg.device("reward"), cfg.reward.label, max_restarts=restarts)
+                                cfg.reward.score_clip, cfg.device("reward"), cfg.reward.label, max_restarts=restarts,
+                                **remote)
             for i in range(cfg.reward.num_actors)
         ]
         self.all = self.rollouts + self.references + self.rewards

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from actors.engines import SamplingSettings
-from actors.reward import check_reward_label
+from actors.reward import check_reward_label, check_reward_service
 from learner import checkpoint, cluster, rundir
 from learner.cluster import Placement
 from learner.config import JobConfig
@@ -272,6 +272,8 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     wall_start = time.perf_counter()
     task = get_task(cfg.task.name, **cfg.task.options())
     run_path = rundir.check_free(cfg)
+    if cfg.reward.kind == "remote":
+        check_reward_service(cfg.reward, log=log)  # the service answers at reward.url, before any actor
     resume_from, resume_state = None, None
     if cfg.run.resume:
         resume_from = checkpoint.resolve(run_path, cfg.run.resume)

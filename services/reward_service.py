@@ -1,24 +1,30 @@
-"""A remote reward service over HTTP + JSON, and its client, so a reward model or function can run
-outside the training job.
+"""A remote reward service over HTTP + JSON (FastAPI on uvicorn), and its client, so a reward model or
+function can run outside the training job; ``reward.kind: remote`` makes a job's reward actors use it.
 
-Server: ``serve(reward_fn, ...)`` runs a small threaded HTTP server (standard library only) in a
-background thread and returns a handle with ``.url``, ``.port`` and ``.close()``.
+Server: ``serve(reward_fn, ...)`` runs the app on uvicorn in a background thread and returns a handle
+with ``.url``, ``.port`` and ``.close()``.
 
-* ``POST /score`` with ``{"prompts": [str, ...], "completions": [str, ...]}`` returns
-  ``{"scores": [float, ...]}``; ``GET /health`` returns ``{"ok": true}``. Errors are
-  ``{"error": "<message>"}`` with a 4xx/5xx status.
+* ``POST /score`` with ``{"prompts": [str, ...], "completions": [str, ...], "fields": [{...}, ...]}``
+  returns ``{"scores": [float, ...]}``; ``fields`` (one JSON object per sample: a dataset row's other
+  fields) is optional. ``GET /health`` returns ``{"ok": true}``. Errors are ``{"error": "<message>"}``
+  with a 4xx/5xx status; a reward function's exception text goes to the service's log, never to the client.
 * JSON only, never pickle: a request must say ``Content-Type: application/json`` (else 415).
-* Bounded: the body by ``max_request_bytes`` (413; no or an invalid Content-Length is 411 / 400), the batch
-  by ``max_batch`` (413), and the reward call by ``timeout_s`` (504). At most ``max_concurrent`` reward
-  calls run at once, a timed-out one included until it really returns (503 when none frees in time).
+* Bounded: the body by ``max_request_bytes`` (413; no Content-Length is 411, an invalid one 400), the batch
+  by ``max_batch`` (413), open connections by ``max_connections`` (503), and each request by one overall
+  deadline of ``timeout_s`` from its arrival: reading its body (408), waiting for a reward slot (503) and
+  the reward call (504). A connection that does not finish sending a request within ``timeout_s`` is
+  closed, so a slow client holds nothing. At most ``max_concurrent`` reward calls run at once, a
+  timed-out one included until it really returns.
 * Binds to 127.0.0.1 by default. Binding to anything but a loopback address needs a bearer ``token``
-  (ValueError otherwise). With a token, every request must carry ``Authorization: Bearer <token>`` (401).
-  The server speaks plain HTTP: off loopback, put it behind TLS (or an SSH tunnel) so the token and data
-  are not sent in the clear.
+  (ValueError otherwise) of at least ``MIN_TOKEN_CHARS`` characters. With a token, every request must
+  carry ``Authorization: Bearer <token>`` (401), compared in constant time. The server speaks plain
+  HTTP: off loopback, put it behind TLS (or an SSH tunnel) so the token and data are not sent in the clear.
 
-Client: ``RewardClient(url, token=None, timeout_s=30.0).score(prompts, completions)`` returns one finite
-float per sample and raises ``RewardServiceError`` (with ``.status`` and the server's message) otherwise.
-It never follows redirects, so the token goes only to the URL given.
+Client: ``RewardClient(url, token=None, timeout_s=30.0, max_retries=0).score(prompts, completions,
+fields=None)`` returns one finite float per sample and raises ``RewardServiceError`` (with ``.status`` and
+the server's message) otherwise. A timeout, a lost connection or a 5xx is retried ``max_retries`` times
+with exponential backoff; a 4xx or a malformed answer is not. It never follows redirects, so the token
+goes only to the URL given, and it ignores proxy settings of the environment.
 
 CLI: ``python -m services.reward_service --task randomwalks --port 8000`` serves a task's reward. The token,
 if any, comes from the environment (``--token-env``, default ``TETHER_REWARD_TOKEN``) or a file
@@ -28,32 +34,39 @@ if any, comes from the environment (``--token-env``, default ``TETHER_REWARD_TOK
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
-import http.client
+import inspect
 import ipaddress
 import json
 import logging
 import math
 import os
-import re
 import signal
 import socket
 import sys
 import threading
-import time
 import urllib.parse
+import uuid
 from collections.abc import Callable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Self
+
+import h11
+import httpx
+import tenacity
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 
-RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+# reward_fn(prompts, completions) or reward_fn(prompts, completions, fields)
+RewardFn = Callable[..., Sequence[float]]
 
-_DIGITS = re.compile(r"[0-9]+")
-_LINGER_BYTES = 1 << 20  # after an early error reply, read and drop at most this much of the unread body
-_LINGER_S = 1.0  # ... for at most this long, so the client can read the reply before the connection closes
-_MAX_MESSAGE_CHARS = 2000  # an error message from the reward function is cut to this length
+MIN_TOKEN_CHARS = 16  # a bearer token shorter than this is refused: it could be guessed
+_MAX_MESSAGE_CHARS = 2000  # an error message is cut to this length
 
 
 class RewardServiceError(RuntimeError):
@@ -67,6 +80,11 @@ class RewardServiceError(RuntimeError):
         where = f" from {url}" if url else ""
         prefix = f"HTTP {status}" if status is not None else "no HTTP answer"
         super().__init__(f"reward service{where}: {prefix}: {message}")
+
+    @property
+    def transient(self) -> bool:
+        """A timeout, a lost connection or a 5xx: worth another try. A 4xx or a bad answer is not."""
+        return self.status is None or self.status >= 500
 
 
 # ---------------------------------------------------------------------------------------------- server
@@ -89,12 +107,30 @@ class _HTTPError(Exception):
         self.status, self.message = status, message
 
 
-def _validate_request(payload: object, max_batch: int) -> tuple[list[str], list[str]]:
+def _error(status: int, message: str) -> JSONResponse:
+    headers = {"Cache-Control": "no-store"}
+    if status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="tether-reward"'
+    return JSONResponse({"error": message[:_MAX_MESSAGE_CHARS]}, status_code=status, headers=headers)
+
+
+def _takes_fields(fn: RewardFn) -> bool:
+    """Whether ``fn`` takes a third argument (the samples' fields) besides prompts and completions."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is p.VAR_POSITIONAL or p.name == "fields" for p in params):
+        return True
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
+
+
+def _validate_request(payload: object, max_batch: int) -> tuple[list[str], list[str], list[dict]]:
     if not isinstance(payload, dict):
         raise _HTTPError(400, f"request body must be a JSON object, got {type(payload).__name__}")
-    unknown = sorted(set(payload) - {"prompts", "completions"})
+    unknown = sorted(set(payload) - {"prompts", "completions", "fields"})
     if unknown:
-        raise _HTTPError(400, f"unknown field(s) {unknown}; expected only 'prompts' and 'completions'")
+        raise _HTTPError(400, f"unknown field(s) {unknown}; expected only 'prompts', 'completions' and 'fields'")
     lists = {}
     for name in ("prompts", "completions"):
         if name not in payload:
@@ -111,9 +147,15 @@ def _validate_request(payload: object, max_batch: int) -> tuple[list[str], list[
         raise _HTTPError(
             400, f"'prompts' and 'completions' differ in length: {len(prompts)} prompts, {len(completions)} completions"
         )
+    fields = payload.get("fields", [{} for _ in prompts])
+    if not isinstance(fields, list) or len(fields) != len(prompts):
+        raise _HTTPError(400, f"field 'fields' must be a list of {len(prompts)} JSON objects (one per sample)")
+    for i, item in enumerate(fields):
+        if not isinstance(item, dict):
+            raise _HTTPError(400, f"fields[{i}] must be a JSON object, got {type(item).__name__}")
     if len(prompts) > max_batch:
         raise _HTTPError(413, f"batch of {len(prompts)} samples exceeds max_batch={max_batch}")
-    return prompts, completions
+    return prompts, completions, fields
 
 
 def _validate_scores(scores: object, n: int) -> list[float]:
@@ -122,8 +164,8 @@ def _validate_scores(scores: object, n: int) -> list[float]:
         raise _HTTPError(500, f"reward function returned {type(scores).__name__}, not a sequence of {n} scores")
     try:
         values = list(scores)
-    except TypeError as e:
-        raise _HTTPError(500, f"reward function returned an unreadable sequence: {e}") from None
+    except TypeError:
+        raise _HTTPError(500, "reward function returned an unreadable sequence") from None
     if len(values) != n:
         index = min(len(values), n)
         detail = f"sample index {index} has no score" if len(values) < n else f"extra score at index {index}"
@@ -131,7 +173,8 @@ def _validate_scores(scores: object, n: int) -> list[float]:
     out = []
     for i, value in enumerate(values):
         if isinstance(value, (bool, str, bytes)):
-            raise _HTTPError(500, f"reward function returned {value!r} for sample index {i}; expected a number")
+            raise _HTTPError(500, f"reward function returned a {type(value).__name__} for sample index {i}; "
+                                  "expected a number")
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -145,237 +188,245 @@ def _validate_scores(scores: object, n: int) -> list[float]:
 
 
 class _Limiter:
-    """Runs the reward function on its own thread with a deadline, at most ``slots`` at a time.
+    """Runs the reward function on its own thread, at most ``slots`` at a time, until a deadline.
 
     A timed-out call cannot be killed; it keeps its slot until it returns, so a hung reward function
     holds at most ``slots`` threads, and later requests get 503 instead of piling up more."""
 
     def __init__(self, fn: RewardFn, timeout_s: float, slots: int) -> None:
-        self.fn, self.timeout_s = fn, timeout_s
-        self.slots = threading.BoundedSemaphore(slots)
+        self.fn, self.timeout_s, self.n_slots = fn, timeout_s, slots
+        self.takes_fields = _takes_fields(fn)
+        self.slots: asyncio.Semaphore | None = None  # made on the server's event loop
 
-    def __call__(self, prompts: list[str], completions: list[str]) -> object:
-        deadline = time.monotonic() + self.timeout_s
-        if not self.slots.acquire(timeout=self.timeout_s):
-            raise _HTTPError(503, f"reward service busy: no reward slot freed within timeout_s={self.timeout_s}")
-        done = threading.Event()
-        box: dict[str, object] = {}
+    async def __call__(self, prompts: list[str], completions: list[str], fields: list[dict], deadline: float):
+        if self.takes_fields:
+            args = (prompts, completions, fields)
+        else:
+            named = sorted({k for f in fields for k in f})
+            if named:
+                raise _HTTPError(400, f"this service's reward function takes no fields; the request sent {named}")
+            args = (prompts, completions)
+        loop = asyncio.get_running_loop()
+        if self.slots is None:
+            self.slots = asyncio.Semaphore(self.n_slots)
+        slots = self.slots
+        try:
+            await asyncio.wait_for(slots.acquire(), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            raise _HTTPError(503, f"reward service busy: no reward slot freed within timeout_s={self.timeout_s}") from None
+        future = loop.create_future()
+
+        def settle(value: object, error: BaseException | None) -> None:
+            slots.release()
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(value)
 
         def work() -> None:
+            value, error = None, None
             try:
-                box["value"] = self.fn(prompts, completions)
-            except BaseException as e:  # noqa: BLE001 - reported to the client as a 500
-                box["error"] = e
-            finally:
-                self.slots.release()
-                done.set()
+                value = self.fn(*args)
+            except BaseException as e:  # noqa: BLE001 - logged, answered as a 500
+                error = e
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:  # the server stopped meanwhile: nobody waits for this answer
+                pass
 
         try:
             threading.Thread(target=work, name="reward-fn", daemon=True).start()
         except BaseException:
-            self.slots.release()
+            slots.release()
             raise
-        if not done.wait(max(0.0, deadline - time.monotonic())):
-            raise _HTTPError(504, f"reward function did not return within timeout_s={self.timeout_s}")
-        if "error" in box:
-            e = box["error"]
-            message = f"reward function raised {type(e).__name__}: {e}"
-            raise _HTTPError(500, message[:_MAX_MESSAGE_CHARS])
-        return box["value"]
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "tether-reward/1"
-    sys_version = ""
-    protocol_version = "HTTP/1.0"  # one request per connection: no keep-alive state to get wrong
-    server: _RewardHTTPServer
-
-    # ----- plumbing
-
-    def setup(self) -> None:
-        self.timeout = self.server.io_timeout_s  # bounds every socket read/write (slow clients)
-        super().setup()
-        self._body_read = False
-
-    def log_message(self, format: str, *args) -> None:
-        log.debug("%s - %s", self.address_string(), format % args)
-
-    def _reply(self, status: int, payload: dict) -> None:
-        body = json.dumps(payload, allow_nan=False).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        if status == 401:
-            self.send_header("WWW-Authenticate", 'Bearer realm="tether-reward"')
-        self.send_header("Connection", "close")
-        self.end_headers()
         try:
-            self.wfile.write(body)
-            self.wfile.flush()
-        except OSError:  # the client went away: nothing left to tell it
-            self.close_connection = True
-            return
-        if not self._body_read and self._has_body():
-            self._linger()
-
-    def _has_body(self) -> bool:
-        length = (self.headers.get("Content-Length") or "").strip()
-        return self.headers.get("Transfer-Encoding") is not None or (bool(length) and length != "0")
-
-    def _linger(self) -> None:
-        """Replied without reading the body: half-close and drop what the client still sends (bounded),
-        so closing with unread data does not reset the connection before the client reads the reply."""
-        try:
-            self.connection.shutdown(socket.SHUT_WR)
-            self.connection.settimeout(_LINGER_S)
-            deadline, dropped = time.monotonic() + _LINGER_S, 0
-            while dropped < _LINGER_BYTES and time.monotonic() < deadline:
-                chunk = self.connection.recv(65536)
-                if not chunk:
-                    break
-                dropped += len(chunk)
-        except OSError:
-            pass
-        self.close_connection = True
-
-    def _run(self, handler: Callable[[], dict]) -> None:
-        try:
-            self._check_auth()
-            payload = handler()
-            self._reply(200, payload)
-        except _HTTPError as e:
-            if e.status >= 500:
-                log.warning("reward service %s %s -> %d: %s", self.command, self.path, e.status, e.message)
-            self._reply(e.status, {"error": e.message})
-        except (TimeoutError, ConnectionError):
-            self.close_connection = True
+            return await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            raise _HTTPError(504, f"reward function did not return within timeout_s={self.timeout_s}") from None
         except Exception as e:
-            log.exception("reward service: internal error")
-            self._reply(500, {"error": f"internal error: {type(e).__name__}: {e}"[:_MAX_MESSAGE_CHARS]})
-
-    # ----- checks
-
-    def _check_auth(self) -> None:
-        token = self.server.token
-        if token is None:
-            return
-        header = self.headers.get("Authorization")
-        if header is None:
-            raise _HTTPError(401, "missing Authorization header; expected 'Authorization: Bearer <token>'")
-        scheme, _, presented = header.partition(" ")
-        if scheme.lower() != "bearer" or not presented:
-            raise _HTTPError(401, "Authorization header must be 'Bearer <token>'")
-        if not hmac.compare_digest(presented.strip().encode("latin-1", "replace"), token.encode()):
-            raise _HTTPError(401, "invalid bearer token")
-
-    def _read_json(self) -> object:
-        if self.headers.get("Transfer-Encoding") is not None:
-            raise _HTTPError(411, "Transfer-Encoding is not supported; send a Content-Length")
-        content_type = self.headers.get("Content-Type")
-        media_type = (content_type or "").split(";", 1)[0].strip().lower()
-        if media_type != "application/json":
-            raise _HTTPError(415, f"Content-Type must be application/json, got {content_type!r}")
-        lengths = self.headers.get_all("Content-Length") or []
-        if not lengths:
-            raise _HTTPError(411, "Content-Length header is required")
-        if len({v.strip() for v in lengths}) != 1 or not _DIGITS.fullmatch(lengths[0].strip()):
-            raise _HTTPError(400, f"invalid Content-Length {', '.join(lengths)!r}")
-        length = int(lengths[0].strip())
-        limit = self.server.max_request_bytes
-        if length > limit:
-            raise _HTTPError(413, f"request body of {length} bytes exceeds max_request_bytes={limit}")
-        body = self.rfile.read(length)
-        self._body_read = True
-        if len(body) != length:
-            raise _HTTPError(400, f"request body ended after {len(body)} of {length} bytes (Content-Length)")
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise _HTTPError(400, f"request body is not valid UTF-8: {e}") from None
-        try:
-            return json.loads(text, parse_constant=_reject_constant)
-        except (ValueError, RecursionError) as e:
-            raise _HTTPError(400, f"request body is not valid JSON: {e}") from None
-
-    # ----- routes
-
-    def _health(self) -> dict:
-        return {"ok": True}
-
-    def _score(self) -> dict:
-        prompts, completions = _validate_request(self._read_json(), self.server.max_batch)
-        if not prompts:
-            return {"scores": []}
-        return {"scores": _validate_scores(self.server.limiter(prompts, completions), len(prompts))}
-
-    def _route(self, method: str) -> None:
-        path = urllib.parse.urlsplit(self.path).path
-        routes = {"/health": ("GET", self._health), "/score": ("POST", self._score)}
-        if path not in routes:
-            self._run(lambda: _raise(404, f"no such endpoint {path!r}; endpoints: POST /score, GET /health"))
-            return
-        allowed, handler = routes[path]
-        if method != allowed:
-            self._run(lambda: _raise(405, f"{method} {path} is not allowed; use {allowed}"))
-            return
-        self._run(handler)
-
-    def do_GET(self) -> None:
-        self._route("GET")
-
-    def do_POST(self) -> None:
-        self._route("POST")
-
-    def do_PUT(self) -> None:
-        self._route("PUT")
-
-    def do_DELETE(self) -> None:
-        self._route("DELETE")
-
-
-def _raise(status: int, message: str) -> dict:
-    raise _HTTPError(status, message)
+            incident = uuid.uuid4().hex[:12]
+            log.error("reward function raised (incident %s)", incident, exc_info=e)
+            raise _HTTPError(500, f"reward function raised {type(e).__name__}; its message is in the reward "
+                                  f"service's log (incident {incident})") from None
 
 
 def _reject_constant(name: str) -> object:
     raise ValueError(f"{name} is not valid JSON")
 
 
-class _RewardHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 64
+def build_app(reward_fn: RewardFn, token: str | None = None, max_request_bytes: int = 1 << 20,
+              max_batch: int = 256, timeout_s: float = 30.0, max_concurrent: int = 4) -> FastAPI:
+    """The reward service as a FastAPI app (what ``serve`` runs on uvicorn)."""
+    limiter = _Limiter(reward_fn, float(timeout_s), max_concurrent)
+    expected = token.encode() if token is not None else None
+    app = FastAPI(title="tether reward service", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def __init__(self, address, *, token, limiter, max_request_bytes, max_batch, io_timeout_s, ipv6):
-        if ipv6:
-            self.address_family = socket.AF_INET6
-        self.token, self.limiter = token, limiter
-        self.max_request_bytes, self.max_batch, self.io_timeout_s = max_request_bytes, max_batch, io_timeout_s
-        super().__init__(address, _Handler)
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """Bearer token first (every path, an unknown one included), then the route; every error a JSON
+        ``{"error": ...}``, an unexpected one logged and answered without its text."""
+        try:
+            if expected is not None:
+                header = request.headers.get("authorization")
+                if header is None:
+                    raise _HTTPError(401, "missing Authorization header; expected 'Authorization: Bearer <token>'")
+                scheme, _, presented = header.partition(" ")
+                if scheme.lower() != "bearer" or not presented:
+                    raise _HTTPError(401, "Authorization header must be 'Bearer <token>'")
+                if not hmac.compare_digest(presented.strip().encode("latin-1", "replace"), expected):
+                    raise _HTTPError(401, "invalid bearer token")
+            return await call_next(request)
+        except _HTTPError as e:
+            if e.status >= 500:
+                log.warning("reward service %s %s -> %d: %s", request.method, request.url.path, e.status, e.message)
+            return _error(e.status, e.message)
+        except Exception:
+            incident = uuid.uuid4().hex[:12]
+            log.exception("reward service: internal error (incident %s)", incident)
+            return _error(500, f"internal error; see the reward service's log (incident {incident})")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        path = request.url.path
+        if exc.status_code == 404:
+            return _error(404, f"no such endpoint {path!r}; endpoints: POST /score, GET /health")
+        if exc.status_code == 405:
+            allowed = "POST" if path == "/score" else "GET"
+            return _error(405, f"{request.method} {path} is not allowed; use {allowed}")
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(_HTTPError)
+    async def service_error(request: Request, exc: _HTTPError) -> JSONResponse:
+        if exc.status >= 500:
+            log.warning("reward service %s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+        return _error(exc.status, exc.message)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"ok": True}
+
+    async def read_json(request: Request) -> object:
+        if request.headers.get("transfer-encoding") is not None:
+            raise _HTTPError(411, "Transfer-Encoding is not supported; send a Content-Length")
+        content_type = request.headers.get("content-type")
+        media_type = (content_type or "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            raise _HTTPError(415, f"Content-Type must be application/json, got {content_type!r}")
+        lengths = request.headers.getlist("content-length")
+        if not lengths:
+            raise _HTTPError(411, "Content-Length header is required")
+        length = int(lengths[0])  # h11 has checked it: digits only, all copies equal
+        if length > max_request_bytes:
+            raise _HTTPError(413, f"request body of {length} bytes exceeds max_request_bytes={max_request_bytes}")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_request_bytes:
+                raise _HTTPError(413, f"request body exceeds max_request_bytes={max_request_bytes}")
+        try:
+            text = bytes(body).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _HTTPError(400, f"request body is not valid UTF-8 (byte {e.start})") from None
+        try:
+            return json.loads(text, parse_constant=_reject_constant)
+        except ValueError as e:
+            raise _HTTPError(400, f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise _HTTPError(400, "request body is not valid JSON: nested too deeply") from None
+
+    @app.post("/score")
+    async def score(request: Request) -> dict:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                payload = await read_json(request)
+        except TimeoutError:
+            raise _HTTPError(408, f"request body not received within timeout_s={timeout_s}") from None
+        prompts, completions, fields = _validate_request(payload, max_batch)
+        if not prompts:
+            return {"scores": []}
+        return {"scores": _validate_scores(await limiter(prompts, completions, fields, deadline), len(prompts))}
+
+    return app
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's h11 protocol with two changes: a request the HTTP parser rejects is answered as JSON
+    naming what was wrong, and a connection that has not sent a whole request within ``request_timeout_s``
+    of opening (or of its last answer) is closed, so a slow client holds nothing."""
+
+    request_timeout_s = 30.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._protocol_error = ""
+        next_event = self.conn.next_event
+
+        def recorded():
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as e:
+                self._protocol_error = str(e)
+                raise
+
+        self.conn.next_event = recorded
+        self._arm_deadline()
+
+    def _arm_deadline(self) -> None:
+        self._deadline = self.loop.call_later(self.request_timeout_s, self._deadline_passed)
+
+    def _deadline_passed(self) -> None:
+        busy = self.cycle is not None and not self.cycle.response_complete
+        if busy:  # the app's own deadline bounds the request it is answering
+            self._arm_deadline()
+        elif not self.transport.is_closing():
+            log.debug("reward service: closing a connection that sent no whole request in %.1fs",
+                      self.request_timeout_s)
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        self._deadline.cancel()
+        self._arm_deadline()
+        super().on_response_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps({"error": f"invalid HTTP request: {self._protocol_error or msg}"}).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 class RewardServer:
     """A running reward service: ``url``, ``host``, ``port``; ``close()`` stops it (also as a context manager)."""
 
-    def __init__(self, httpd: _RewardHTTPServer, host: str) -> None:
-        self._httpd = httpd
+    def __init__(self, server: uvicorn.Server, sock: socket.socket, host: str) -> None:
+        self._server, self._sock = server, sock
         self.host = host
-        self.port: int = httpd.server_address[1]
+        self.port: int = sock.getsockname()[1]
         url_host = f"[{host}]" if ":" in host else host
         self.url = f"http://{url_host}:{self.port}"
-        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1},
+        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                                         name=f"reward-service:{self.port}", daemon=True)
-        self._thread.start()
         self._closed = False
+        self._thread.start()
+        while not server.started and self._thread.is_alive():
+            self._thread.join(0.02)
+        if not server.started:
+            sock.close()
+            raise RuntimeError(f"the reward service on {self.url} did not start (see the log above)")
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
 
     def __enter__(self) -> Self:
         return self
@@ -385,6 +436,21 @@ class RewardServer:
 
     def __repr__(self) -> str:
         return f"RewardServer(url={self.url!r})"
+
+
+def check_token(token: str | None, host: str) -> None:
+    """Refuse a token too short or not fit for a header, and a non-loopback ``host`` without one."""
+    if token is not None:
+        if not isinstance(token, str) or len(token.strip()) < MIN_TOKEN_CHARS:
+            raise ValueError(f"token must be a string of at least {MIN_TOKEN_CHARS} characters (or None on a "
+                             "loopback address): a shorter one can be guessed")
+        if not (token.isascii() and token.isprintable() and " " not in token):
+            raise ValueError("token must be printable ASCII without spaces (it travels in an HTTP header)")
+    if not is_loopback(host) and token is None:
+        raise ValueError(
+            f"refusing to bind the reward service to {host!r} without a token: anything but a loopback "
+            "address (127.0.0.1, ::1, localhost) needs token=... (and, off a trusted network, TLS in front)"
+        )
 
 
 def serve(
@@ -397,39 +463,31 @@ def serve(
     timeout_s: float = 30.0,
     *,
     max_concurrent: int = 4,
+    max_connections: int = 64,
 ) -> RewardServer:
-    """Serve ``reward_fn(prompts, completions) -> scores`` over HTTP in a background thread.
+    """Serve ``reward_fn(prompts, completions[, fields]) -> scores`` over HTTP in a background thread.
 
     ``port=0`` picks a free port (read it from the handle). Binding to a non-loopback ``host`` requires
     a ``token``; a token, when given, is required on every request."""
     if not callable(reward_fn):
         raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
-    if token is not None and (not isinstance(token, str) or not token.strip()):
-        raise ValueError("token must be a non-empty string (or None on a loopback address)")
-    if token is not None and not (token.isascii() and token.isprintable() and " " not in token):
-        raise ValueError("token must be printable ASCII without spaces (it travels in an HTTP header)")
-    if not is_loopback(host) and token is None:
-        raise ValueError(
-            f"refusing to bind the reward service to {host!r} without a token: anything but a loopback "
-            "address (127.0.0.1, ::1, localhost) needs token=... (and, off a trusted network, TLS in front)"
-        )
+    check_token(token, host)
     for name, value in (("max_request_bytes", max_request_bytes), ("max_batch", max_batch),
-                        ("max_concurrent", max_concurrent)):
+                        ("max_concurrent", max_concurrent), ("max_connections", max_connections)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    app = build_app(reward_fn, token, max_request_bytes, max_batch, float(timeout_s), max_concurrent)
+    protocol = type("RewardProtocol", (_Protocol,), {"request_timeout_s": max(float(timeout_s), 1.0)})
     bind_host = host.strip("[]")
-    httpd = _RewardHTTPServer(
-        (bind_host, port),
-        token=token,
-        limiter=_Limiter(reward_fn, float(timeout_s), max_concurrent),
-        max_request_bytes=max_request_bytes,
-        max_batch=max_batch,
-        io_timeout_s=max(float(timeout_s), 5.0),
-        ipv6=":" in bind_host,
-    )
-    server = RewardServer(httpd, bind_host)
+    sock = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((bind_host, port))
+    config = uvicorn.Config(app, http=protocol, ws="none", lifespan="off", log_config=None, access_log=False,
+                            server_header=False, date_header=False, timeout_keep_alive=5,
+                            limit_concurrency=max_connections, backlog=64)
+    server = RewardServer(uvicorn.Server(config), sock, bind_host)
     log.info("reward service listening on %s (token %s)", server.url, "required" if token else "off")
     return server
 
@@ -438,9 +496,9 @@ def serve(
 
 
 class RewardClient:
-    """Scores (prompt, completion) pairs on a remote reward service."""
+    """Scores (prompt, completion, fields) samples on a remote reward service."""
 
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0, max_retries: int = 0) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"reward service url must be http(s)://host:port, got {url!r}")
@@ -450,65 +508,65 @@ class RewardClient:
             raise ValueError("token must be a non-empty string or None")
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
         self.url = url.rstrip("/")
-        self._scheme, self._host, self._port = parts.scheme, parts.hostname, parts.port
-        self._base_path = parts.path.rstrip("/")
-        self.token, self.timeout_s = token, float(timeout_s)
+        self.token, self.timeout_s, self.max_retries = token, float(timeout_s), max_retries
+        headers = {"Accept": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(timeout=self.timeout_s, headers=headers, follow_redirects=False,
+                                  trust_env=False)
 
     def __repr__(self) -> str:  # never shows the token
-        return f"RewardClient(url={self.url!r}, token={'set' if self.token else None}, timeout_s={self.timeout_s})"
+        return (f"RewardClient(url={self.url!r}, token={'set' if self.token else None}, "
+                f"timeout_s={self.timeout_s}, max_retries={self.max_retries})")
 
-    def _request(self, method: str, path: str, payload: dict | None = None) -> tuple[int, dict | None, str]:
-        cls = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
-        conn = cls(self._host, self._port, timeout=self.timeout_s)
-        headers = {"Accept": "application/json"}
-        body = None
-        if payload is not None:
-            body = json.dumps(payload, allow_nan=False).encode()
-            headers["Content-Type"] = "application/json"
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, payload: dict | None = None) -> dict:
+        """One request; the answer's JSON object, or RewardServiceError."""
         endpoint = f"{self.url}{path}"
+        body = None if payload is None else json.dumps(payload, allow_nan=False).encode()
+        headers = {"Content-Type": "application/json"} if body is not None else {}
         try:
-            conn.request(method, self._base_path + path, body=body, headers=headers)
-            response = conn.getresponse()
-            raw = response.read()
-            status = response.status
-        except TimeoutError:
+            response = self._http.request(method, endpoint, content=body, headers=headers)
+        except httpx.TimeoutException:
             raise RewardServiceError(None, f"no answer within timeout_s={self.timeout_s}", endpoint) from None
-        except (BrokenPipeError, ConnectionResetError) as e:
-            hint = ""
-            if body is not None and len(body) > 1 << 16:
-                hint = f" (the request body was {len(body)} bytes: over the server's max_request_bytes?)"
-            raise RewardServiceError(
-                None, f"connection closed by the server: {type(e).__name__}: {e}{hint}", endpoint
-            ) from None
-        except (OSError, http.client.HTTPException) as e:
+        except httpx.HTTPError as e:
             raise RewardServiceError(None, f"request failed: {type(e).__name__}: {e}", endpoint) from None
-        finally:
-            conn.close()
-        text = raw.decode("utf-8", "replace")
+        text = response.content.decode("utf-8", "replace")
         try:
             decoded = json.loads(text, parse_constant=_reject_constant)
         except (ValueError, RecursionError):
             decoded = None
-        return status, decoded if isinstance(decoded, dict) else None, text
-
-    def _check(self, status: int, decoded: dict | None, text: str, path: str) -> dict:
-        endpoint = f"{self.url}{path}"
-        if status != 200:
+        decoded = decoded if isinstance(decoded, dict) else None
+        if response.status_code != 200:
             message = decoded.get("error") if decoded and isinstance(decoded.get("error"), str) else text[:500]
-            raise RewardServiceError(status, message or "(empty body)", endpoint)
+            raise RewardServiceError(response.status_code, message or "(empty body)", endpoint)
         if decoded is None:
-            raise RewardServiceError(status, f"answer is not a JSON object: {text[:200]!r}", endpoint)
+            raise RewardServiceError(200, f"answer is not a JSON object: {text[:200]!r}", endpoint)
         return decoded
 
-    def health(self) -> bool:
-        status, decoded, text = self._request("GET", "/health")
-        return self._check(status, decoded, text, "/health").get("ok") is True
+    def _with_retries(self, call: Callable[[], dict]) -> dict:
+        """``call()``, retried on a timeout, a lost connection or a 5xx with exponential backoff."""
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, RewardServiceError) and e.transient),
+            stop=tenacity.stop_after_attempt(self.max_retries + 1),
+            wait=tenacity.wait_exponential_jitter(multiplier=0.5, max=30.0),
+            before_sleep=lambda state: log.warning("reward service: attempt %d failed (%s); retrying",
+                                                   state.attempt_number, state.outcome.exception()),
+            reraise=True,
+        )
+        return retrying(call)
 
-    def score(self, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
-        """One finite float per (prompt, completion) pair, in order."""
+    def health(self) -> bool:
+        return self._with_retries(lambda: self._request("GET", "/health")).get("ok") is True
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str],
+              fields: Sequence[dict] | None = None) -> list[float]:
+        """One finite float per (prompt, completion[, fields]) sample, in order."""
         prompts, completions = list(prompts), list(completions)
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
@@ -516,18 +574,23 @@ class RewardClient:
             for i, item in enumerate(items):
                 if not isinstance(item, str):
                     raise TypeError(f"{name}[{i}] must be a string, got {type(item).__name__}")
-        status, decoded, text = self._request("POST", "/score", {"prompts": prompts, "completions": completions})
-        answer = self._check(status, decoded, text, "/score")
+        payload: dict = {"prompts": prompts, "completions": completions}
+        if fields is not None:
+            fields = list(fields)
+            if len(fields) != len(prompts) or not all(isinstance(f, dict) for f in fields):
+                raise ValueError(f"fields must be {len(prompts)} dicts, one per sample")
+            payload["fields"] = fields
+        answer = self._with_retries(lambda: self._request("POST", "/score", payload))
         endpoint = f"{self.url}/score"
         scores = answer.get("scores")
         if not isinstance(scores, list):
-            raise RewardServiceError(status, f"answer has no 'scores' list: {text[:200]!r}", endpoint)
+            raise RewardServiceError(200, f"answer has no 'scores' list: {json.dumps(answer)[:200]!r}", endpoint)
         if len(scores) != len(prompts):
-            raise RewardServiceError(status, f"got {len(scores)} scores for {len(prompts)} samples", endpoint)
+            raise RewardServiceError(200, f"got {len(scores)} scores for {len(prompts)} samples", endpoint)
         out = []
         for i, value in enumerate(scores):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise RewardServiceError(status, f"score for sample index {i} is {value!r}, not a finite number",
+                raise RewardServiceError(200, f"score for sample index {i} is {value!r}, not a finite number",
                                          endpoint)
             out.append(float(value))
         return out
@@ -553,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.reward_service",
                                      description="Serve a task's reward function over HTTP (JSON).")
     parser.add_argument("--task", required=True, help="task name, e.g. randomwalks")
+    parser.add_argument("--task-seed", type=int, default=None, help="the task's seed (task.seed of the job)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="bind address (default 127.0.0.1; anything else needs a token)")
     parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
@@ -561,27 +625,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-file", default=None, help="file holding the bearer token (overrides --token-env)")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20)
     parser.add_argument("--max-batch", type=int, default=256)
-    parser.add_argument("--timeout-s", type=float, default=30.0)
-    parser.add_argument("--max-concurrent", type=int, default=4)
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="overall deadline of one request")
+    parser.add_argument("--max-concurrent", type=int, default=4, help="reward calls at once")
+    parser.add_argument("--max-connections", type=int, default=64, help="open connections at once")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level.upper() != "DEBUG":  # uvicorn's start and stop lines say nothing the line below does not
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the URL is printed: whoever reads it may stop us at once
+        signal.signal(sig, lambda *_: stop.set())
 
     from services.tasks import get_task
 
-    task = get_task(args.task)
+    task = get_task(args.task) if args.task_seed is None else get_task(args.task, seed=args.task_seed)
     try:
         server = serve(task.reward, host=args.host, port=args.port, token=_read_token(args),
                        max_request_bytes=args.max_request_bytes, max_batch=args.max_batch,
-                       timeout_s=args.timeout_s, max_concurrent=args.max_concurrent)
-    except ValueError as e:
+                       timeout_s=args.timeout_s, max_concurrent=args.max_concurrent,
+                       max_connections=args.max_connections)
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"serving task {args.task!r} reward at {server.url} (POST /score, GET /health)", flush=True)
-
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         while not stop.wait(0.5):
             pass

@@ -232,7 +232,7 @@ def test_reward_fn_errors_surface_with_sample_index(make_server):
 
     prompts, completions = ["b", "c", "d", "e"], ["a", "a", "a", "a"]
     cases = [
-        (raises, "RuntimeError: reward model exploded"),
+        (raises, "reward function raised RuntimeError; its message is in the reward service's log"),
         (nan_at_2, "sample index 2"),
         (inf_at_0, "sample index 0"),
         (too_few, "sample index 3 has no score"),
@@ -243,6 +243,7 @@ def test_reward_fn_errors_surface_with_sample_index(make_server):
             client.score(prompts, completions)
         assert info.value.status == 500, fn.__name__
         assert fragment in info.value.message, (fn.__name__, info.value.message)
+        assert "exploded" not in info.value.message  # the exception's text goes to the log, not the client
 
 
 def test_slow_reward_fn_is_504_within_bound(make_server):
@@ -339,3 +340,85 @@ def test_cli_serves_task_reward(task):
             if proc.poll() is None:
                 proc.kill()
             proc.stdout.close()
+
+
+# ---------------------------------------------------------------- what the FastAPI server adds
+
+
+def test_token_has_a_minimum_length():
+    for short in ("x", "0123456789abcde"):  # 1 and 15 characters
+        with pytest.raises(ValueError, match="at least 16 characters"):
+            serve(lambda p, c: [0.0] * len(p), token=short)
+        with pytest.raises(ValueError, match="at least 16 characters"):
+            serve(lambda p, c: [0.0] * len(p), host="0.0.0.0", token=short)
+    with serve(lambda p, c: [0.0] * len(p), token="0123456789abcdef") as srv:  # 16: accepted
+        assert RewardClient(srv.url, token="0123456789abcdef").health() is True
+
+
+def _read_until_closed(sock) -> bytes:
+    """Everything the server sends until it closes the connection (socket timeout: the test's guard)."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_slow_clients_hold_nothing(make_server, task):
+    """A client that never finishes its headers, or its body, is cut off by the request deadline; while
+    such clients hang on, the service still answers others."""
+    import socket
+
+    srv = make_server(task.reward, port=0, timeout_s=0.5, max_concurrent=1)
+    stalled = []
+    try:
+        for _ in range(3):
+            sock = socket.create_connection(("127.0.0.1", srv.port), timeout=20)
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+            stalled.append(sock)
+        assert RewardClient(srv.url).score(["b"], ["a"]) == task.reward(["b"], ["a"])
+        for sock in stalled:
+            assert _read_until_closed(sock) == b""  # closed without an answer: it never sent a request
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as sock:
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"prompts\": ")
+            answer = _read_until_closed(sock)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and b"timeout_s=0.5" in body, answer
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_invalid_http_is_answered_as_json(server):
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+        sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n{}")
+        answer = _read_until_closed(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400")
+    assert "Content-Length" in json.loads(body)["error"]
+
+
+def test_reward_fn_exception_text_is_logged_not_answered(make_server, caplog):
+    def leaks(prompts, completions):
+        raise RuntimeError("secret-path /srv/models/rm-v3 and key sk-123")
+
+    client = RewardClient(make_server(leaks, port=0).url)
+    with caplog.at_level("ERROR", logger="services.reward_service"), pytest.raises(RewardServiceError) as info:
+        client.score(["b"], ["a"])
+    assert info.value.status == 500 and "secret-path" not in str(info.value) and "sk-123" not in str(info.value)
+    incident = re.search(r"incident ([0-9a-f]{12})", info.value.message).group(1)
+    logged = [r for r in caplog.records if incident in r.getMessage()]
+    assert logged and "secret-path" in str(logged[0].exc_info[1])
+
+
+def test_fields_are_checked(make_server):
+    srv = make_server(lambda p, c, fields: [float(len(f)) for f in fields], port=0)
+    ok = {"prompts": ["b", "c"], "completions": ["a", "a"], "fields": [{"x": 1}, {}]}
+    status, body = raw(srv, "POST", "/score", json.dumps(ok).encode(), token=None)
+    assert (status, body) == (200, {"scores": [1.0, 0.0]})
+    for fields, fragment in [([{}], "list of 2 JSON objects"), ([{}, "x"], "fields[1] must be a JSON object")]:
+        bad = {**ok, "fields": fields}
+        status, body = raw(srv, "POST", "/score", json.dumps(bad).encode(), token=None)
+        assert status == 400 and fragment in body["error"]
