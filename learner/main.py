@@ -12,6 +12,8 @@ import math
 import sys
 import time
 
+from typing import Literal
+
 from pydantic import Field, ValidationError
 
 from learner.config import JobConfig, config_to_yaml, read_yaml
@@ -24,6 +26,8 @@ class JobCli(JobConfig):
     --print-config prints the resolved config as YAML and exits."""
 
     config: str | None = Field(None, description="YAML file with settings (flags override it)")
+    log_level: Literal["debug", "info", "warning", "error"] | None = Field(
+        None, alias="log-level", description="the same as --metrics.log_level")
 
 
 def parse_cli(argv: list[str]) -> JobConfig | None:
@@ -36,7 +40,9 @@ def parse_cli(argv: list[str]) -> JobConfig | None:
     known, _ = pre.parse_known_args(argv)
     from_yaml = read_yaml(known.config) if known.config else {}
     cli = CliApp.run(JobCli, cli_args=[a for a in argv if a != "--print-config"], **from_yaml)
-    cfg = JobConfig.model_validate(cli.model_dump(exclude={"config"}))
+    cfg = JobConfig.model_validate(cli.model_dump(exclude={"config", "log_level"}))
+    if cli.log_level:
+        cfg.metrics.log_level = cli.log_level
     if known.print_config:
         print(config_to_yaml(cfg), end="")
         return None
@@ -48,12 +54,17 @@ def log(message: str) -> None:
 
 
 class Progress:
-    """One line per iteration (what `ray job logs` shows); on a terminal also a live tqdm bar."""
+    """One line per iteration (what `ray job logs` shows); on a terminal also a live tqdm bar. Also feeds
+    TensorBoard and the experiment tracker (``services.tracking``) where configured."""
 
     def __init__(self, cfg: JobConfig, run_path) -> None:
         from tqdm import tqdm
 
+        from services.tracking import Tracker
+
         self.cfg = cfg
+        self.tracker = Tracker(cfg, run_path, log=log)
+        self.tracker.start()
         self.bar = tqdm(total=cfg.run.iterations, unit="it", dynamic_ncols=True,
                         disable=not (cfg.metrics.progress_bar and sys.stdout.isatty()))
         self.tensorboard = None
@@ -81,11 +92,18 @@ class Progress:
                     self.tensorboard.add_scalar(key, value, r["iteration"])
             for key, value in r.get("eval", {}).items():
                 self.tensorboard.add_scalar(f"eval/{key}", value, r["iteration"])
+        self.tracker.log(r)
 
-    def close(self) -> None:
+    def samples(self, iteration: int, samples: list[dict]) -> None:
+        """An evaluation's samples (iteration 0: before training), as written to samples/."""
+        self.tracker.log_samples(iteration, samples)
+
+    def close(self, summary: dict | None = None) -> None:
+        """After the summary and the final curves.png: the tracker takes both."""
         self.bar.close()
         if self.tensorboard:
             self.tensorboard.close()
+        self.tracker.finish(summary)
 
 
 # ====================================================================== the job
@@ -187,6 +205,7 @@ def run(cfg: JobConfig) -> dict:
     else:
         start_eval, samples = fleet.evaluate(eval_prompts, 0)
         rundir.write_samples(run_path, 0, samples)
+        progress.samples(0, samples)
     eval_metrics = dict(start_eval)
     log("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in start_eval.items()))
     fleet.take_busy_seconds()
@@ -310,6 +329,7 @@ def run(cfg: JobConfig) -> dict:
                                                    kl_ctl.value, probe_set)
             record["eval"] = eval_metrics
             rundir.write_samples(run_path, iteration, samples)
+            progress.samples(iteration, samples)
         record["iteration_seconds"] = time.perf_counter() - t_iter
         record.update(fleet.take_busy_seconds())  # busy time per role, evaluation included
         records.append(record)
@@ -342,9 +362,9 @@ def run(cfg: JobConfig) -> dict:
         learner.export_hf(run_path.child("export").url)
         log(f"policy exported as a Hugging Face model directory: {run_path.display('export')}")
     rundir.write_summary(run_path, summary)
-    progress.close()
     if records:
         rundir.plot_curves(run_path, records, cfg.kl.target, start_eval)
+    progress.close(summary)
     if stop.requested:
         log(f"stopped by {stop.signal_name} after iteration {iteration}; checkpoint written; continue with "
             f"--run.resume latest --run.name {cfg.run.name}")
@@ -387,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg is None:
         return 0
+    from learner.console import quiet_libraries
+
+    quiet_libraries(cfg.metrics.log_level)
     from actors.reward import RewardError
     from learner.checkpoint import CheckpointError
     from learner.cluster import ClusterError
@@ -404,5 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         return 143  # stopped by a signal, like a process killed by SIGTERM, after a clean checkpoint
     return 0 if all(math.isfinite(v) for v in summary["eval_final"].values()) else 1
 
-if __name__ == "__main__":
+
+def cli() -> None:
+    """The ``tether`` console command (pyproject.toml): the same as ``python -m learner.main``."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

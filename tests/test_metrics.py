@@ -87,6 +87,14 @@ def test_dashboard_metrics_match_the_job(ray_head, cache_dir, tmp_path):
         if any(values[name][0] != pytest.approx(record[key], rel=1e-5, abs=1e-9) for name, key in DRIVER_SERIES.items()):
             continue
         assert by_name(snap, "ray_tether_iterations_total")[0] >= 1
+        # every series, the driver's and the actors', names its run in its own label; none in `job`, which
+        # Prometheus renames to `exported_job`
+        for (name, labels) in snap:
+            if name.endswith("_total"):  # counters outlive their job; gauges go two report intervals after it
+                continue
+            labels = dict(labels)
+            assert labels.get("tether_run") == "metrics" and labels.get("ray_job") and "job" not in labels, \
+                (name, labels)
         # per-actor state; each process reports on its own 1 s clock, so allow one iteration of skew
         for actor in ("rollout-0", "reference-0", "reward-0"):
             version = by_name(snap, "ray_tether_actor_policy_version", actor=actor)
