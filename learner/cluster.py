@@ -66,15 +66,19 @@ def in_submitted_job() -> bool:
 
 
 def actor_env(cfg: JobConfig) -> dict[str, str]:
-    """tether's environment variables for its actors. One the driver's environment already has (inside a
-    job: the job's runtime env) is left out: actors inherit the job's own value."""
+    """tether's environment variables for its actors: the libraries' log level (``learner.console``), the
+    run's name, and settings every actor needs. A value the driver's environment has wins: inside a job
+    that is the job's runtime env, which actors inherit, so the variable is left out here."""
     from learner.console import library_env
 
-    wanted = {**RAY_ENV_DEFAULTED, "TOKENIZERS_PARALLELISM": "false", "TETHER_RUN": cfg.run.name,
-              **library_env(cfg.metrics.log_level)}
-    if os.environ.get("DS_ACCELERATOR"):
-        wanted["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"]
-    return {k: v for k, v in wanted.items() if k not in os.environ or k in RAY_ENV_DEFAULTED or k == "TETHER_RUN"}
+    defaults = {"TOKENIZERS_PARALLELISM": "false", **library_env(cfg.metrics.log_level)}
+    if in_submitted_job():
+        env = {k: v for k, v in defaults.items() if k not in os.environ}
+    else:
+        env = {k: os.environ.get(k, v) for k, v in defaults.items()}
+        if os.environ.get("DS_ACCELERATOR"):
+            env["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"]
+    return {**RAY_ENV_DEFAULTED, **env, "TETHER_RUN": cfg.run.name}
 
 
 def connect(cfg: JobConfig, log=print) -> None:
@@ -134,6 +138,8 @@ def _options(res: RoleResources) -> dict:
     if not res.num_gpus:
         # Ray 2.60 no longer hides GPUs from actors with num_gpus=0: a role without GPUs must see none
         env_vars["CUDA_VISIBLE_DEVICES"] = ""
+        if "DS_ACCELERATOR" not in os.environ:  # else the driver's (or the job's) choice reaches the actor
+            env_vars["DS_ACCELERATOR"] = "cpu"  # what DeepSpeed would pick, without its warning about it
     if env_vars:
         options["runtime_env"] = {"env_vars": env_vars}
     return options

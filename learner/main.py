@@ -11,7 +11,6 @@ import argparse
 import math
 import sys
 import time
-
 from typing import Literal
 
 from pydantic import Field, ValidationError
