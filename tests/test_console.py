@@ -63,7 +63,7 @@ def test_default_job_console_is_short_and_has_no_warning(ray_head, cache_dir, tm
     stdout and stderr together, no warning, and the lines a person looks for."""
     proc = run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
                     str(tmp_path), "--run.seed", "1", "--model.sft_steps", "60", "--model.sft_batch_size", "50",
-                    "--run.iterations", "2"])
+                    "--run.iterations", "2", "--cluster.placement_timeout_s", "300"])
     lines = (proc.stdout + proc.stderr).splitlines()
     assert proc.returncode == 0, "\n".join(lines[-80:])
     assert len(lines) < MAX_LINES, f"{len(lines)} lines:\n" + "\n".join(lines)

@@ -75,8 +75,9 @@ def test_job_logs_to_wandb_and_resume_continues_the_run(ray_head, cache_dir, tmp
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
     (tmp_path / "wandb-dir").mkdir()
     args = ["--config", "tests/configs/small.yaml", "--cluster.address", ray_head.address, "--model.cache_dir",
-            cache_dir, "--run.output_dir", str(tmp_path / "runs"), "--metrics.wandb.enabled",
-            "--metrics.wandb.project", "tether-test", "--metrics.wandb.tags", '["ci", "small"]']
+            cache_dir, "--run.output_dir", str(tmp_path / "runs"), "--cluster.placement_timeout_s", "300",
+            "--metrics.wandb.enabled", "--metrics.wandb.project", "tether-test", "--metrics.wandb.tags",
+            '["ci", "small"]']
     first = run_job([*args, "--run.iterations", "1"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run_dir = tmp_path / "runs" / "small"
