@@ -19,7 +19,7 @@ TETHER_ENV = {"TETHER_RUN": RUN_NAME, "TETHER_LOG_LEVEL": "warning", "TRANSFORME
 
 @dataclass
 class JobEnvTask(RandomWalksTask):
-    name: str = "job-env"
+    name: str = "randomwalks"  # randomwalks' SFT warm start and its cache: only the reward's check is added
 
     def reward(self, prompts, completions):
         wanted = {**JOB_ENV, **TETHER_ENV}

@@ -192,6 +192,7 @@ def test_job_runtime_env_reaches_the_actors(cluster, client, cache_dir, tmp_path
            "--working-dir", ".", "--runtime-env-json", json.dumps({"env_vars": JOB_ENV}), "--no-wait", "--",
            "python", "-m", "learner.main", "--config", "tests/configs/small.yaml", "--task.name",
            "tests.env_task:JobEnvTask", "--run.name", RUN_NAME, "--run.iterations", "1",
+           "--cluster.placement_timeout_s", "300",
            "--model.cache_dir", os.path.abspath(cache_dir), "--run.output_dir", str(out)]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -200,6 +201,8 @@ def test_job_runtime_env_reaches_the_actors(cluster, client, cache_dir, tmp_path
     logs = client.get_job_logs(job_id)
     assert status == "SUCCEEDED", f"job ended {status}; log tail:\n{logs[-4000:]}"
     assert "Failed to merge the Job's runtime env" not in logs
-    assert "[tether] summary:" in logs, logs[-4000:]
+    # what `ray job logs` shows a person: the run directory, the progress lines and the summary
+    assert f"[tether] run directory {out / RUN_NAME}" in logs, logs[-4000:]
+    assert "[tether] iter 1/1 | reward" in logs and "[tether] summary:" in logs, logs[-4000:]
     assert client.get_job_info(job_id).runtime_env["env_vars"] == JOB_ENV
     assert (out / RUN_NAME / "summary.json").is_file()
