@@ -55,7 +55,7 @@ def test_dashboard_metrics_match_the_job(ray_head, cache_dir, tmp_path):
            cache_dir, "--run.output_dir", str(tmp_path), "--run.name", "metrics", "--run.seed", "1",
            "--model.sft_steps", "60", "--model.sft_batch_size", "50", "--rollout.batch_size", "32",
            "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16", "--run.iterations", "10",
-           "--run.eval_every", "100"]
+           "--run.eval_every", "100", "--cluster.placement_timeout_s", "300"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **RAY_ENV})
     snapshots, deadline = [], time.monotonic() + 600
