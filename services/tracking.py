@@ -53,12 +53,16 @@ class Tracker:
         wandb_dir = None
         if not os.environ.get("WANDB_DIR") and self.run_path.is_local:
             wandb_dir = self.run_path.display()
-        self.run = wandb.init(
-            project=settings.project, entity=settings.entity, name=settings.name or self.cfg.run.name,
-            tags=settings.tags or None, config=self.cfg.model_dump(mode="json"), id=run_id,
-            resume="allow" if run_id else None, dir=wandb_dir,
-            settings=wandb.Settings(silent=True),  # tether prints its own one line about the run
-        )
+        try:
+            self.run = wandb.init(
+                project=settings.project, entity=settings.entity, name=settings.name or self.cfg.run.name,
+                tags=settings.tags or None, config=self.cfg.model_dump(mode="json"), id=run_id,
+                resume="allow" if run_id else None, dir=wandb_dir,
+                settings=wandb.Settings(silent=True),  # tether prints its own one line about the run
+            )
+        except wandb.errors.Error as err:  # the driver reports a ValueError as a bad setting, without a trace
+            raise ValueError(f"metrics.wandb: wandb could not start the run: {err} (set WANDB_API_KEY, run "
+                             "`wandb login`, or set WANDB_MODE=offline)") from err
         # the x axis is the iteration: a resumed run logs iterations after its checkpoint again, which
         # wandb's own step counter would drop
         self.run.define_metric("*", step_metric="iteration")
