@@ -79,9 +79,13 @@ class VLLMEngine:
         if device == "cpu":
             # 'auto' pins every engine to core 0; pin each engine to its own core instead
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cpu_core if cpu_core is not None else 0))
+        from learner.console import quiet_vllm, verbose
+
+        quiet_vllm()  # before vLLM loads: the warnings tether knows to be harmless stay out of the console
         from vllm import LLM
 
-        args = {"enforce_eager": True, **(engine_args or {})}
+        # the checkpoint-loading bar only at metrics.log_level debug or info
+        args = {"enforce_eager": True, "use_tqdm_on_load": verbose(), **(engine_args or {})}
         if device == "cpu":  # the KV cache is sized in bytes here; vLLM's CPU build has no GPU share
             args.pop("gpu_memory_utilization", None)
             args["kv_cache_memory_bytes"] = kv_cache_mib << 20

@@ -53,27 +53,60 @@ def namespace(cfg: JobConfig) -> str:
     return f"tether-{cfg.run.name}"
 
 
+# tether's variables for every actor, set by connect(): what the actors need, never what the job set
+ACTOR_ENV: dict[str, str] = {}
+
+
+def in_submitted_job() -> bool:
+    """True inside `ray job submit`: the job's runtime env (env_vars, working_dir, ...) is already the
+    driver's, and ray.init must not bring one of its own (Ray refuses to merge the two)."""
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    return RAY_JOB_CONFIG_JSON_ENV_VAR in os.environ
+
+
+def actor_env(cfg: JobConfig) -> dict[str, str]:
+    """tether's environment variables for its actors: the libraries' log level (``learner.console``), the
+    run's name, and settings every actor needs. A value the driver's environment has wins: inside a job
+    that is the job's runtime env, which actors inherit, so the variable is left out here."""
+    from learner.console import library_env
+
+    defaults = {"TOKENIZERS_PARALLELISM": "false", **library_env(cfg.metrics.log_level)}
+    if in_submitted_job():
+        env = {k: v for k, v in defaults.items() if k not in os.environ}
+    else:
+        env = {k: os.environ.get(k, v) for k, v in defaults.items()}
+        if os.environ.get("DS_ACCELERATOR"):
+            env["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"]
+    return {**RAY_ENV_DEFAULTED, **env, "TETHER_RUN": cfg.run.name}
+
+
 def connect(cfg: JobConfig, log=print) -> None:
-    """Join the configured cluster, the one `ray job submit` runs us in, or start a local Ray."""
+    """Join the configured cluster, the one `ray job submit` runs us in, or start a local Ray. tether's
+    environment variables go to each actor (``_options``), so a job's own runtime env stays as it is."""
+    ACTOR_ENV.clear()
+    ACTOR_ENV.update(actor_env(cfg))
+    os.environ["TETHER_RUN"] = cfg.run.name  # the driver's metrics carry the run, like the actors'
     if ray.is_initialized():
         log("ray: already connected")
         return
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    env_vars = {**RAY_ENV_DEFAULTED, "TOKENIZERS_PARALLELISM": "false",
-                "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "")}
-    env_vars = {k: v for k, v in env_vars.items() if v}
+    quiet = {"logging_level": "WARNING" if cfg.metrics.log_level != "debug" else "DEBUG"}
     if address:
         _check_reachable(address, cfg.cluster.connect_timeout_s)
-        ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=True, namespace=namespace(cfg))
+        # outside a job the driver's runtime env reaches every worker; inside one the job's stays as it is
+        runtime_env = None if in_submitted_job() else {"env_vars": ACTOR_ENV}
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, namespace=namespace(cfg), **quiet)
         log(f"ray: joined {address}")
     else:
         ray.init(
             num_cpus=cfg.cluster.num_cpus or os.cpu_count(),
             object_store_memory=cfg.cluster.object_store_mib << 20,
             include_dashboard=False,
-            runtime_env={"env_vars": env_vars},
+            runtime_env={"env_vars": ACTOR_ENV},
             _node_ip_address="127.0.0.1",
             namespace=namespace(cfg),
+            **quiet,
         )
         log("ray: started a local Ray (no cluster.address and no RAY_ADDRESS)")
 
@@ -101,9 +134,14 @@ def role_counts(cfg: JobConfig) -> dict[str, int]:
 
 def _options(res: RoleResources) -> dict:
     options = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "resources": dict(res.resources)}
+    env_vars = dict(ACTOR_ENV)  # set per actor, merged by Ray with the job's own env_vars
     if not res.num_gpus:
         # Ray 2.60 no longer hides GPUs from actors with num_gpus=0: a role without GPUs must see none
-        options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
+        env_vars["CUDA_VISIBLE_DEVICES"] = ""
+        if "DS_ACCELERATOR" not in os.environ:  # else the driver's (or the job's) choice reaches the actor
+            env_vars["DS_ACCELERATOR"] = "cpu"  # what DeepSpeed would pick, without its warning about it
+    if env_vars:
+        options["runtime_env"] = {"env_vars": env_vars}
     return options
 
 

@@ -288,12 +288,25 @@ class RunConfig(Section):
     max_chunk_retries: int = Field(3, ge=0, description="times a chunk lost to a dead actor is regenerated")
 
 
+class WandbConfig(Section):
+    enabled: bool = Field(False, description="log the run to Weights & Biases (WANDB_MODE=offline writes it "
+                          "only to disk; WANDB_API_KEY or `wandb login` for the server)")
+    project: str = Field("tether", description="wandb project")
+    entity: str | None = Field(None, description="wandb entity (team or user); none = the account's default")
+    name: str | None = Field(None, description="wandb run name; none = run.name")
+    tags: list[str] = Field(default_factory=list, description="wandb run tags")
+
+
 class MetricsConfig(Section):
     plot_every: PositiveInt = Field(10, description="redraw curves.png every N iterations (and at the end)")
     tensorboard: bool = Field(False, description="also write TensorBoard logs into the run directory")
     progress_bar: bool = Field(True, description="live progress bar when stdout is a terminal")
     eval_samples_saved: int = Field(8, ge=0, description="evaluation samples written as text to "
                                     "samples/iteration-NNNN.md at each evaluation (0 = none)")
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "warning", description="logging of vLLM, transformers, DeepSpeed and Ray in the driver and every actor "
+        "(tether's own lines always show); debug also shows the warnings tether knows to be harmless")
 
 
 class CheckpointConfig(Section):

@@ -102,6 +102,7 @@ class Job:
     wall_start: float
     log: Callable[[str], None]  # one line to the job log
     ahead: Started | None = None  # async: the next batch, generating while the learner trains
+    eval_samples: list[dict] | None = None  # the last evaluation's samples, until the tracker takes them
 
     # ------------------------------------------------------------------ the steps of one iteration
 
@@ -205,6 +206,7 @@ class Job:
                                                              self.weights.bring_up_to_date)
             record["eval"] = self.eval_metrics
             rundir.write_samples(self.run_path, iteration, samples)
+            self.eval_samples = samples
         record["iteration_seconds"] = time.perf_counter() - collected.started
         record.update(self.fleet.take_busy_seconds())  # busy time per role, evaluation included
         self.records.append(record)
@@ -213,6 +215,11 @@ class Job:
         if iteration % cfg.metrics.plot_every == 0:
             rundir.plot_curves(self.run_path, self.records, cfg.kl.target, self.start_eval)
         return record
+
+    def take_eval_samples(self) -> list[dict] | None:
+        """The samples of an evaluation not yet handed on (iteration 0's from setup, then the loop's)."""
+        samples, self.eval_samples = self.eval_samples, None
+        return samples
 
     # ------------------------------------------------------------------ checkpoints and the end of the run
 
@@ -329,6 +336,7 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
 
     job_metrics = DriverMetrics(ray.get_runtime_context().get_job_id())
     records = rundir.read_metrics(run_path, first_iteration - 1) if resume_state else []
+    samples = None
     if resume_state:
         start_eval = resume_state["eval_start"]
     else:
@@ -337,4 +345,5 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     log("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in start_eval.items()))
     fleet.take_busy_seconds()
     return Job(cfg, run_path, prompts, eval_prompts, placement, fleet, learner, weights, kl_ctl, sampler,
-               first_iteration, start_eval, dict(start_eval), records, job_metrics, wall_start, log)
+               first_iteration, start_eval, dict(start_eval), records, job_metrics, wall_start, log,
+               eval_samples=samples)

@@ -1,10 +1,8 @@
 """tether's driver: ``python -m learner.main [--config job.yaml] [--kl.target 6 ...]``.
 
-The loop reads top to bottom, in ``run()``: collect a batch (sample prompts; stream chunks through
-rollout, then reference and reward in parallel, to the learner ranks), update (PPO on the ranks, then
-beta once per batch), sync (weights and beta to every actor, with the probe), record (metrics, evaluation,
-checkpoint). The steps live in ``learner/loop.py``; this file holds the scaffolding (CLI, progress,
-signals, exit codes). Tensors travel as Ray object refs and never pass through this process.
+The loop reads top to bottom: sample prompts; stream chunks through rollout, then reference and reward
+in parallel; train the learner ranks on the chunk refs; update beta once per batch; broadcast weights
+and beta; log; evaluate. Tensors travel as Ray object refs and never pass through this process.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import Literal
 
 from pydantic import Field, ValidationError
 
@@ -25,6 +24,8 @@ class JobCli(JobConfig):
     --print-config prints the resolved config as YAML and exits."""
 
     config: str | None = Field(None, description="YAML file with settings (flags override it)")
+    log_level: Literal["debug", "info", "warning", "error"] | None = Field(
+        None, alias="log-level", description="the same as --metrics.log_level")
 
 
 def parse_cli(argv: list[str]) -> JobConfig | None:
@@ -37,7 +38,9 @@ def parse_cli(argv: list[str]) -> JobConfig | None:
     known, _ = pre.parse_known_args(argv)
     from_yaml = read_yaml(known.config) if known.config else {}
     cli = CliApp.run(JobCli, cli_args=[a for a in argv if a != "--print-config"], **from_yaml)
-    cfg = JobConfig.model_validate(cli.model_dump(exclude={"config"}))
+    cfg = JobConfig.model_validate(cli.model_dump(exclude={"config", "log_level"}))
+    if cli.log_level:
+        cfg.metrics.log_level = cli.log_level
     if known.print_config:
         print(config_to_yaml(cfg), end="")
         return None
@@ -49,12 +52,17 @@ def log(message: str) -> None:
 
 
 class Progress:
-    """One line per iteration (what `ray job logs` shows); on a terminal also a live tqdm bar."""
+    """One line per iteration (what `ray job logs` shows); on a terminal also a live tqdm bar. Also feeds
+    TensorBoard and the experiment tracker (``services.tracking``) where configured."""
 
     def __init__(self, cfg: JobConfig, run_path) -> None:
         from tqdm import tqdm
 
+        from services.tracking import Tracker
+
         self.cfg = cfg
+        self.tracker = Tracker(cfg, run_path, log=log)
+        self.tracker.start()
         self.bar = tqdm(total=cfg.run.iterations, unit="it", dynamic_ncols=True,
                         disable=not (cfg.metrics.progress_bar and sys.stdout.isatty()))
         self.tensorboard = None
@@ -63,7 +71,8 @@ class Progress:
 
             self.tensorboard = SummaryWriter(run_path.display("tensorboard"))
 
-    def update(self, r: dict) -> None:
+    def update(self, r: dict, samples: list[dict] | None = None) -> None:
+        """An iteration's record, and the samples of its evaluation if it had one."""
         target = self.cfg.kl.target
         line = (f"iter {r['iteration']}/{self.cfg.run.iterations} | reward {r['reward_mean']:.3f} | "
                 f"score {r['score_mean']:.3f} | kl {r['kl_response_mean']:.3f}/{target or 0:.1f} nats | "
@@ -82,11 +91,20 @@ class Progress:
                     self.tensorboard.add_scalar(key, value, r["iteration"])
             for key, value in r.get("eval", {}).items():
                 self.tensorboard.add_scalar(f"eval/{key}", value, r["iteration"])
+        self.tracker.log(r)
+        self.samples(r["iteration"], samples)
 
-    def close(self) -> None:
+    def samples(self, iteration: int, samples: list[dict] | None) -> None:
+        """An evaluation's samples (iteration 0: before training), as written to samples/."""
+        if samples is not None:
+            self.tracker.log_samples(iteration, samples)
+
+    def close(self, summary: dict | None = None) -> None:
+        """After the summary and the final curves.png: the tracker takes both."""
         self.bar.close()
         if self.tensorboard:
             self.tensorboard.close()
+        self.tracker.finish(summary)
 
 
 # ====================================================================== the job: setup, then a loop of named steps
@@ -98,21 +116,23 @@ def run(cfg: JobConfig) -> dict:
 
     job = setup(cfg, log)  # inputs checked, actors up, weights and beta synced, resumed if asked, first eval
     progress, stop = Progress(cfg, job.run_path), GracefulStop()
-    iteration = job.first_iteration - 1
+    progress.samples(0, job.take_eval_samples())  # the evaluation before training (none on a resume)
+    iteration, summary = job.first_iteration - 1, None
     try:
         for iteration in range(job.first_iteration, cfg.run.iterations + 1):
             collected = job.collect_batch(iteration)  # generate, score, collect; lost chunks regenerated
             trained = job.update(iteration, collected)  # rewards at this beta, GAE, PPO epochs; then beta
             synced = job.sync()  # weights (version + 1) and beta to every actor, then the probe
             record = job.record(iteration, collected, trained, synced)  # evaluation too, when due
-            progress.update(record)
+            progress.update(record, job.take_eval_samples())
             if stop.requested or job.checkpoint_due(iteration):
                 job.save_checkpoint(iteration)
             if stop.requested:
                 break
-        return job.finish(iteration, stop)
+        summary = job.finish(iteration, stop)
+        return summary
     finally:
-        progress.close()
+        progress.close(summary)  # the tracker takes the summary and the final curves
         job.placement.remove()
 
 
@@ -147,17 +167,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg is None:
         return 0
+    from learner.console import quiet_libraries
+
+    quiet_libraries(cfg.metrics.log_level)
     from actors.reward import RewardError
     from learner.checkpoint import CheckpointError
     from learner.cluster import ClusterError
     from learner.fleet import ProbeError
-    from learner.loop import LoopError
     from learner.rundir import RunDirectoryError
     from learner.storage import StorageError
 
     try:
         summary = run(cfg)
-    except (ClusterError, RunDirectoryError, RewardError, CheckpointError, ProbeError, StorageError, LoopError,
+    except (ClusterError, RunDirectoryError, RewardError, CheckpointError, ProbeError, StorageError,
             FileNotFoundError, ValueError) as err:
         print(f"[tether] error: {err}", file=sys.stderr, flush=True)
         return 1
@@ -165,5 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         return 143  # stopped by a signal, like a process killed by SIGTERM, after a clean checkpoint
     return 0 if all(math.isfinite(v) for v in summary["eval_final"].values()) else 1
 
-if __name__ == "__main__":
+
+def cli() -> None:
+    """The ``tether`` console command (pyproject.toml): the same as ``python -m learner.main``."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

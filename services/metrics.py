@@ -1,10 +1,24 @@
 """Metrics for the Ray dashboard through ``ray.util.metrics``; they appear on the head's Prometheus
 endpoint as ``ray_tether_<name>``. Ray drops a gauge two report intervals after its last set, so
-every gauge is set again each iteration."""
+every gauge is set again each iteration.
+
+Every series carries ``tether_run`` (the run name, run.name) and ``ray_job`` (the Ray job id). Not ``job``:
+Prometheus keeps that label for its scrape job and renames ours to ``exported_job``, so a board filtering
+on it would merge every run."""
 
 from __future__ import annotations
 
+import os
+
 from ray.util.metrics import Counter, Gauge
+
+TAG_KEYS = ("tether_run", "ray_job", "role")
+
+
+def run_name() -> str:
+    """The run these metrics belong to: ``TETHER_RUN``, which learner.cluster sets in the driver and in
+    every actor; an actor started outside a job has none."""
+    return os.environ.get("TETHER_RUN", "")
 
 # driver gauges: name -> (metrics.jsonl key, description)
 DRIVER_GAUGES = {
@@ -26,11 +40,11 @@ DRIVER_GAUGES = {
 
 class DriverMetrics:
     def __init__(self, job_id: str) -> None:
-        self.tags = {"job": job_id, "role": "driver"}
-        self.gauges = {name: Gauge(f"tether_{name}", description=desc, tag_keys=("job", "role"))
+        self.tags = {"tether_run": run_name(), "ray_job": job_id, "role": "driver"}
+        self.gauges = {name: Gauge(f"tether_{name}", description=desc, tag_keys=TAG_KEYS)
                        for name, (_, desc) in DRIVER_GAUGES.items()}
-        self.iterations = Counter("tether_iterations", description="finished iterations", tag_keys=("job", "role"))
-        self.episodes = Counter("tether_episodes", description="trained episodes", tag_keys=("job", "role"))
+        self.iterations = Counter("tether_iterations", description="finished iterations", tag_keys=TAG_KEYS)
+        self.episodes = Counter("tether_episodes", description="trained episodes", tag_keys=TAG_KEYS)
 
     def record(self, record: dict) -> None:
         for name, (key, _) in DRIVER_GAUGES.items():
@@ -46,8 +60,8 @@ class ActorMetrics:
     rollout throughput."""
 
     def __init__(self, job_id: str, role: str, index: int) -> None:
-        self.tags = {"job": job_id, "role": role, "actor": f"{role}-{index}"}
-        keys = ("job", "role", "actor")
+        self.tags = {"tether_run": run_name(), "ray_job": job_id, "role": role, "actor": f"{role}-{index}"}
+        keys = (*TAG_KEYS, "actor")
         self.version = Gauge("tether_actor_policy_version", description="policy version this actor holds",
                              tag_keys=keys)
         self.kl_coef = Gauge("tether_actor_kl_coef", description="beta this actor holds", tag_keys=keys)

@@ -71,6 +71,7 @@ def save_model_dir(model, tokenizer, path: Path) -> Path:
 def sft_warm_start(task: Task, tokenizer, seed: int, steps: int, batch_size: int, lr: float, log=print):
     """Train the task's GPT-2 from random init on its SFT corpus (text + eos), next-token loss."""
     model = build_gpt2(tokenizer, task.model_config or {}, seed)
+    model.loss_type = "ForCausalLM"  # the loss GPT-2 uses; unset, transformers warns that it guesses it
     corpus = [tokenizer(text)["input_ids"] + [tokenizer.eos_token_id] for text in task.sft_corpus()]
     width = max(len(x) for x in corpus)
     ids = torch.full((len(corpus), width), tokenizer.pad_token_id, dtype=torch.long)

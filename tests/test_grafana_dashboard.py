@@ -59,7 +59,9 @@ def test_kl_and_target_share_a_panel(dashboard):
 def test_templating_and_filters(dashboard):
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    assert variables["job"]["type"] == "query" and "job" in variables["job"]["definition"]
+    # the run's own label: Prometheus renames a `job` label to `exported_job`, and a board on it merges all runs
+    assert "job" not in variables
+    assert variables["tether_run"]["type"] == "query" and "tether_run" in variables["tether_run"]["definition"]
     assert 36 <= dashboard["schemaVersion"] <= 41
     ids = [p["id"] for p in all_panels(dashboard["panels"])]
     assert len(ids) == len(set(ids))
@@ -68,4 +70,5 @@ def test_templating_and_filters(dashboard):
             continue
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         for target in panel["targets"]:
-            assert 'job=~"$job"' in target["expr"], (panel["title"], target["expr"])
+            assert 'tether_run=~"$tether_run"' in target["expr"], (panel["title"], target["expr"])
+            assert not re.search(r"\bjob\b", target["expr"] + target.get("legendFormat", "")), target

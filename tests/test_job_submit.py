@@ -3,6 +3,7 @@ then `deploy/local-cluster.sh down`."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -177,3 +178,31 @@ def test_up_is_idempotent_and_down_stops_the_group(tmp_path):
     assert noop.returncode == 0 and "not up" in noop.stderr, noop.stdout + noop.stderr
     status = script("status", second.env)
     assert status.returncode == 0 and "status: down" in status.stdout
+
+
+def test_job_runtime_env_reaches_the_actors(cluster, client, cache_dir, tmp_path):
+    """`ray job submit --runtime-env-json '{"env_vars": ...}'`: the driver keeps the job's runtime env (Ray
+    refuses a second one from ray.init), the job succeeds, and its reward actors see both the job's
+    variables and tether's per-actor ones (the task's reward raises otherwise)."""
+    from tests.env_task import JOB_ENV, RUN_NAME
+
+    job_id = f"tether-env-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "runs"
+    cmd = [RAY_CLI, "job", "submit", "--address", cluster.dashboard, "--submission-id", job_id,
+           "--working-dir", ".", "--runtime-env-json", json.dumps({"env_vars": JOB_ENV}), "--no-wait", "--",
+           "python", "-m", "learner.main", "--config", "tests/configs/small.yaml", "--task.name",
+           "tests.env_task:JobEnvTask", "--run.name", RUN_NAME, "--run.iterations", "1",
+           "--cluster.placement_timeout_s", "300",
+           "--model.cache_dir", os.path.abspath(cache_dir), "--run.output_dir", str(out)]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    status = wait_terminal(client, job_id)
+    logs = client.get_job_logs(job_id)
+    assert status == "SUCCEEDED", f"job ended {status}; log tail:\n{logs[-4000:]}"
+    assert "Failed to merge the Job's runtime env" not in logs
+    # what `ray job logs` shows a person: the run directory, the progress lines and the summary
+    assert f"[tether] run directory {out / RUN_NAME}" in logs, logs[-4000:]
+    assert "[tether] iter 1/1 | reward" in logs and "[tether] summary:" in logs, logs[-4000:]
+    assert client.get_job_info(job_id).runtime_env["env_vars"] == JOB_ENV
+    assert (out / RUN_NAME / "summary.json").is_file()

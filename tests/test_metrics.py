@@ -55,7 +55,7 @@ def test_dashboard_metrics_match_the_job(ray_head, cache_dir, tmp_path):
            cache_dir, "--run.output_dir", str(tmp_path), "--run.name", "metrics", "--run.seed", "1",
            "--model.sft_steps", "60", "--model.sft_batch_size", "50", "--rollout.batch_size", "32",
            "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16", "--run.iterations", "10",
-           "--run.eval_every", "100"]
+           "--run.eval_every", "100", "--cluster.placement_timeout_s", "300"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **RAY_ENV})
     snapshots, deadline = [], time.monotonic() + 600
@@ -87,6 +87,14 @@ def test_dashboard_metrics_match_the_job(ray_head, cache_dir, tmp_path):
         if any(values[name][0] != pytest.approx(record[key], rel=1e-5, abs=1e-9) for name, key in DRIVER_SERIES.items()):
             continue
         assert by_name(snap, "ray_tether_iterations_total")[0] >= 1
+        # every series, the driver's and the actors', names its run in its own label; none in `job`, which
+        # Prometheus renames to `exported_job`
+        for (name, labels) in snap:
+            if name.endswith("_total"):  # counters outlive their job; gauges go two report intervals after it
+                continue
+            labels = dict(labels)
+            assert labels.get("tether_run") == "metrics" and labels.get("ray_job") and "job" not in labels, \
+                (name, labels)
         # per-actor state; each process reports on its own 1 s clock, so allow one iteration of skew
         for actor in ("rollout-0", "reference-0", "reward-0"):
             version = by_name(snap, "ray_tether_actor_policy_version", actor=actor)

@@ -1,0 +1,76 @@
+"""A console people can read: the default job prints tether's own lines (progress, summary, the run
+directory) and few others, none of them a warning; `--log-level debug` brings the libraries back; `tether` is
+the same command as `python -m learner.main`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import tomllib
+
+import pytest
+
+from tests.conftest import ROOT, run_job
+
+MAX_LINES = 60
+
+
+def test_library_env_by_level():
+    from learner.console import library_env
+
+    quiet = library_env("warning")
+    assert quiet["VLLM_LOGGING_LEVEL"] == "WARNING" and quiet["TRANSFORMERS_VERBOSITY"] == "warning"
+    assert quiet["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and quiet["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    loud = library_env("debug")
+    assert loud["VLLM_LOGGING_LEVEL"] == "DEBUG" and loud["TETHER_LOG_LEVEL"] == "debug"
+    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in loud and "TORCH_CPP_LOG_LEVEL" not in loud
+
+
+def test_harmless_vllm_warning_is_dropped_below_debug_only(monkeypatch):
+    """The filter drops exactly the known harmless lines, on the logger vLLM emits them from."""
+    from learner.console import DropHarmless, quiet_vllm
+
+    logger = logging.getLogger("vllm.v1.worker.cpu_worker")
+    monkeypatch.setattr(logger, "filters", [])
+    monkeypatch.setenv("TETHER_LOG_LEVEL", "debug")
+    quiet_vllm()
+    assert not logger.filters
+    monkeypatch.setenv("TETHER_LOG_LEVEL", "warning")
+    quiet_vllm()
+    (drop,) = [f for f in logger.filters if isinstance(f, DropHarmless)]
+    record = lambda msg: logging.LogRecord(logger.name, logging.WARNING, __file__, 1, msg, None, None)
+    assert not drop.filter(record("CPU backend doesn't allow to use `torch.set_num_threads` after the thread "
+                                  "binding, skip it."))
+    assert drop.filter(record("Node 1 is not in available memory nodes [0]."))
+
+
+def test_tether_entry_point_is_learner_main(monkeypatch, capsys):
+    """pyproject's `tether` command runs learner.main's cli(), which is `python -m learner.main`."""
+    from learner.main import cli
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["tether"] == "learner.main:cli"
+    monkeypatch.setattr(sys, "argv", ["tether", "--print-config", "--log-level", "debug"])
+    with pytest.raises(SystemExit) as stopped:
+        cli()
+    assert stopped.value.code == 0
+    assert "log_level: debug" in capsys.readouterr().out
+
+
+@pytest.mark.integration
+def test_default_job_console_is_short_and_has_no_warning(ray_head, cache_dir, tmp_path):
+    """The default job, two iterations (and the tests' short SFT warm start): under MAX_LINES lines of
+    stdout and stderr together, no warning, and the lines a person looks for."""
+    proc = run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
+                    str(tmp_path), "--run.seed", "1", "--model.sft_steps", "60", "--model.sft_batch_size", "50",
+                    "--run.iterations", "2", "--cluster.placement_timeout_s", "300"])
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert proc.returncode == 0, "\n".join(lines[-80:])
+    assert len(lines) < MAX_LINES, f"{len(lines)} lines:\n" + "\n".join(lines)
+    warnings = [line for line in lines if "warning" in line.lower()]
+    assert not warnings, "\n".join(warnings)
+    run_dir = tmp_path / "randomwalks"
+    assert f"[tether] run directory {run_dir}" in lines
+    for start in ("[tether] iter 1/2 | reward", "[tether] iter 2/2 | reward", "[tether] summary: final optimality"):
+        assert any(line.startswith(start) for line in lines), start
+    assert lines[-1].startswith("[tether] summary:") and lines[-1].endswith(str(run_dir / "summary.json"))
