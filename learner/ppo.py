@@ -67,10 +67,21 @@ def global_loss_denominator(mask: Tensor, aggregation: Aggregation = "token_mean
     return (count.clamp(min=1) / world_size).to(torch.float32)
 
 
-def token_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
-    """[B, T] float32 log-softmax of ``logits`` [B, T, V] (any float dtype) at ``ids`` [B, T]. The
-    softmax runs in float32: in bfloat16 it would be off by about 1e-2."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0, chunk_rows: int = 256) -> Tensor:
+    """[B, T] float32 log-prob of ``ids`` [B, T] under ``softmax(logits / temperature)``, ``logits`` [B, T, V]
+    in any float dtype: the sampled logit minus a logsumexp over the vocabulary, ``chunk_rows`` positions at
+    a time, so no [B, T, V] log-softmax is ever built (nor kept for backward). It runs in float32: in
+    bfloat16 it would be off by about 1e-2."""
+    flat, flat_ids = logits.reshape(-1, logits.shape[-1]), ids.reshape(-1, 1)
+    picked = flat.gather(-1, flat_ids).squeeze(-1).float()
+    # split, not slicing: its backward concatenates the chunks' gradients once
+    lse = torch.cat([torch.logsumexp(_scaled(chunk, temperature), dim=-1) for chunk in flat.split(chunk_rows)])
+    return (picked / temperature - lse).reshape(ids.shape)
+
+
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    """``logits`` in float32, divided by ``temperature`` (not copied again when it is 1)."""
+    return logits.float() if temperature == 1.0 else logits.float() / temperature
 
 
 def masked_var(x: Tensor, mask: Tensor) -> Tensor:
@@ -243,10 +254,15 @@ def value_loss(
     return loss, stats
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """[B, T] entropy of the categorical distributions given by ``logits`` [B, T, V]."""
-    log_p = torch.log_softmax(logits.float(), dim=-1)
-    return -(log_p.exp() * log_p).sum(dim=-1)
+def entropy_from_logits(logits: Tensor, chunk_rows: int = 256) -> Tensor:
+    """[B, T] float32 entropy of the categorical distributions given by ``logits`` [B, T, V]:
+    ``logsumexp(x) - sum(softmax(x) * x)``, ``chunk_rows`` positions at a time (no [B, T, V] log-softmax)."""
+    parts = []
+    for chunk in logits.reshape(-1, logits.shape[-1]).split(chunk_rows):
+        x = chunk.float()
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        parts.append((lse - (torch.exp(x - lse) * x).sum(dim=-1, keepdim=True)).squeeze(-1))
+    return torch.cat(parts).reshape(logits.shape[:-1])
 
 
 def explained_variance_moments(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
