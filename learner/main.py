@@ -141,9 +141,12 @@ def run(cfg: JobConfig) -> dict:
     cluster.connect(cfg, log=log)
     placement = cluster.reserve(cfg)
     cluster.preflight(cfg, placement, [m for m in (model, reward_model) if m], run_path, log=log)
+    # every actor starts at once: the learner ranks set up DeepSpeed while the engines start vLLM
     fleet = Fleet(cfg, model, placement, sampling, pad_id,
-                  max_model_len=cfg.task.max_prompt_tokens + sampling.max_new_tokens + 1, reward_model=reward_model)
+                  max_model_len=cfg.task.max_prompt_tokens + sampling.max_new_tokens + 1, reward_model=reward_model,
+                  wait=False)
     learner = LearnerGroup(cfg, model, placement)
+    fleet.wait_ready()
     log(f"actors ready: {len(fleet.rollouts)} rollout, {len(fleet.references)} reference, {len(fleet.rewards)} "
         f"reward, {cfg.learner.world_size} learner rank(s), ZeRO-{cfg.learner.zero_stage}, {cfg.learner.dtype} "
         f"({time.perf_counter() - wall_start:.1f}s)")
