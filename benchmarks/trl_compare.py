@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench import ROOT, RESULTS, cpu_model, stamp, write_results
+from _bench import RESULTS, ROOT, cpu_model, stamp, write_results
 
 TRL_VERSION = "1.16.0"
 TORCH_VERSION = "2.13.0"
@@ -45,12 +45,13 @@ def trl_python(cache_dir: Path) -> Path:
     """A virtualenv with torch and TRL under ``cache_dir`` (made on first use); its python."""
     venv = cache_dir / f"venv-trl-{TRL_VERSION}"
     python = venv / "bin" / "python"
-    if python.is_file() and subprocess.run([str(python), "-c", "import trl"], capture_output=True).returncode == 0:
+    if python.is_file() and subprocess.run([str(python), "-c", "import trl"], check=False, capture_output=True).returncode == 0:
         return python
     print(f"[trl_compare] installing TRL {TRL_VERSION} into {venv}", flush=True)
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     for packages in ([f"torch=={TORCH_VERSION}"], [f"trl=={TRL_VERSION}"]):
-        proc = subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], capture_output=True, text=True)
+        proc = subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=False,
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"pip install {' '.join(packages)} into {venv} failed:\n{proc.stdout[-3000:]}"
                                f"{proc.stderr[-3000:]}")
@@ -73,7 +74,7 @@ def timed(cmd: list[str], log: Path, env: dict | None = None) -> float:
     """Whole-process seconds of ``cmd`` (output to ``log``); raises naming the log when it fails."""
     start = time.perf_counter()
     with open(log, "w") as out:
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env).returncode
+        code = subprocess.run(cmd, check=False, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env).returncode
     seconds = time.perf_counter() - start
     if code != 0:
         raise RuntimeError(f"{cmd[:4]}... exited {code}; see {log}")
@@ -162,17 +163,17 @@ def main() -> None:
                "ratio_tether_over_trl": a["whole_process_seconds"] / b["whole_process_seconds"],
                "both_reached_target": reached}
     table = [
-        f"randomwalks, tether's default job against TRL {TRL_VERSION} GRPO (16 prompts x 8, lr 3e-4, beta 0, 2 "
-        f"threads), same SFT start (optimality {sft_optimality:.2f}), one evaluation (20 prompts x 50 samples); "
-        f"{results['date']}, {results['machine']}, CPU flags: {results['cpu_flags']}; "
-        "`.venv/bin/python benchmarks/trl_compare.py --readme`",
+        (f"randomwalks, tether's default job against TRL {TRL_VERSION} GRPO (16 prompts x 8, lr 3e-4, beta 0, 2 "
+         f"threads), same SFT start (optimality {sft_optimality:.2f}), one evaluation (20 prompts x 50 samples); "
+         f"{results['date']}, {results['machine']}, CPU flags: {results['cpu_flags']}; "
+         "`.venv/bin/python benchmarks/trl_compare.py --readme`"),
         "",
         "| | steps | whole process | sampled optimality |",
         "|---|---|---|---|",
         f"| tether | {a['steps']} | {a['whole_process_seconds']:.1f} s | {a['optimality']:.3f} |",
         f"| TRL GRPO | {b['steps']} | {b['whole_process_seconds']:.1f} s | {b['optimality']:.3f} |",
-        f"| tether / TRL | | {results['ratio_tether_over_trl']:.2f}x | "
-        f"{'both >= 0.95' if reached else 'target NOT reached by both: ratio not to target'} |",
+        (f"| tether / TRL | | {results['ratio_tether_over_trl']:.2f}x | "
+         f"{'both >= 0.95' if reached else 'target NOT reached by both: ratio not to target'} |"),
     ]
     json_path, md_path = write_results(args.out, "trl_compare", results, table)
     print("\n".join(table), flush=True)
