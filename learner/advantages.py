@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -24,9 +23,6 @@ from torch import Tensor
 from learner.kl import last_token_index
 from learner.ppo import gae_advantages, global_whiten
 
-Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
-# estimators whose baseline is taken over the samples of one prompt: they need samples_per_prompt >= 2
-GROUP_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_pp_baseline"})
 GRPO_EPS = 1e-6
 
 

@@ -45,7 +45,9 @@ def chunk_layout(prompt_rows: list[int], samples_per_prompt: int, chunk_size: in
 class Fleet:
     def __init__(self, cfg: JobConfig, model: ModelSource, placement, sampling: SamplingSettings, pad_id: int,
                  max_model_len: int, reward_model: ModelSource | None = None,
-                 task_options: dict | None = None) -> None:
+                 task_options: dict | None = None, wait: bool = True) -> None:
+        """Starts every actor at once; ``wait=False`` returns before they are ready (call ``wait_ready``), so
+        the caller can start the learner ranks meanwhile."""
         self.cfg, self.sampling, self.pad_id = cfg, sampling, pad_id
         c, restarts, dtype = cfg.cluster, cfg.run.actor_max_restarts, cfg.learner.dtype
         # vLLM's transfer is set up once (an NCCL group cannot take back a restarted member): there a lost
@@ -77,7 +79,13 @@ class Fleet:
             for i in range(cfg.reward.num_actors)
         ]
         self.all = self.rollouts + self.references + self.rewards
-        ray.get([a.ready.remote() for a in self.all])
+        self.ready_refs = [a.ready.remote() for a in self.all]
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Blocks until every actor has started; raises the first constructor's error."""
+        ray.get(self.ready_refs)
 
     # ------------------------------------------------------------------ streaming work
 

@@ -29,21 +29,16 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from learner.choices import GRPO_TOKEN_K3_WARNING, LossForm
 from learner.ppo import Aggregation, masked_mean
 
 Estimator = Literal["k1", "k2", "k3"]
 Scope = Literal["response_sum", "token_mean"]
-LossForm = Literal["kl_to_go", "response_k2", "grpo_token_k3"]
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 SCOPES: tuple[str, ...] = get_args(Scope)
 LOSS_FORMS: tuple[str, ...] = get_args(LossForm)
 # loss forms whose expected gradient is exactly that of the response KL (tests/test_kl_loss.py enumerates)
 EXACT_LOSS_FORMS: tuple[str, ...] = ("kl_to_go", "response_k2")
-GRPO_TOKEN_K3_WARNING = (
-    "kl.loss_form='grpo_token_k3' (GRPO's per-token k3 in the loss) has the expected gradient of the reverse "
-    "KL(pi_ref || pi) per token, not of the response KL, and as a token mean its beta and kl.target do not "
-    "mean what they mean with kl.placement='reward'; use it only to reproduce GRPO"
-)
 
 
 # ---------------------------------------------------------------- input checks (fail loudly, change nothing)

@@ -313,8 +313,9 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     cluster.preflight(cfg, placement, [m for m in (model, reward_model) if m], run_path, log=log)
     fleet = Fleet(cfg, model, placement, sampling, pad_id,
                   max_model_len=cfg.task.max_prompt_tokens + sampling.max_new_tokens + 1, reward_model=reward_model,
-                  task_options=task.reward_actor_options())
-    learner = LearnerGroup(cfg, model, placement)
+                  task_options=task.reward_actor_options(), wait=False)
+    learner = LearnerGroup(cfg, model, placement)  # DeepSpeed sets up while the engines start
+    fleet.wait_ready()
     log(f"actors ready: {len(fleet.rollouts)} rollout, {len(fleet.references)} reference, {len(fleet.rewards)} "
         f"reward, {cfg.learner.world_size} learner rank(s), ZeRO-{cfg.learner.zero_stage}, {cfg.learner.dtype} "
         f"({time.perf_counter() - wall_start:.1f}s)")

@@ -15,7 +15,8 @@ from datetime import timedelta
 import torch
 from torch import Tensor, nn
 
-from learner.advantages import GROUP_ESTIMATORS, check_whole_groups, compute_advantages, uses_critic
+from learner.advantages import check_whole_groups, compute_advantages, uses_critic
+from learner.choices import GROUP_ESTIMATORS
 from learner.config import KLConfig, LearnerConfig, PPOConfig
 from learner.kl import check_finite, grpo_token_k3_loss, kl_penalized_rewards, kl_sums, response_kl_loss
 from learner.ppo import (
@@ -269,7 +270,7 @@ class LearnerRank:
         n = batch.shape[0]
         generator = torch.Generator().manual_seed(self.seed * 100_003 + iteration)
         aggregation = self.ppo.loss_aggregation
-        totals: dict[str, list[float]] = {}  # name -> [sum, count], additive over ranks
+        totals: dict[str, list] = {}  # name -> [sum, count] (tensors until the end), additive over ranks
         steps = 0
         for _ in range(self.ppo.epochs):
             for rows in torch.randperm(n, generator=generator).split(micro):
@@ -306,7 +307,7 @@ class LearnerRank:
                     entropy = masked_mean(entropy_from_logits(logits), mask)
                 # losses are this rank's share of the global minibatch mean: one count per step; token
                 # statistics are this rank's token means: weighted by its tokens
-                tokens = float(mask.sum())
+                tokens = mask.sum().double()  # stays on the device: the stats reach the host once, at the end
                 step_stats = {"loss": (loss, 1.0), "policy_loss": (pg_loss, 1.0)}
                 if self.has_critic:
                     step_stats["value_loss"] = (vf_loss, 1.0)
@@ -315,10 +316,11 @@ class LearnerRank:
                 step_stats |= {k: (v, tokens) for k, v in {"entropy": entropy, **pg_stats, **vf_stats}.items()}
                 for key, (value, count) in step_stats.items():
                     acc = totals.setdefault(key, [0.0, 0.0])
-                    acc[0] += float(value.detach()) * count
-                    acc[1] += count
+                    acc[0] = acc[0] + value.detach().double() * count
+                    acc[1] = acc[1] + count
                 steps += 1
-        return {"stats": totals, "optimizer_steps": steps}
+        return {"stats": {key: [float(total), float(count)] for key, (total, count) in totals.items()},
+                "optimizer_steps": steps}
 
     # ------------------------------------------------------------------ weights, probes, fixed-batch checks
 

@@ -142,7 +142,9 @@ def response_forward(model, batch: RolloutBatch, temperature: float = 1.0, hidde
     )
     p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     # logits at position i predict token i + 1: response token j is predicted from column P + j - 1
+    from learner.ppo import token_logprobs
+
     logits = out.logits[:, p - 1 : p + t - 1].float() / temperature
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    logprobs = token_logprobs(logits, batch.response_ids)
     states = out.hidden_states[-1][:, p - 1 : p + t - 1] if hidden else None
     return logprobs, logits, states

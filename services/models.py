@@ -17,13 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GPT2Config,
-    GPT2LMHeadModel,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from services.model_source import ModelSource
 from services.tasks.base import Task
@@ -44,7 +38,11 @@ def build_char_tokenizer(vocabulary: list[str]) -> PreTrainedTokenizerFast:
     )
 
 
-def build_gpt2(tokenizer: PreTrainedTokenizerFast, model_config: dict, seed: int) -> GPT2LMHeadModel:
+def build_gpt2(tokenizer: PreTrainedTokenizerFast, model_config: dict, seed: int):
+    """A random-init ``GPT2LMHeadModel``. The modeling classes are imported here, not by the driver, which
+    needs only the tokenizer when the SFT model is cached."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=len(tokenizer),
@@ -142,6 +140,8 @@ def load_tokenizer(path: str | Path):
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32"):
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
     model.eval()
     return model

@@ -151,3 +151,41 @@ def test_global_whiten_without_a_group_is_masked_whiten_and_moments_add_over_sha
     assert torch.allclose(torch.cat([whiten_from_moments(x[:3], mask[:3], moments),
                                      whiten_from_moments(x[3:], mask[3:], moments)]),
                           masked_whiten(x, mask), atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+@pytest.mark.parametrize("chunk_rows", [1, 5, 256])
+def test_token_logprobs_and_entropy_match_a_full_log_softmax(temperature, chunk_rows):
+    """The chunked logsumexp form gives log_softmax(logits / temperature) at the ids, and its gradient,
+    within float32 tolerance; entropy too. 3 x 7 rows do not divide into chunks of 5: a partial last one."""
+    from learner.ppo import token_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(3, 7, 50, generator=g) * 4).requires_grad_(True)
+    ids = torch.randint(0, 50, (3, 7), generator=g)
+    weights = torch.randn(3, 7, generator=g)
+    full = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    (full_grad,) = torch.autograd.grad((full * weights).sum(), logits)
+    got = token_logprobs(logits, ids, temperature, chunk_rows=chunk_rows)
+    (got_grad,) = torch.autograd.grad((got * weights).sum(), logits)
+    assert got.dtype == torch.float32 and got.shape == (3, 7)
+    torch.testing.assert_close(got, full, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_grad, full_grad, rtol=1e-5, atol=1e-6)
+    log_p = torch.log_softmax(logits.detach().double(), dim=-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    torch.testing.assert_close(entropy_from_logits(logits.detach(), chunk_rows=chunk_rows).double(), entropy,
+                               rtol=0, atol=1e-5)
+
+
+def test_token_logprobs_of_bfloat16_logits_run_in_float32_and_take_an_empty_batch():
+    from learner.ppo import token_logprobs
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 4, 1000, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 1000, (2, 4), generator=g)
+    reference = torch.log_softmax(logits.double(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    got = token_logprobs(logits, ids, chunk_rows=3)
+    assert got.dtype == torch.float32
+    assert float((got.double() - reference).abs().max()) < 1e-5
+    assert token_logprobs(torch.zeros(0, 4, 10), torch.zeros(0, 4, dtype=torch.long)).shape == (0, 4)
+    assert entropy_from_logits(torch.zeros(2, 0, 10)).shape == (2, 0)
