@@ -103,25 +103,6 @@ def wait_terminal(client, job_id: str, timeout_s: float = JOB_TIMEOUT_S) -> str:
         time.sleep(2)
 
 
-def test_submitted_job_succeeds(cluster, client, cache_dir, tmp_path):
-    """`ray job submit --working-dir .` runs the small config to the end; the driver logs its summary."""
-    job_id = f"tether-small-{uuid.uuid4().hex[:8]}"
-    out = tmp_path / "runs"
-    cmd = [RAY_CLI, "job", "submit", "--address", cluster.dashboard, "--submission-id", job_id,
-           "--working-dir", ".", "--no-wait", "--",
-           "python", "-m", "learner.main", "--config", "tests/configs/small.yaml",
-           "--model.cache_dir", os.path.abspath(cache_dir), "--run.output_dir", str(out)]
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-    status = wait_terminal(client, job_id)
-    logs = client.get_job_logs(job_id)
-    assert status == "SUCCEEDED", f"job ended {status}; log tail:\n{logs[-4000:]}"
-    summary_lines = [line for line in logs.splitlines() if line.startswith("[tether] summary:")]
-    assert summary_lines, f"no '[tether] summary:' line; log tail:\n{logs[-4000:]}"
-    assert (out / "small" / "summary.json").is_file()
-
-
 def test_invalid_config_fails_with_message(cluster, client, tmp_path):
     """A config the validator rejects ends the job FAILED, and its log names the bad field."""
     job_id = client.submit_job(
@@ -180,8 +161,9 @@ def test_up_is_idempotent_and_down_stops_the_group(tmp_path):
     assert status.returncode == 0 and "status: down" in status.stdout
 
 
-def test_job_runtime_env_reaches_the_actors(cluster, client, cache_dir, tmp_path):
-    """`ray job submit --runtime-env-json '{"env_vars": ...}'`: the driver keeps the job's runtime env (Ray
+def test_submitted_job_succeeds_and_its_runtime_env_reaches_the_actors(cluster, client, cache_dir, tmp_path):
+    """`ray job submit --working-dir . --runtime-env-json '{"env_vars": ...}'` runs the small config to the
+    end and the driver logs its summary (one submitted job serves both checks). The driver keeps the job's runtime env (Ray
     refuses a second one from ray.init), the job succeeds, and its reward actors see both the job's
     variables and tether's per-actor ones (the task's reward raises otherwise)."""
     from tests.env_task import JOB_ENV, RUN_NAME
