@@ -271,7 +271,7 @@ def test_a_4xx_of_the_service_ends_the_job_naming_the_chunk(ray_head, cache_dir,
     proc = run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
                     str(tmp_path), "--run.name", "refused", "--run.seed", "1", "--model.sft_steps", "60",
                     "--model.sft_batch_size", "50", "--run.iterations", "2", "--reward.kind", "remote",
-                    "--reward.url", url], timeout_s=600)
+                    "--reward.url", url, "--cluster.placement_timeout_s", "120"], timeout_s=600)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[tether] error:" in proc.stderr  # then Ray's note of the actor the error came from
     assert re.search(r"reward service of task 'randomwalks', (evaluation )?chunk \d+: "
