@@ -13,10 +13,10 @@ import torch
 from actors.base import VersionedActor
 from services.experience import RolloutBatch
 from services.model_source import ModelSource, as_source
-from services.reward_service import RewardClient, RewardServiceError
 
 if TYPE_CHECKING:
     from learner.config import RewardConfig
+    from services.reward_service import RewardClient
 
 
 class RewardError(RuntimeError):
@@ -51,6 +51,8 @@ def service_token(token_env: str, forwarded: str | None = None) -> str | None:
 def check_reward_service(reward: RewardConfig, log=print) -> None:
     """Driver pre-flight for ``reward.kind: remote``: the service at ``reward.url`` answers GET /health
     (with the driver's token, when it has one), before any actor starts. Raises RewardError naming the URL."""
+    from services.reward_service import RewardClient, RewardServiceError  # fastapi/httpx: only for remote
+
     token = service_token(reward.token_env)
     client = RewardClient(reward.url, token, reward.timeout_s, reward.max_retries)
     try:
@@ -72,6 +74,8 @@ def remote_scores(client: RewardClient, prompts: list[str], completions: list[st
                   where: str) -> list[float]:
     """The reward service's scores (retried by the client on a timeout or a 5xx); RewardError naming
     ``where`` (the chunk) with the service's message on a 4xx, a malformed answer or retries spent."""
+    from services.reward_service import RewardServiceError
+
     try:
         return client.score(prompts, completions, fields)
     except RewardServiceError as err:
@@ -126,6 +130,8 @@ class RewardActor(VersionedActor):
                 self.model_tokenizer.pad_token = self.model_tokenizer.eos_token
             self.model.config.pad_token_id = self.model_tokenizer.pad_token_id
         elif kind == "remote":
+            from services.reward_service import RewardClient
+
             self.client = RewardClient(remote.url, service_token(remote.token_env, forwarded_token),
                                        remote.timeout_s, remote.max_retries)
 
