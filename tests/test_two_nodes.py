@@ -165,7 +165,8 @@ def test_default_job_runs_on_the_worker_node_and_resumes_the_same_trajectory(two
     runs = base / "shared" / "runs"
     settings = {"model": {"cache_dir": str(base / "driver-only" / "cache")},
                 "run": {"output_dir": str(runs), "name": "two-nodes"}, "checkpoint": {"every": 2}}
-    first = run_on(cluster, base, settings, "--run.iterations", "3")
+    # the libraries' debug lines come with Ray's (ActorClass pid=..., ip=...) prefix: where each actor ran
+    first = run_on(cluster, base, settings, "--run.iterations", "3", "--metrics.log_level", "debug")
     out = first.stdout + first.stderr
     assert first.returncode == 0, out[-4000:]
     # every role ran on the worker, which got the driver's SFT model through the object store
