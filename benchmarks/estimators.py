@@ -3,9 +3,9 @@ default 30 iterations at 128 episodes per iteration (``rollout.samples_per_promp
 estimators, so 16 prompts per iteration; 1 otherwise). Reports the first evaluation whose sampled
 optimality reached 0.95, the final one, and the wall and steady iteration time.
 
-    .venv/bin/python benchmarks/estimators.py [--only grpo rloo ...] [-- extra learner.main args]
+    .venv/bin/python benchmarks/estimators.py [--only grpo rloo ...] [--mode async] [-- extra learner.main args]
 
-Writes benchmarks/results/estimators.json and estimators.md.
+Writes benchmarks/results/estimators.json and estimators.md (estimators-async.* with ``--mode async``).
 """
 
 from __future__ import annotations
@@ -67,16 +67,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=ESTIMATORS, default=list(ESTIMATORS))
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
+    parser.add_argument("--mode", choices=("sync", "async"), default="sync", help="rollout.mode of every run")
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
     args = parser.parse_args()
     results, done = stamp(), []
+    name = "estimators" if args.mode == "sync" else f"estimators-{args.mode}"
     with tempfile.TemporaryDirectory() as out:
         MeasuredJob(["--model.cache_dir", args.cache_dir, "--run.output_dir", str(Path(out) / "warmup"),
                      "--run.name", "warmup", "--run.iterations", "1"]).run()  # fill the SFT cache
         for estimator in args.only:
-            results[estimator] = run_estimator(estimator, args.cache_dir, out, args.extra)
+            results[estimator] = run_estimator(estimator, args.cache_dir, out, ["--rollout.mode", args.mode, *args.extra])
             done.append(estimator)
-            write_results(RESULTS, "estimators", results, table(results, done))  # a partial run keeps its rows
+            write_results(RESULTS, name, results, table(results, done))  # a partial run keeps its rows
     print("\n".join(table(results, done)))
 
 
