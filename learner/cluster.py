@@ -156,6 +156,12 @@ class Placement:
         return PlacementGroupSchedulingStrategy(placement_group=self.group,
                                                 placement_group_bundle_index=self.bundles[role][i])
 
+    def bundle_nodes(self) -> dict[int, str]:
+        """The node id of each bundle (the group is placed)."""
+        from ray.util.placement_group import placement_group_table
+
+        return {int(i): node for i, node in placement_group_table(self.group)["bundles_to_node_id"].items()}
+
     def remove(self) -> None:
         remove_placement_group(self.group)
 
@@ -248,32 +254,44 @@ def _check_node(models: list, storage, probe: str, rendezvous: tuple[str, int] |
 
 
 def preflight(cfg: JobConfig, placement: Placement, models: list, storage, log=print) -> None:
-    """Before any model loads, check every role's node: the models resolve there, the run storage (a
-    ``RunStorage``) is shared and writable from there, and learner ranks reach rank 0's node. Driver-made
-    model files go to the object store only when some node lacks them. Raises ClusterError naming each
-    actor, node and what is missing."""
+    """Before any model loads, check every node that holds a role: the models resolve there, the run
+    storage (a ``RunStorage``) is shared and writable from there, and a node with learner ranks reaches
+    rank 0's node. One check per node, not per actor: what is checked belongs to the node (its files, its
+    mounts, its network), and each check costs a fresh worker process. Driver-made model files go to the
+    object store only when some node lacks them. Raises ClusterError naming each actor, node and what is
+    missing."""
+    node_of = placement.bundle_nodes()
+    actors_on: dict[str, list[tuple[str, int]]] = {}
+    for role, i in roles(cfg):
+        actors_on.setdefault(node_of[placement.bundles[role][i]], []).append((role, i))
+    rank0_node = node_of[placement.bundles["learner"][0]]
+    # ranks on rank 0's node meet it on loopback; a node with other ranks must reach rank 0's node
+    away = {node for node, actors in actors_on.items()
+            if node != rank0_node and any(role == "learner" for role, _ in actors)}
     probe = storage.write_probe()
     check = ray.remote(num_cpus=0, max_retries=0)(_check_node)
     stand_in = None
-    if cfg.learner.world_size > 1:
+    if away:
         stand_in = ray.remote(RendezvousStandIn).options(
             num_cpus=0, scheduling_strategy=placement.strategy("learner", 0)).remote()
+    names = {node: ", ".join(f"{role}-{i}" for role, i in actors) for node, actors in actors_on.items()}
     try:
         rendezvous = ray.get(stand_in.address.remote(), timeout=cfg.cluster.placement_timeout_s) if stand_in else None
-        calls = {f"{role}-{i}": check.options(scheduling_strategy=placement.strategy(role, i)).remote(
-                     models, storage, probe, rendezvous if role == "learner" and i > 0 else None)
-                 for role, i in roles(cfg)}
+        calls = {node: check.options(scheduling_strategy=placement.strategy(*actors[0])).remote(
+                     models, storage, probe, rendezvous if node in away else None)
+                 for node, actors in actors_on.items()}
         try:
             found = dict(zip(calls, ray.get(list(calls.values()), timeout=cfg.cluster.placement_timeout_s),
                              strict=True))
         except ray.exceptions.GetTimeoutError as err:
+            late = [names[node] for node, ref in calls.items() if not ray.wait([ref], timeout=0)[0]]
             raise ClusterError(f"pre-flight: node checks did not answer within {cfg.cluster.placement_timeout_s:.0f}s "
-                               f"for {[name for name, ref in calls.items() if not ray.wait([ref], timeout=0)[0]]}") from err
+                               f"for the nodes of {late}") from err
     finally:
         storage.remove(probe)  # a leftover would make the run directory look like it holds a run
         if stand_in is not None:
             ray.kill(stand_in)
-    problems = [f"{name} on {f['node']}: {p}" for name, f in found.items() for p in f["problems"]]
+    problems = [f"{names[node]} on {f['node']}: {p}" for node, f in found.items() for p in f["problems"]]
     if problems:
         raise ClusterError("pre-flight failed:\n  " + "\n  ".join(problems))
     shipped = sorted({f["node"] for f in found.values() if f["ship"]})
@@ -281,8 +299,5 @@ def preflight(cfg: JobConfig, placement: Placement, models: list, storage, log=p
         for model in models:
             model.ship()
         log(f"pre-flight: the driver's model files go through the object store to {', '.join(shipped)}")
-    by_node: dict[str, list[str]] = {}
-    for name, f in found.items():
-        by_node.setdefault(f["node"], []).append(name)
-    log("pre-flight: models and run storage ok on " + "; ".join(f"{node}: {', '.join(names)}"
-                                                                 for node, names in by_node.items()))
+    log("pre-flight: models and run storage ok on " + "; ".join(f"{found[node]['node']}: {names[node]}"
+                                                                 for node in found))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from filelock import FileLock
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -128,11 +129,16 @@ def policy_dir(task: Task, model_path: str | None, cache_dir: str, seed: int, st
     if (path / "config.json").is_file():
         log(f"SFT warm start: cached at {path}")
         return path
-    log(f"SFT warm start: training {task.name} GPT-2 from random init ({steps} steps) -> {path}")
-    tokenizer = build_char_tokenizer(task.vocabulary)
-    model = sft_warm_start(task, tokenizer, seed, steps, batch_size, lr, log=log)
-    (Path(cache_dir).expanduser() / "sft").mkdir(parents=True, exist_ok=True)
-    return save_model_dir(model, tokenizer, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # jobs that start together on one cache train it once: the others wait here, then find it cached
+    with FileLock(path.parent / f".{path.name}.lock"):
+        if (path / "config.json").is_file():
+            log(f"SFT warm start: cached at {path} (trained by another job meanwhile)")
+            return path
+        log(f"SFT warm start: training {task.name} GPT-2 from random init ({steps} steps) -> {path}")
+        tokenizer = build_char_tokenizer(task.vocabulary)
+        model = sft_warm_start(task, tokenizer, seed, steps, batch_size, lr, log=log)
+        return save_model_dir(model, tokenizer, path)
 
 
 def load_tokenizer(path: str | Path):

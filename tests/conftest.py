@@ -104,9 +104,15 @@ def ray_client(ray_head):
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> str:
-    """SFT cache shared by the whole session (and across sessions when TETHER_TEST_CACHE is set)."""
-    path = os.environ.get("TETHER_TEST_CACHE") or str(tmp_path_factory.mktemp("tether-cache"))
-    return path
+    """SFT cache shared by the whole session, by its parallel workers (pytest-xdist: their base temp dirs
+    share a parent) and across sessions when TETHER_TEST_CACHE is set. Each model in it is built once,
+    under a file lock (``services.models.policy_dir``)."""
+    if os.environ.get("TETHER_TEST_CACHE"):
+        return os.environ["TETHER_TEST_CACHE"]
+    root = tmp_path_factory.getbasetemp()
+    shared = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "tether-cache"
+    shared.mkdir(exist_ok=True)
+    return str(shared)
 
 
 @pytest.fixture(scope="session")
