@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 run: $(STAMP)
 	$(VENV)/bin/python -m learner.main $(ARGS)
 
+# Two pytest workers (pytest-xdist), a test module each at a time: a job test leaves a core idle for about
+# a third of its time (the driver's imports, single-threaded generation, teardown), which the other fills.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 

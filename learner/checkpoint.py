@@ -18,8 +18,9 @@ from learner.config import JobConfig
 from learner.storage import RunStorage
 
 # settings a resumed run may change; anything else must match the checkpoint's config
-RESUMABLE_CHANGES = ("run.iterations", "run.resume", "run.overwrite", "run.eval_every", "cluster", "metrics",
-                     "checkpoint", "run.probe_every", "learner.torch_threads", "learner.world_size")
+# run.output_dir: a run directory moved elsewhere (another mount point, another bucket) resumes there
+RESUMABLE_CHANGES = ("run.iterations", "run.resume", "run.overwrite", "run.eval_every", "run.output_dir", "cluster",
+                     "metrics", "checkpoint", "run.probe_every", "learner.torch_threads", "learner.world_size")
 
 
 class CheckpointError(RuntimeError):

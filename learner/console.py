@@ -42,8 +42,10 @@ HARMLESS_PYTHON_WARNINGS = (
     # vLLM's triton dispatcher touches a deprecated torch alias at import
     (FutureWarning, r"`torch\.distributed\.reduce_op` is deprecated"),
 )
-# torch without triton (the install removes it: vLLM on CPU needs none) says so once per engine
-HARMLESS_TORCH = (("torch._library.triton", "Triton not available"),)
+# torch without triton (the install removes it: vLLM on CPU needs none) says so once per engine; a process
+# without DS_ACCELERATOR that builds a transformers model (the driver training the SFT warm start) imports
+# DeepSpeed through transformers and accelerate, which says it picked the CPU
+HARMLESS_LOGGED = (("torch._library.triton", "Triton not available"), ("DeepSpeed", "Setting accelerator to CPU"))
 
 
 def level_now() -> str:
@@ -84,7 +86,7 @@ def _add_filter(target: logging.Logger | logging.Handler, prefixes: tuple[str, .
 def ignore_harmless_warnings() -> None:
     for category, message in HARMLESS_PYTHON_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
-    for name, prefix in HARMLESS_TORCH:
+    for name, prefix in HARMLESS_LOGGED:
         _add_filter(logging.getLogger(name), (prefix,))
 
 

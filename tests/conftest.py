@@ -3,6 +3,7 @@ tiny SFT-trained randomwalks policy built locally."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -102,6 +103,13 @@ def ray_client(ray_head):
     ray.shutdown()
 
 
+def shared_root(tmp_path_factory) -> Path:
+    """A directory every parallel worker of this session sees (pytest-xdist: their base temp dirs share a
+    parent)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> str:
     """SFT cache shared by the whole session, by its parallel workers (pytest-xdist: their base temp dirs
@@ -109,8 +117,7 @@ def cache_dir(tmp_path_factory) -> str:
     under a file lock (``services.models.policy_dir``)."""
     if os.environ.get("TETHER_TEST_CACHE"):
         return os.environ["TETHER_TEST_CACHE"]
-    root = tmp_path_factory.getbasetemp()
-    shared = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "tether-cache"
+    shared = shared_root(tmp_path_factory) / "tether-cache"
     shared.mkdir(exist_ok=True)
     return str(shared)
 
@@ -129,3 +136,51 @@ def run_job(args: list[str], timeout_s: float = 900) -> subprocess.CompletedProc
     """`python -m learner.main ARGS` as a user runs it; returns the finished process."""
     return subprocess.run([sys.executable, "-m", "learner.main", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout_s, env={**os.environ, **RAY_ENV}, check=False)
+
+
+# The tests' small job: the short SFT warm start, 32 episodes an iteration in chunks of 16
+SMALL = ["--run.seed", "1", "--model.sft_steps", "60", "--model.sft_batch_size", "50",
+         "--rollout.batch_size", "32", "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16",
+         "--run.eval_every", "100"]
+
+
+class SharedRuns:
+    """Jobs that several tests read and none writes: each runs once per session, also across parallel
+    workers (a file lock; the first worker runs it, the others wait and read it). A test that resumes or
+    changes a shared run copies its directory first."""
+
+    def __init__(self, root: Path, address: str, cache_dir: str) -> None:
+        self.root, self.address, self.cache_dir = root, address, cache_dir
+        root.mkdir(exist_ok=True)
+
+    def get(self, name: str, *args: str) -> tuple[Path, subprocess.CompletedProcess]:
+        """(run directory, the finished process) of ``python -m learner.main ARGS`` as run ``name``."""
+        from filelock import FileLock
+
+        record = self.root / f"{name}.json"
+        with FileLock(self.root / f".{name}.lock"):
+            if not record.exists():
+                proc = run_job(["--cluster.address", self.address, "--model.cache_dir", self.cache_dir,
+                                "--run.output_dir", str(self.root), "--run.name", name, *args])
+                record.write_text(json.dumps({"args": proc.args, "returncode": proc.returncode,
+                                              "stdout": proc.stdout, "stderr": proc.stderr}))
+        done = json.loads(record.read_text())
+        return self.root / name, subprocess.CompletedProcess(**done)
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory, ray_head, cache_dir) -> SharedRuns:
+    return SharedRuns(shared_root(tmp_path_factory) / "shared-runs", ray_head.address, cache_dir)
+
+
+@pytest.fixture(scope="session")
+def default_run(shared_runs):
+    """The embedded default job (randomwalks, the default SFT warm start, adaptive KL), 10 iterations with
+    an evaluation every 5 and TensorBoard: what `make run` does, shorter."""
+    return shared_runs.get("randomwalks", "--run.iterations", "10", "--run.eval_every", "5", "--metrics.tensorboard")
+
+
+@pytest.fixture(scope="session")
+def small_run(shared_runs):
+    """The small job, 4 iterations, a checkpoint every 2."""
+    return shared_runs.get("small", *SMALL, "--run.iterations", "4", "--checkpoint.every", "2")

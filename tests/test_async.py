@@ -10,11 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_job
+from tests.conftest import SMALL, run_job
 
-SMALL = ["--run.seed", "1", "--model.sft_steps", "60", "--model.sft_batch_size", "50",
-         "--rollout.batch_size", "32", "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16",
-         "--run.eval_every", "100"]
 ASYNC = ["--rollout.mode", "async"]
 
 
@@ -115,15 +112,15 @@ def test_a_stale_row_is_never_trained_on(ray_client, tiny_model_dir):
 
 
 @pytest.mark.integration
-def test_staleness_zero_reproduces_sync(ray_head, cache_dir, tmp_path):
-    """async with max_staleness 0 never overlaps: the same prompts, the same trajectory as sync, importance
-    weights of 1 (within the probe's tolerance) and no stale row."""
-    sync = run_job(job_args(ray_head, cache_dir, tmp_path, "sync", "--run.iterations", "3"))
+def test_staleness_zero_reproduces_sync(ray_head, cache_dir, small_run, tmp_path):
+    """async with max_staleness 0 never overlaps: the same prompts, the same trajectory as sync (the small
+    run's first 3 iterations), importance weights of 1 (within the probe's tolerance) and no stale row."""
+    sync_dir, sync = small_run
     assert sync.returncode == 0, sync.stderr[-3000:]
     zero = run_job(job_args(ray_head, cache_dir, tmp_path, "zero", "--run.iterations", "3", *ASYNC,
                             "--rollout.max_staleness", "0"))
     assert zero.returncode == 0, zero.stderr[-3000:]
-    a, b = metrics(tmp_path / "sync"), metrics(tmp_path / "zero")
+    a, b = metrics(sync_dir)[:3], metrics(tmp_path / "zero")
     assert [r["prompt_rows"] for r in a] == [r["prompt_rows"] for r in b]
     assert [r["batch_staleness_max"] for r in b] == [0, 0, 0]
     assert all(r["ppo_is_capped_fraction"] == 0 for r in b)

@@ -10,7 +10,7 @@ import tomllib
 
 import pytest
 
-from tests.conftest import ROOT, run_job
+from tests.conftest import ROOT
 
 MAX_LINES = 60
 
@@ -58,19 +58,16 @@ def test_tether_entry_point_is_learner_main(monkeypatch, capsys):
 
 
 @pytest.mark.integration
-def test_default_job_console_is_short_and_has_no_warning(ray_head, cache_dir, tmp_path):
-    """The default job, two iterations (and the tests' short SFT warm start): under MAX_LINES lines of
-    stdout and stderr together, no warning, and the lines a person looks for."""
-    proc = run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
-                    str(tmp_path), "--run.seed", "1", "--model.sft_steps", "60", "--model.sft_batch_size", "50",
-                    "--run.iterations", "2", "--cluster.placement_timeout_s", "300"])
+def test_default_job_console_is_short_and_has_no_warning(default_run):
+    """The default job (10 iterations here): under MAX_LINES lines of stdout and stderr together, no
+    warning, and the lines a person looks for."""
+    run_dir, proc = default_run
     lines = (proc.stdout + proc.stderr).splitlines()
     assert proc.returncode == 0, "\n".join(lines[-80:])
     assert len(lines) < MAX_LINES, f"{len(lines)} lines:\n" + "\n".join(lines)
     warnings = [line for line in lines if "warning" in line.lower()]
     assert not warnings, "\n".join(warnings)
-    run_dir = tmp_path / "randomwalks"
     assert f"[tether] run directory {run_dir}" in lines
-    for start in ("[tether] iter 1/2 | reward", "[tether] iter 2/2 | reward", "[tether] summary: final optimality"):
+    for start in ("[tether] iter 1/10 | reward", "[tether] iter 10/10 | reward", "[tether] summary: final optimality"):
         assert any(line.startswith(start) for line in lines), start
     assert lines[-1].startswith("[tether] summary:") and lines[-1].endswith(str(run_dir / "summary.json"))

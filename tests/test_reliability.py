@@ -14,61 +14,60 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RAY_ENV, ROOT, run_job
+from tests.conftest import RAY_ENV, ROOT, SMALL, run_job
 
 pytestmark = pytest.mark.integration
-
-SMALL = ["--run.seed", "1", "--model.sft_steps", "60", "--model.sft_batch_size", "50",
-         "--rollout.batch_size", "32", "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16",
-         "--run.eval_every", "100"]
-
 
 def args(ray_head, cache_dir, out, name, *extra):
     return ["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir", str(out),
             "--run.name", name, *SMALL, *extra]
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def metrics(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(x) for x in (run_dir / name).read_text().splitlines()]
 
 
-def test_resume_reproduces_the_straight_run_and_refuses_bad_checkpoints(ray_head, cache_dir, tmp_path):
-    straight = run_job(args(ray_head, cache_dir, tmp_path, "straight", "--run.iterations", "4"))
+def test_resume_reproduces_the_straight_run_and_refuses_bad_checkpoints(ray_head, cache_dir, small_run, tmp_path):
+    """The small run (4 iterations, a checkpoint every 2), moved to another directory, resumed from its
+    iteration 2: iterations 3 and 4 again, the same to the bit. Before that, a changed config and damaged
+    checkpoints are refused, naming the file, and touch nothing."""
+    straight_dir, straight = small_run
     assert straight.returncode == 0, straight.stderr[-3000:]
-    first = run_job(args(ray_head, cache_dir, tmp_path, "resumed", "--run.iterations", "2"))
-    assert first.returncode == 0, first.stderr[-3000:]
-    run_dir = tmp_path / "resumed"
+    assert (straight_dir / "checkpoints" / "latest").read_text().strip() == "iter-000004"
+    run_dir = tmp_path / "runs" / straight_dir.name  # a run directory moved elsewhere still resumes
+    shutil.copytree(straight_dir, run_dir)
     checkpoint = run_dir / "checkpoints" / "iter-000002"
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == checkpoint.name
     assert json.loads((checkpoint / "driver.json").read_text())["kl_controller"]["kind"] == "adaptive"
 
+    def resume(out, *extra, timeout_s=900):
+        return run_job(args(ray_head, cache_dir, out, straight_dir.name, "--run.iterations", "4", *extra),
+                       timeout_s=timeout_s)
+
     # a config that changes the run is refused, naming the checkpoint file
-    bad = run_job(args(ray_head, cache_dir, tmp_path, "resumed", "--run.iterations", "4", "--run.resume", "latest",
-                       "--ppo.lr", "0.5"), timeout_s=300)
+    bad = resume(run_dir.parent, "--run.resume", str(checkpoint), "--ppo.lr", "0.5", timeout_s=300)
     assert bad.returncode != 0
     assert f"{checkpoint / 'driver.json'}" in bad.stderr and "ppo.lr" in bad.stderr
 
     # a truncated file is named and nothing is touched; no silent fresh start
-    corrupt_dir = tmp_path / "corrupt"
+    corrupt_dir = tmp_path / "corrupt" / straight_dir.name
     shutil.copytree(run_dir, corrupt_dir)
-    victim = max((p for p in (corrupt_dir / "checkpoints" / "iter-000002").rglob("*.pt")), key=lambda p: p.stat().st_size)
+    victim = max((p for p in (corrupt_dir / "checkpoints" / "iter-000004").rglob("*.pt")), key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     before = (corrupt_dir / "metrics.jsonl").read_text()
-    refused = run_job(args(ray_head, cache_dir, tmp_path, "corrupt", "--run.iterations", "4", "--run.resume",
-                           "latest"), timeout_s=300)
+    refused = resume(corrupt_dir.parent, "--run.resume", "latest", timeout_s=300)
     assert refused.returncode != 0
     assert str(victim) in refused.stderr and "truncated" in refused.stderr
     assert (corrupt_dir / "metrics.jsonl").read_text() == before
-    garbled = corrupt_dir / "checkpoints" / "iter-000002" / "manifest.json"
+    garbled = corrupt_dir / "checkpoints" / "iter-000004" / "manifest.json"
     garbled.write_text("{not json")
-    refused = run_job(args(ray_head, cache_dir, tmp_path, "corrupt", "--run.resume", "latest"), timeout_s=300)
+    refused = resume(corrupt_dir.parent, "--run.resume", "latest", timeout_s=300)
     assert refused.returncode != 0 and str(garbled) in refused.stderr
 
-    resumed = run_job(args(ray_head, cache_dir, tmp_path, "resumed", "--run.iterations", "4", "--run.resume",
-                           "latest"))
+    resumed = resume(run_dir.parent, "--run.resume", str(checkpoint))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = metrics(tmp_path / "straight"), metrics(run_dir)
+    a, b = metrics(straight_dir), metrics(run_dir)
     assert [r["iteration"] for r in b] == [1, 2, 3, 4]
+    assert [r["iteration"] for r in metrics(run_dir, "metrics.discarded.jsonl")] == [3, 4]
     assert [r["kl_coef"] for r in a] == [r["kl_coef"] for r in b]  # the same beta sequence, bit for bit
     assert [r["prompt_rows"] for r in a] == [r["prompt_rows"] for r in b]
     for key in ("kl_response_mean", "score_mean", "reward_mean", "ppo_loss", "response_length_mean"):
