@@ -30,7 +30,7 @@ from learner.storage import RunStorage
 from learner.weight_sync import WeightSync
 from services.metrics import DriverMetrics, iteration_record
 from services.model_source import ModelSource
-from services.models import load_tokenizer, policy_source
+from services.models import load_tokenizer, policy_source, sft_tokenizer
 from services.prompts import PromptSampler, encode_prompts
 from services.tasks import get_task
 
@@ -287,6 +287,15 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
         resume_state = checkpoint.verify(resume_from)  # presence and sizes; the ranks check sha256 on download
         checkpoint.check_compatible(resume_state["config"], cfg, resume_from)
     log("KL accounting: " + ", ".join(f"{k}={v}" for k, v in cfg.kl.model_dump().items()))
+
+    def encoded_prompts(tokenizer, log=log) -> tuple[list[list[int]], list[list[int]]]:
+        return tuple(
+            encode_prompts([task.format_prompt(t, tokenizer) for t in texts], tokenizer, cfg.task.max_prompt_tokens,
+                           cfg.task.long_prompts, log, origin=lambda i, split=split: task.prompt_origin(i, split))
+            for split, texts in (("train", task.prompts()), ("eval", task.eval_prompts())))
+
+    if not cfg.model.path and (early := sft_tokenizer(task)) is not None:
+        encoded_prompts(early, log=lambda _: None)  # bad prompts fail before an SFT warm start trains for them
     # the policy as every node reaches it: a shared path or hub id, or files the driver makes and ships
     model = policy_source(task, cfg.model.path, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps,
                           cfg.model.sft_batch_size, cfg.model.sft_lr, log=log)
@@ -295,11 +304,7 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
         check_reward_label(cfg.reward.model_path, cfg.reward.label)  # a local dir: its labels, before any actor
     tokenizer = load_tokenizer(model.resolve("driver"))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompts, eval_prompts = (
-        encode_prompts([task.format_prompt(t, tokenizer) for t in texts], tokenizer, cfg.task.max_prompt_tokens,
-                       cfg.task.long_prompts, log, origin=lambda i, split=split: task.prompt_origin(i, split))
-        for split, texts in (("train", task.prompts()), ("eval", task.eval_prompts()))
-    )
+    prompts, eval_prompts = encoded_prompts(tokenizer)
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p,
                                 cfg.rollout.max_new_tokens or task.max_new_tokens)
     probe_set = ([p + [(7 * j + 3 * k) % len(tokenizer) for k in range(sampling.max_new_tokens)]

@@ -96,6 +96,14 @@ def sft_warm_start(task: Task, tokenizer, seed: int, steps: int, batch_size: int
     return model
 
 
+def sft_tokenizer(task: Task):
+    """The tokenizer the task's SFT warm start will have (its characters), known before it trains; None for a
+    task without that recipe."""
+    if task.model_kind != "gpt2" or task.sft_corpus() is None:
+        return None
+    return build_char_tokenizer(task.vocabulary)
+
+
 def policy_source(task: Task, model_path: str | None, cache_dir: str, seed: int, steps: int, batch_size: int,
                   lr: float, log=print) -> ModelSource:
     """The policy as every node can reach it: ``model_path`` (a directory every node has, or a hub id), or
@@ -129,9 +137,10 @@ def policy_dir(task: Task, model_path: str | None, cache_dir: str, seed: int, st
     if (path / "config.json").is_file():
         log(f"SFT warm start: cached at {path}")
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    locks = Path(cache_dir).expanduser() / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
     # jobs that start together on one cache train it once: the others wait here, then find it cached
-    with FileLock(path.parent / f".{path.name}.lock"):
+    with FileLock(locks / f"sft-{path.name}.lock"):
         if (path / "config.json").is_file():
             log(f"SFT warm start: cached at {path} (trained by another job meanwhile)")
             return path

@@ -69,6 +69,7 @@ def test_bad_task_data_fails_before_any_actor(cache_dir, tmp_path, task, message
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "actors ready" not in proc.stdout
+    assert "SFT warm start" not in proc.stdout  # the prompts fail before a warm start trains for them
     assert not any(tmp_path.iterdir())  # no run directory was created
 
 
