@@ -163,22 +163,23 @@ STEADY_PARTS = ("generate_seconds", "reference_seconds", "reward_seconds", "lear
                 "learner_update_seconds", "sync_and_probe_seconds")
 
 
-def rss_by_role(root_pids: list[int]) -> dict[str, int]:
-    """RSS bytes of every process under ``root_pids``, summed by role: rollout, reference, reward,
-    learner (a Ray actor and its children), driver (the first root), and ray (everything else)."""
+def processes_by_role(root_pids: list[int], other_workers: str | None = None) -> list[tuple[object, str]]:
+    """(psutil process, role) for every process under ``root_pids``: rollout, reference, reward, learner (a
+    Ray actor and its children), driver (under the first root), ray (everything else); with
+    ``other_workers``, Ray workers that hold no tether actor (``ray::IDLE``, tasks) get that role instead."""
     import psutil
 
-    totals: dict[str, int] = {}
-    seen: set[int] = set()
+    found: dict[int, tuple[object, str]] = {}
 
     def visit(proc, inherited: str) -> None:
-        if proc.pid in seen:
+        if proc.pid in found:
             return
-        seen.add(proc.pid)
         try:
             title = " ".join(proc.cmdline())
-            role = next((r for t, r in ROLE_OF_TITLE.items() if title.startswith(t)), inherited)
-            totals[role] = totals.get(role, 0) + proc.memory_info().rss
+            role = next((r for t, r in ROLE_OF_TITLE.items() if title.startswith(t)), None)
+            if role is None:
+                role = other_workers if other_workers and title.startswith("ray::") else inherited
+            found[proc.pid] = (proc, role)
             children = proc.children()
         except psutil.Error:
             return
@@ -188,6 +189,19 @@ def rss_by_role(root_pids: list[int]) -> dict[str, int]:
     for i, pid in enumerate(root_pids):
         try:
             visit(psutil.Process(pid), "driver" if i == 0 else "ray")
+        except psutil.Error:
+            pass
+    return list(found.values())
+
+
+def rss_by_role(root_pids: list[int]) -> dict[str, int]:
+    """RSS bytes of every process under ``root_pids``, summed by role (``processes_by_role``)."""
+    import psutil
+
+    totals: dict[str, int] = {}
+    for proc, role in processes_by_role(root_pids):
+        try:
+            totals[role] = totals.get(role, 0) + proc.memory_info().rss
         except psutil.Error:
             pass
     return totals

@@ -5,7 +5,8 @@ take) and the overlap ratios.
     .venv/bin/python benchmarks/async_overlap.py [--iterations 12] [-- extra learner.main args]
 
 The default is randomwalks from the cached SFT start; pass ``-- --config deploy/configs/<preset>.yaml``
-for another job. Writes benchmarks/results/async_overlap.json and async_overlap.md.
+for another job. Writes benchmarks/results/async_overlap.json and async_overlap.md, or
+async_overlap-<preset>.json and .md for a preset.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def main() -> None:
         for mode in MODES:
             results[mode] = run_mode(mode, args.iterations, args.cache_dir, out, args.extra)
     results["args"] = args.extra
-    write_results(RESULTS, "async_overlap", results, table(results))
+    preset = next((Path(a).stem for a, prev in zip(args.extra, ["", *args.extra]) if prev == "--config"), None)
+    write_results(RESULTS, f"async_overlap-{preset}" if preset else "async_overlap", results, table(results))
     print("\n".join(table(results)))
 
 

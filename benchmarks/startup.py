@@ -25,38 +25,22 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import RAY_ENV, RESULTS, ROLE_OF_TITLE, ROOT, stamp, write_results
+from _bench import RAY_ENV, RESULTS, ROOT, processes_by_role, stamp, write_results
 
 ROLES = ("rollout", "reference", "reward", "learner", "driver", "workers", "ray")
 
 
 def cpu_by_process(root_pids: list[int]) -> dict[int, tuple[str, float]]:
-    """(role, CPU seconds) of every process under ``root_pids`` (children included while they live)."""
+    """(role, CPU seconds) of every process under ``root_pids``, by PID."""
     import psutil
 
-    found: dict[int, tuple[str, float]] = {}
-
-    def visit(proc, inherited: str) -> None:
-        if proc.pid in found:
-            return
+    found = {}
+    for proc, role in processes_by_role(root_pids, other_workers="workers"):
         try:
-            title = " ".join(proc.cmdline())
-            role = next((r for t, r in ROLE_OF_TITLE.items() if title.startswith(t)), None)
-            if role is None:
-                role = "workers" if title.startswith("ray::") else inherited
             times = proc.cpu_times()
-            found[proc.pid] = (role, times.user + times.system + times.children_user + times.children_system)
-            children = proc.children()
         except psutil.Error:
-            return
-        for child in children:
-            visit(child, role if role != "ray" else "ray")
-
-    for i, pid in enumerate(root_pids):
-        try:
-            visit(psutil.Process(pid), "driver" if i == 0 else "ray")
-        except psutil.Error:
-            pass
+            continue
+        found[proc.pid] = (role, times.user + times.system)
     return found
 
 

@@ -74,9 +74,10 @@ def test_bad_task_data_fails_before_any_actor(cache_dir, tmp_path, task, message
 
 
 @pytest.mark.integration
-def test_a_raising_reward_fails_the_job_with_its_location(ray_head, cache_dir, tmp_path):
+def test_a_raising_reward_fails_the_job_with_its_location(ray_head, cache_dir, tiny_model_dir, tmp_path):
+    # the tests' randomwalks policy (the faulty task's prompts and vocabulary are randomwalks')
     proc = run_job(["--cluster.address", ray_head.address, "--run.output_dir", str(tmp_path), "--model.cache_dir",
-                    cache_dir, "--run.seed", "1", "--model.sft_steps", "60", "--model.sft_batch_size", "50",
+                    cache_dir, "--run.seed", "1", "--model.path", tiny_model_dir,
                     "--task.name", "tests.faulty_tasks:RaisingReward", "--rollout.batch_size", "32",
                     "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16"], timeout_s=600)
     assert proc.returncode == 1
