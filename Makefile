@@ -9,8 +9,7 @@ run: $(STAMP)
 
 # Two pytest workers (pytest-xdist), a test module each at a time: a job test leaves a core idle for about
 # a third of its time (the driver's imports, single-threaded generation, teardown), which the other fills.
-# Modules go out in collection order (tests/conftest.py puts the longest first), not by their test count.
-PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
