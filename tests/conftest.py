@@ -26,19 +26,6 @@ RAY_ENV = {
 os.environ.update(RAY_ENV)
 
 
-# The modules with the longest jobs first: pytest-xdist (--dist loadfile) hands modules to its workers in
-# collection order, and longest-first keeps one worker from ending alone with a long module while the
-# other idles (measured on 2 cores: each of these takes 30 s to 4 minutes; the rest keep their order)
-LONGEST_FIRST = ("test_reliability", "test_job", "test_storage", "test_async", "test_two_nodes",
-                 "test_remote_reward", "test_advantages", "test_pipeline", "test_tracking", "test_job_submit",
-                 "test_bad_input", "test_accepted_settings", "test_dataset_task", "test_collectives", "test_metrics")
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each module keeps its order
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
