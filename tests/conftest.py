@@ -112,9 +112,9 @@ def shared_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> str:
-    """SFT cache shared by the whole session, by its parallel workers (pytest-xdist: their base temp dirs
-    share a parent) and across sessions when TETHER_TEST_CACHE is set. Each model in it is built once,
-    under a file lock (``services.models.policy_dir``)."""
+    """SFT cache shared by the whole session and its parallel workers (``shared_root``), and across sessions
+    when TETHER_TEST_CACHE is set. Each model in it is built once, under a file lock
+    (``services.models.policy_dir``)."""
     if os.environ.get("TETHER_TEST_CACHE"):
         return os.environ["TETHER_TEST_CACHE"]
     shared = shared_root(tmp_path_factory) / "tether-cache"
