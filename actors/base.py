@@ -2,6 +2,29 @@
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
+
+
+@contextmanager
+def starting_up():
+    """Automatic garbage collection off while a process starts, then one full collection and a freeze. As a
+    decorator (``@starting_up()``) it wraps an actor's constructor or a rank's set-up.
+
+    Starting imports torch, vLLM, transformers or DeepSpeed and loads a model: hundreds of thousands of new
+    objects, which automatic full collections scan again and again (measured here: about 1 of 4.5 CPU s in
+    a learner's imports and model load, 1.2 of 7.3 in a vLLM engine's build). The one collection at the end
+    frees the start's garbage; frozen, what stays is not scanned again by the collections of the run."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect()
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
 
 class VersionedActor:
     role = "actor"

@@ -14,8 +14,6 @@ from typing import Protocol
 
 import torch
 
-from services.experience import FINISH_LENGTH, FINISH_STOP
-
 
 @dataclass
 class Generation:
@@ -108,6 +106,8 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seeds: list[int]) -> list[Generation]:
         from vllm import SamplingParams, TokensPrompt
 
+        from services.experience import FINISH_LENGTH, FINISH_STOP  # here: the driver imports this module
+
         params = [
             SamplingParams(
                 temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
@@ -170,7 +170,7 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seeds: list[int]) -> list[Generation]:
-        from services.experience import pad_left
+        from services.experience import FINISH_LENGTH, FINISH_STOP, pad_left
 
         torch.manual_seed(seeds[0] if seeds else 0)
         input_ids = pad_left(prompts, self.pad_id).to(self.device)

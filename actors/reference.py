@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from actors.base import VersionedActor
-from services.experience import RolloutBatch, response_forward
+from actors.base import VersionedActor, starting_up
 from services.model_source import ModelSource, as_source
+
+if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
+    from services.experience import RolloutBatch
 
 
 class ReferenceActor(VersionedActor):
     role = "reference"
 
+    @starting_up()
     def __init__(self, index: int, model: ModelSource | str, backend: str = "hf", dtype: str = "float32",
                  max_model_len: int = 64, kv_cache_mib: int = 128, temperature: float = 1.0,
                  device: str = "cpu") -> None:
@@ -50,6 +54,8 @@ class ReferenceActor(VersionedActor):
     @torch.no_grad()
     def _score(self, batch: RolloutBatch) -> torch.Tensor:
         if self.backend == "hf":
+            from services.experience import response_forward
+
             logprobs, _, _ = response_forward(self.model, batch.to(self.device), self.temperature)
             return logprobs.cpu() * batch.response_mask
         sequences, prompt_lengths = [], []

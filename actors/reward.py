@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from actors.base import VersionedActor
-from services.experience import RolloutBatch
+from actors.base import VersionedActor, starting_up
 from services.model_source import ModelSource, as_source
 
 if TYPE_CHECKING:
     from learner.config import RewardConfig
+    from services.experience import (
+        RolloutBatch,  # loads in the actor, not in the driver (services/experience.py)
+    )
     from services.reward_service import RewardClient
 
 
@@ -100,6 +102,7 @@ def check_reward_label(model_path: str, label: int | str | None) -> int | None:
 class RewardActor(VersionedActor):
     role = "reward"
 
+    @starting_up()
     def __init__(self, index: int, task_name: str, task_options: dict, policy: ModelSource | str,
                  kind: str = "function", model_path: ModelSource | str | None = None,
                  score_clip: float | None = None, device: str = "cpu", label: int | str | None = None,

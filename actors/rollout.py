@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from actors.base import VersionedActor
+from actors.base import VersionedActor, starting_up
 from actors.engines import SamplingSettings, check_device, make_engine
 from services.devices import gpu_location
-from services.experience import RolloutBatch, make_batch
 from services.model_source import ModelSource, as_source
+
+if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
+    from services.experience import RolloutBatch
 
 
 class RolloutActor(VersionedActor):
     role = "rollout"
 
+    @starting_up()
     def __init__(self, index: int, engine: str, model: ModelSource | str, seed: int, max_model_len: int,
                  kv_cache_mib: int, dtype: str = "float32", cpu_core: int | None = None, device: str = "cpu",
                  engine_args: dict | None = None, weight_transfer: str | None = None) -> None:
@@ -26,6 +30,8 @@ class RolloutActor(VersionedActor):
 
     def generate(self, prompts: list[list[int]], prompt_index: list[int], seeds: list[int],
                  sampling: SamplingSettings, pad_id: int, group_index: list[int] | None = None) -> RolloutBatch:
+        from services.experience import make_batch
+
         start = time.perf_counter()
         generations = self.engine.generate(prompts, sampling, seeds)
         seconds = time.perf_counter() - start

@@ -167,19 +167,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg is None:
         return 0
+    from actors.base import starting_up
     from learner.console import quiet_libraries
 
     quiet_libraries(cfg.metrics.log_level)
-    from actors.reward import RewardError
-    from learner.checkpoint import CheckpointError
-    from learner.cluster import ClusterError
-    from learner.fleet import ProbeError
-    from learner.rundir import RunDirectoryError
-    from learner.storage import StorageError
+    with starting_up():  # the loop's imports (learner.loop), with the actor classes the driver starts
+        from actors.reward import RewardError
+        from learner.checkpoint import CheckpointError
+        from learner.cluster import ClusterError
+        from learner.fleet import ProbeError
+        from learner.loop import LoopError
+        from learner.rundir import RunDirectoryError
+        from learner.storage import StorageError
 
     try:
         summary = run(cfg)
-    except (ClusterError, RunDirectoryError, RewardError, CheckpointError, ProbeError, StorageError,
+    except (ClusterError, RunDirectoryError, RewardError, CheckpointError, ProbeError, StorageError, LoopError,
             FileNotFoundError, ValueError) as err:
         print(f"[tether] error: {err}", file=sys.stderr, flush=True)
         return 1

@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
+from actors.base import starting_up
 from learner.advantages import check_whole_groups, compute_advantages, uses_critic
 from learner.choices import GROUP_ESTIMATORS
 from learner.config import KLConfig, LearnerConfig, PPOConfig
@@ -33,8 +35,10 @@ from learner.ppo import (
     value_loss,
 )
 from learner.results import RankUpdate
-from services.experience import RolloutBatch, concat_batches, model_inputs, stale_rows
 from services.model_source import ModelSource, as_source
+
+if TYPE_CHECKING:  # the batch's module loads in the rank, not in the driver (services/experience.py)
+    from services.experience import RolloutBatch
 
 
 class PolicyWithValueHead(nn.Module):
@@ -79,6 +83,7 @@ class LearnerRank:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
+    @starting_up()
     def setup(self, master_addr: str, master_port: int, model: ModelSource | str, learner_cfg: LearnerConfig,
               ppo_cfg: PPOConfig, kl_cfg: KLConfig, temperature: float, seed: int, device: str = "cpu",
               run_iterations: int = 1, missing_eos_penalty: float | None = None, samples_per_prompt: int = 1,
@@ -161,6 +166,8 @@ class LearnerRank:
         """
         import ray
 
+        from services.experience import stale_rows
+
         failed, wait, start = [], 0.0, time.perf_counter()
         ran = 0
         for slot, chunk_ref, ref_ref, score_ref in zip(slots, chunk_refs, ref_logprob_refs, score_refs, strict=True):
@@ -193,6 +200,8 @@ class LearnerRank:
     def update(self, kl_coef: float, iteration: int) -> RankUpdate:
         """KL-penalised rewards at ``kl_coef``, advantages (``ppo.advantage``) and the PPO epochs on
         everything collected; returns additive sums so the driver's statistics are exact over all ranks."""
+        from services.experience import concat_batches
+
         batch = concat_batches([self.collected[slot] for slot in sorted(self.collected)])
         timings, self.collected, self.timings = self.timings, {}, {}
         mask = batch.response_mask
@@ -254,6 +263,8 @@ class LearnerRank:
         )
 
     def _forward(self, batch: RolloutBatch, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+        from services.experience import model_inputs
+
         input_ids, attention_mask, position_ids = (x.to(self.device) for x in model_inputs(batch))
         with torch.set_grad_enabled(grad):
             logits, values = self.engine(input_ids, attention_mask, position_ids, batch.prompt_ids.shape[1],

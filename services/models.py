@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from services.model_source import ModelSource
 from services.tasks.base import Task
@@ -150,7 +150,30 @@ def policy_dir(task: Task, model_path: str | None, cache_dir: str, seed: int, st
         return save_model_dir(model, tokenizer, path)
 
 
+# model types whose directories tether writes itself (the SFT warm starts, the SmolLM2 conversion)
+OWN_MODEL_TYPES = ("gpt2", "llama")
+
+
 def load_tokenizer(path: str | Path):
+    """``AutoTokenizer.from_pretrained(path)``, without importing AutoTokenizer where its choice is known:
+    a directory of one of ``OWN_MODEL_TYPES`` saved with transformers' generic ``TokenizersBackend`` loads
+    with that class, which is what AutoTokenizer picks for it (tests/test_models.py and
+    tests/test_sentiment_task.py check). Importing AutoTokenizer pulls in transformers' model mappings,
+    generation and ``torch._dynamo``: about 2 CPU s in the driver and each reward actor, which need nothing
+    else of them. Anything else goes through AutoTokenizer."""
+    directory = Path(path)
+    try:
+        saved = json.loads((directory / "tokenizer_config.json").read_text())
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):  # a hub id, or a directory without these files: AutoTokenizer says what is wrong
+        saved, model_type = {}, None
+    if (saved.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in saved
+            and model_type in OWN_MODEL_TYPES and (directory / "tokenizer.json").is_file()):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(directory))
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 

@@ -1,6 +1,7 @@
 """reward.kind: remote. The reward actor's client against real uvicorn servers on 127.0.0.1 (retries of a
 5xx or a timeout, a 4xx or a malformed answer ending with the service's message and the chunk), the
-driver's pre-flight, and the default randomwalks job trained against `python -m services.reward_service`."""
+driver's pre-flight, and the small randomwalks job trained against `python -m services.reward_service`,
+which follows the local reward's run to the bit."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from actors.reward import RewardError, check_reward_service, remote_scores
 from learner.config import RewardConfig, load_config
 from services.reward_service import RewardClient, serve
 from services.tasks import get_task
-from tests.conftest import run_job
+from tests.conftest import SMALL, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "remote-reward-test-token-0123"
@@ -247,19 +248,29 @@ def reward_service_cli(monkeypatch):
 
 
 @pytest.mark.integration
-def test_default_job_learns_with_a_remote_reward(ray_head, cache_dir, tmp_path, reward_service_cli):
-    """test_job.test_default_job_learns with reward.kind remote: the same optimality, every score from the
-    service (the Ray head was started without the token: the driver forwards it to the reward actor)."""
+def test_remote_reward_job_follows_the_local_rewards_trajectory(ray_head, cache_dir, tmp_path, reward_service_cli,
+                                                                small_run):
+    """The small run (``conftest.small_run``, reward.kind function) again with reward.kind remote: every score
+    from the service, and the same run to the bit: scores, rewards, KL, beta, losses and both evaluations.
+    (The Ray head was started without the token: the driver forwards it to the reward actor.)"""
+    local_dir, local = small_run
+    assert local.returncode == 0, local.stderr[-3000:]
     url = reward_service_cli()
     proc = run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
-                    str(tmp_path), "--run.name", "remote", "--run.iterations", "10", "--run.eval_every", "5",
+                    str(tmp_path), "--run.name", "remote", *SMALL, "--run.iterations", "4", "--checkpoint.every", "2",
                     "--reward.kind", "remote", "--reward.url", url])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"pre-flight: reward service {url} answers (token from $TETHER_REWARD_TOKEN)" in proc.stdout
-    summary = json.loads((tmp_path / "remote" / "summary.json").read_text())
-    start, final = summary["eval_start"]["optimality"], summary["eval_final"]["optimality"]
-    assert final >= 0.7 and final > start + 0.25, (start, final)
-    config = (tmp_path / "remote" / "config.yaml").read_text()
+    run_dir = tmp_path / "remote"
+    remote, straight = (
+        [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (run_dir, local_dir))
+    assert [r["iteration"] for r in remote] == [1, 2, 3, 4]
+    for key in ("prompt_rows", "score_mean", "reward_mean", "kl_response_mean", "kl_coef", "ppo_loss"):
+        assert [r[key] for r in remote] == pytest.approx([r[key] for r in straight], rel=1e-6, abs=1e-9), key
+    summary, local_summary = (json.loads((d / "summary.json").read_text()) for d in (run_dir, local_dir))
+    for key in ("eval_start", "eval_final"):
+        assert summary[key] == pytest.approx(local_summary[key], rel=1e-6, abs=1e-9), key
+    config = (run_dir / "config.yaml").read_text()
     assert "kind: remote" in config and url in config
     assert TOKEN not in config + proc.stdout + proc.stderr  # the token stays in the environment
 

@@ -163,6 +163,12 @@ def test_smollm2_generates_and_prompts_fit(converted, task):
     assert tokenizer.eos_token_id is not None and tokenizer.chat_template
 
     formatted = [task.format_prompt(p, tokenizer) for p in task.prompts()]
+    from transformers import AutoTokenizer  # load_tokenizer's shortcut gives AutoTokenizer's tokenizer
+
+    auto = AutoTokenizer.from_pretrained(path)
+    assert type(tokenizer) is type(auto) and formatted == [task.format_prompt(p, auto) for p in task.prompts()]
+    assert ([tokenizer(f)["input_ids"] for f in formatted] == [auto(f)["input_ids"] for f in formatted]
+            and (tokenizer.eos_token_id, tokenizer.pad_token_id) == (auto.eos_token_id, auto.pad_token_id))
     assert all(f.rstrip().endswith("assistant") and p in f for f, p in zip(formatted, task.prompts(), strict=True))
     lengths = [len(tokenizer(f, add_special_tokens=False)["input_ids"]) for f in formatted]
     assert max(lengths) <= load_config(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml").task.max_prompt_tokens

@@ -3,7 +3,7 @@ driver's private directories, as a KubeRay pod would not.
 
 The head listens on 127.0.0.2, the worker on 127.0.0.3 (PLATFORM.md, "Two Ray nodes on one machine").
 The worker runs in its own mount namespace with a tmpfs over ``driver-only/``: the driver's model cache
-(where it trains the SFT warm start) and a run directory only the driver sees. Every role is placed on
+(which holds the SFT warm start) and a run directory only the driver sees. Every role is placed on
 the worker through a custom resource, so every model file an actor opens must reach it through the
 object store, and the run storage must be one both nodes share.
 """
@@ -131,12 +131,15 @@ def wait_port_on(host: str, port: int, timeout_s: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def two_nodes(tiny_model_dir):
     reason = _can_unshare()
     if reason:
         pytest.skip(reason)
     base = Path(tempfile.mkdtemp(prefix="tether-2n-", dir="/tmp"))
     (base / "driver-only").mkdir()
+    # the driver's cache holds the SFT warm start of SMALL's recipe (the session's, copied): the job finds it
+    # there, as a driver that trained it before would, and the worker can only get it through the object store
+    shutil.copytree(tiny_model_dir, base / "driver-only" / "cache" / "sft" / Path(tiny_model_dir).name)
     (base / "shared").mkdir()
     cluster = TwoNodeCluster(base / "driver-only")
     yield cluster, base
