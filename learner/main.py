@@ -167,14 +167,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg is None:
         return 0
+    # learner.cluster before torch loads: it sets the OpenMP environment (THREAD_ENV)
     from actors.base import starting_up
+    from learner.cluster import ClusterError
     from learner.console import quiet_libraries
 
     quiet_libraries(cfg.metrics.log_level)
     with starting_up():  # the loop's imports (learner.loop), with the actor classes the driver starts
         from actors.reward import RewardError
         from learner.checkpoint import CheckpointError
-        from learner.cluster import ClusterError
         from learner.fleet import ProbeError
         from learner.loop import LoopError
         from learner.rundir import RunDirectoryError

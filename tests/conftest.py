@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import learner.cluster  # noqa: F401  its THREAD_ENV (OpenMP) for these processes and the test heads' workers
+
 ROOT = Path(__file__).resolve().parents[1]
 RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
