@@ -13,11 +13,9 @@ import torch
 from actors.base import VersionedActor, starting_up
 from services.model_source import ModelSource, as_source
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
     from learner.config import RewardConfig
-    from services.experience import (
-        RolloutBatch,  # loads in the actor, not in the driver (services/experience.py)
-    )
+    from services.experience import RolloutBatch
     from services.reward_service import RewardClient
 
 
