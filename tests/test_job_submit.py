@@ -61,9 +61,21 @@ def env_ports() -> tuple[int, int, int]:
     return tuple(int(os.environ[n]) if os.environ.get(n) else free_port() for n in names)  # type: ignore[return-value]
 
 
-def up(state_dir: Path, ports: tuple[int, int, int]) -> Cluster:
+# Ray picks the ports of its other components at random and refuses to start when it picks one of ours
+PORT_TAKEN = "that is used by other components"
+
+
+def free_ports() -> tuple[int, int, int]:
+    return free_port(), free_port(), free_port()
+
+
+def up(state_dir: Path, ports: tuple[int, int, int], fresh_ports=None) -> Cluster:
+    """`local-cluster.sh up` on ``ports``; once more on ``fresh_ports()`` (if given) after a port collision."""
     env = cluster_env(state_dir, ports)
     proc = script("up", env)
+    if proc.returncode != 0 and PORT_TAKEN in proc.stderr and fresh_ports is not None:
+        script("down", env)
+        return up(state_dir, fresh_ports())
     if proc.returncode != 0:
         script("down", env)
         pytest.fail(f"local-cluster.sh up exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
@@ -74,12 +86,12 @@ def up(state_dir: Path, ports: tuple[int, int, int]) -> Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("cluster-state")
-    ports = env_ports()
-    env = cluster_env(state_dir, ports)
+    started = None
     try:
-        yield up(state_dir, ports)
+        started = up(state_dir, env_ports(), fresh_ports=env_ports)
+        yield started
     finally:
-        proc = script("down", env)
+        proc = script("down", started.env if started else cluster_env(state_dir, env_ports()))
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -122,8 +134,8 @@ def test_invalid_config_fails_with_message(cluster, client, tmp_path):
 def test_up_is_idempotent_and_down_stops_the_group(tmp_path):
     """A second cluster, on its own state dir and ports: `up` twice gives one head; `down` leaves no process of
     its group, removes the temp dir and state; `down` again is a no-op."""
-    ports = (free_port(), free_port(), free_port())
-    second = up(tmp_path / "state", ports)
+    second = up(tmp_path / "state", free_ports(), fresh_ports=free_ports)
+    ports = tuple(int(second.env[n]) for n in ("TETHER_RAY_PORT", "TETHER_DASHBOARD_PORT", "TETHER_METRICS_PORT"))
     try:
         assert second.ray_address == f"127.0.0.1:{ports[0]}"
         assert second.dashboard == f"http://127.0.0.1:{ports[1]}"
