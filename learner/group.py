@@ -20,10 +20,16 @@ def rank_slots(slots, world_size: int) -> list[list[int]]:
 
 
 class LearnerGroup:
-    def __init__(self, cfg: JobConfig, model: ModelSource | str, placement: Placement | None, tag: str = "") -> None:
+    def __init__(self, cfg: JobConfig, model: ModelSource | str, placement: Placement | None, tag: str = "",
+                 ranks: list | None = None) -> None:
+        """``ranks``: the live ranks of an earlier group of this world size, to set up again with ``cfg``
+        and ``model`` instead of starting new ones (tests share them: a rank's start, its imports, costs
+        several times its set-up). A job starts its own."""
         self.world_size = cfg.learner.world_size
         self.collective_timeout_s = cfg.learner.collective_timeout_s
-        self.ranks = [
+        if ranks is not None and len(ranks) != self.world_size:
+            raise ValueError(f"{len(ranks)} ranks given for learner.world_size={self.world_size}")
+        self.ranks = ranks or [
             start_actor(LearnerRank, "learner", i, cfg.cluster.learner, placement, i, self.world_size, tag=tag)
             for i in range(self.world_size)
         ]

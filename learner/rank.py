@@ -88,6 +88,10 @@ class LearnerRank:
               ppo_cfg: PPOConfig, kl_cfg: KLConfig, temperature: float, seed: int, device: str = "cpu",
               run_iterations: int = 1, missing_eos_penalty: float | None = None, samples_per_prompt: int = 1,
               off_policy: bool = False) -> int:
+        if getattr(self, "engine", None) is not None:
+            self._set_up_again(learner_cfg)
+        else:
+            self.collective_timeout_s = learner_cfg.collective_timeout_s
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         import deepspeed
@@ -145,6 +149,18 @@ class LearnerRank:
         self.collected: dict[int, RolloutBatch] = {}  # slot -> chunk with its old_logprobs, old_values, ref_logprobs, scores
         self.timings: dict[str, float] = {}
         return self.rank
+
+    def _set_up_again(self, learner_cfg: LearnerConfig) -> None:
+        """A second set-up on this process (a group set up again on its ranks, ``LearnerGroup(ranks=...)``):
+        the process group stays, so its timeout must too; the last engine goes."""
+        import gc
+
+        if learner_cfg.collective_timeout_s != self.collective_timeout_s:
+            raise ValueError(f"learner rank {self.rank} was set up with learner.collective_timeout_s="
+                             f"{self.collective_timeout_s:g}, which its process group keeps; got "
+                             f"{learner_cfg.collective_timeout_s:g}: start new ranks for it")
+        self.engine = self.collected = None
+        gc.unfreeze()  # the last set-up froze the engine (starting_up): its reference cycles can go now
 
     # ------------------------------------------------------------------ one PPO update on this rank's shard
 

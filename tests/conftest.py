@@ -192,3 +192,34 @@ def default_run(shared_runs):
 def small_run(shared_runs):
     """The small job, 4 iterations, a checkpoint every 2."""
     return shared_runs.get("small", *SMALL, "--run.iterations", "4", "--checkpoint.every", "2")
+
+
+class RankPool:
+    """Learner ranks that a test module's groups share, one set per world size: each group sets them up
+    again (``LearnerGroup(ranks=...)``) instead of starting new ones. A rank's start (its process, torch,
+    DeepSpeed, transformers) costs several times its set-up."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[int, list] = {}
+
+    def group(self, cfg, model, tag: str = ""):
+        from learner.group import LearnerGroup
+
+        world_size = cfg.learner.world_size
+        group = LearnerGroup(cfg, model, None, tag=f"{tag}-w{world_size}", ranks=self.ranks.get(world_size))
+        self.ranks[world_size] = group.ranks
+        return group
+
+    def close(self) -> None:
+        import ray
+
+        for ranks in self.ranks.values():
+            for rank in ranks:
+                ray.kill(rank)
+
+
+@pytest.fixture(scope="module")
+def rank_pool(ray_client):
+    pool = RankPool()
+    yield pool
+    pool.close()

@@ -39,25 +39,18 @@ def uneven_chunks(seed: int = 0):
     return chunks
 
 
-def train_once(cfg, model_dir: str, chunks, tag: str):
+def train_once(rank_pool, cfg, model_dir: str, chunks):
     """One collect + update on fixed chunks; the full policy weights after it and the group's UpdateResult."""
-    from learner.group import LearnerGroup
-
     refs = [ray.put(torch.linspace(-3.0, -1.0, 6).repeat(8, 1) * (i + 1)) for i in range(len(chunks))]
     scores = [ray.put(torch.linspace(0, 1, 8)), ray.put(torch.linspace(1, -1, 8))]
-    group = LearnerGroup(cfg, model_dir, None, tag=tag)
-    try:
-        results = group.train([ray.put(c) for c in chunks], refs, scores, kl_coef=0.05, iteration=1)
-        weights = ray.get(group.policy_weights())
-    finally:
-        for rank in group.ranks:
-            ray.kill(rank)
-    return weights, results
+    group = rank_pool.group(cfg, model_dir, tag="collectives")
+    results = group.train([ray.put(c) for c in chunks], refs, scores, kl_coef=0.05, iteration=1)
+    return ray.get(group.policy_weights()), results
 
 
 @pytest.mark.parametrize("aggregation, placement, loss_form", [("token_mean", "reward", None),
                                                                ("sequence_mean", "loss", "kl_to_go")])
-def test_zero3_two_ranks_with_unequal_lengths_end_at_the_one_rank_weights(ray_client, tiny_model_dir, aggregation,
+def test_zero3_two_ranks_with_unequal_lengths_end_at_the_one_rank_weights(rank_pool, tiny_model_dir, aggregation,
                                                                          placement, loss_form):
     """Losses are normalised by the minibatch's global token (or row) count, not averaged per rank; every
     ppo_* statistic the driver logs is the one rank's too (sums and counts, not per-rank means)."""
@@ -70,7 +63,7 @@ def test_zero3_two_ranks_with_unequal_lengths_end_at_the_one_rank_weights(ray_cl
         cfg = group_config(world_size, stage, ppo={"minibatch_size": 16, "epochs": 1, "lr": 1e-3,
                                                    "loss_aggregation": aggregation},
                            kl={"placement": placement, "loss_form": loss_form, "init_kl_coef": 0.05})
-        weights[world_size], result = train_once(cfg, tiny_model_dir, chunks, f"uneven-{aggregation}-w{world_size}")
+        weights[world_size], result = train_once(rank_pool, cfg, tiny_model_dir, chunks)
         stats[world_size] = ppo_stats_from_sums([r.ppo_sums for r in result.ranks])
         assert stats[world_size] == result.ppo
         per_rank_means[world_size] = {k: sum(r.ppo[k] for r in result.ranks) / len(result.ranks)
@@ -133,17 +126,12 @@ def test_zero3_lost_chunk_finishes_within_the_timeout_and_the_retry_trains(ray_c
     assert all(r.ppo["optimizer_steps"] == 1 for r in result.ranks)
 
 
-def test_zero3_weight_announcement_has_the_full_hf_shapes_without_a_collective(ray_client, tiny_model_dir):
-    from learner.group import LearnerGroup
+def test_zero3_weight_announcement_has_the_full_hf_shapes_without_a_collective(rank_pool, tiny_model_dir):
     from services.models import load_causal_lm
 
-    group = LearnerGroup(group_config(2, 3), tiny_model_dir, None, tag="announce")
-    try:
-        # rank 0 alone: a gather here would wait for rank 1 forever (the group's timeout would say so)
-        announced = group._get([group.ranks[0].weight_metadata.remote()], "weight metadata")[0]
-    finally:
-        for rank in group.ranks:
-            ray.kill(rank)
+    group = rank_pool.group(group_config(2, 3), tiny_model_dir, tag="collectives")
+    # rank 0 alone: a gather here would wait for rank 1 forever (the group's timeout would say so)
+    announced = group._get([group.ranks[0].weight_metadata.remote()], "weight metadata")[0]
     hf = load_causal_lm(tiny_model_dir, "float32")
     state = hf.state_dict()
     assert [name for name, _, _ in announced] == [name for name, _ in hf.named_parameters()]
@@ -154,3 +142,18 @@ def test_zero3_weight_announcement_has_the_full_hf_shapes_without_a_collective(r
     by_storage = {state[name].data_ptr() for name, _, _ in announced}
     left_out = set(state) - {name for name, _, _ in announced}
     assert left_out and all(state[name].data_ptr() in by_storage for name in left_out), left_out
+
+
+def test_ranks_set_up_again_keep_their_process_group_and_its_timeout(rank_pool, tiny_model_dir):
+    """A group set up again on live ranks (``LearnerGroup(ranks=...)``) needs as many as its world size, and
+    the collective timeout their process group was made with: anything else is refused, naming it."""
+    from learner.group import LearnerGroup
+
+    group = rank_pool.group(group_config(2, 3), tiny_model_dir, tag="collectives")
+    with pytest.raises(ValueError, match="2 ranks given for learner.world_size=1"):
+        LearnerGroup(group_config(1, 0), tiny_model_dir, None, ranks=group.ranks)
+    with pytest.raises(ValueError, match=r"collective_timeout_s=300, which its process group keeps; got 120"):
+        rank_pool.group(group_config(2, 3, learner={"collective_timeout_s": 120}), tiny_model_dir)
+    again = rank_pool.group(group_config(2, 0), tiny_model_dir)  # the refusal left the ranks as they were
+    assert again.ranks == group.ranks
+    assert len(again.probe([[1, 2, 3]], [1])[0]) == 2  # and they work

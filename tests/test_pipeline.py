@@ -128,9 +128,7 @@ def _fixed_batch(n: int, t: int, seed: int):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_two_ranks_match_one_rank(ray_client, tiny_model_dir, stage):
-    from learner.group import LearnerGroup
-
+def test_zero_two_ranks_match_one_rank(rank_pool, tiny_model_dir, stage):
     batch = _fixed_batch(16, 6, seed=0)
     chunks = [ray.put(batch[:8]), ray.put(batch[8:])]
     refs = [ray.put(torch.full((8, 6), -3.0)), ray.put(torch.full((8, 6), -3.0))]
@@ -142,11 +140,8 @@ def test_zero_two_ranks_match_one_rank(ray_client, tiny_model_dir, stage):
             learner={"world_size": world_size, "zero_stage": zero_stage},
             rollout={"batch_size": 16, "chunk_size": 8, "max_new_tokens": 6},
         )
-        group = LearnerGroup(cfg, tiny_model_dir, None, tag=f"zero{zero_stage}-w{world_size}")
-        try:
-            result = group.train(chunks, refs, scores, kl_coef=0.05, iteration=1)
-        finally:
-            kill(*group.ranks)
+        group = rank_pool.group(cfg, tiny_model_dir, tag="zero")
+        result = group.train(chunks, refs, scores, kl_coef=0.05, iteration=1)
         losses[world_size] = {k: sum(r.ppo[k] for r in result.ranks) / len(result.ranks)
                               for k in ("loss", "policy_loss", "value_loss")}
     for key in ("loss", "policy_loss", "value_loss"):

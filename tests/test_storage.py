@@ -123,91 +123,70 @@ def _probe_set():
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("stage", "dtype"), [(0, "float32"), (2, "float32"), (3, "float32"), (0, "bfloat16")])
-def test_checkpoint_of_two_ranks_resumes_on_one(ray_client, tiny_model_dir, tmp_path, stage, dtype):
+def test_checkpoint_of_two_ranks_resumes_on_one(rank_pool, tiny_model_dir, tmp_path, stage, dtype):
     """2 ranks train, checkpoint to a file:// storage; 1 rank resumes with the same weights, and one more
     update on the same batch gives the weights the 2-rank group reaches."""
-    from learner.group import LearnerGroup
-
     chunks, refs, scores = _batch()
     run = RunStorage(f"file://{tmp_path}").child("run")
-    two = LearnerGroup(_group_config(2, stage, dtype), tiny_model_dir, None, tag=f"ckpt-z{stage}-w2")
-    try:
-        two.train(chunks, refs, scores, kl_coef=0.05, iteration=1)
-        ckpt = checkpoint.begin(run, 1)
-        files = two.save(ckpt.url)
-        assert bool(files[1]) == (stage > 0), files  # rank 1 wrote its own shard; in ZeRO-0 rank 0 holds all
-        checkpoint.commit(run, ckpt, files, {"iteration": 1, "config": {}}, keep=2)
-        saved = _weights(two)
-        two.train(chunks, refs, scores, kl_coef=0.05, iteration=2)
-        expected = _weights(two)
-    finally:
-        for rank in two.ranks:
-            ray.kill(rank)
+    two = rank_pool.group(_group_config(2, stage, dtype), tiny_model_dir, tag="ckpt")
+    two.train(chunks, refs, scores, kl_coef=0.05, iteration=1)
+    ckpt = checkpoint.begin(run, 1)
+    files = two.save(ckpt.url)
+    assert bool(files[1]) == (stage > 0), files  # rank 1 wrote its own shard; in ZeRO-0 rank 0 holds all
+    checkpoint.commit(run, ckpt, files, {"iteration": 1, "config": {}}, keep=2)
+    saved = _weights(two)
+    two.train(chunks, refs, scores, kl_coef=0.05, iteration=2)
+    expected = _weights(two)
 
-    one = LearnerGroup(_group_config(1, stage, dtype), tiny_model_dir, None, tag=f"ckpt-z{stage}-w1")
-    try:
-        ckpt = checkpoint.resolve(run, "latest")
-        checkpoint.verify(ckpt)
-        one.load(ckpt.url, checkpoint.read_manifest(ckpt), saved_world_size=2)
-        resumed = _weights(one)
-        for name, tensor in saved.items():
-            assert torch.equal(resumed[name], tensor), name
-        one.train(chunks, refs, scores, kl_coef=0.05, iteration=2)
-        after = _weights(one)
-        moved = max(float((expected[n] - saved[n]).abs().max()) for n in saved)
-        assert moved > 1e-4  # the update changed the weights, so the comparison below means something
-        # bf16 weights: a last-bit difference in the fp32 sum of the two ranks' gradients can flip a rounding
-        rtol, atol = (1e-4, 1e-5) if dtype == "float32" else (2 ** -7, 1e-3)
-        worst = {n: float((after[n] - t).abs().max()) for n, t in expected.items()}
-        print(f"max |1-rank resumed - 2-rank| per tensor after one update: {max(worst.values()):.3g}")
-        for name, tensor in expected.items():
-            torch.testing.assert_close(after[name], tensor, rtol=rtol, atol=atol, msg=name)
-    finally:
-        for rank in one.ranks:
-            ray.kill(rank)
+    one = rank_pool.group(_group_config(1, stage, dtype), tiny_model_dir, tag="ckpt")
+    ckpt = checkpoint.resolve(run, "latest")
+    checkpoint.verify(ckpt)
+    one.load(ckpt.url, checkpoint.read_manifest(ckpt), saved_world_size=2)
+    resumed = _weights(one)
+    for name, tensor in saved.items():
+        assert torch.equal(resumed[name], tensor), name
+    one.train(chunks, refs, scores, kl_coef=0.05, iteration=2)
+    after = _weights(one)
+    moved = max(float((expected[n] - saved[n]).abs().max()) for n in saved)
+    assert moved > 1e-4  # the update changed the weights, so the comparison below means something
+    # bf16 weights: a last-bit difference in the fp32 sum of the two ranks' gradients can flip a rounding
+    rtol, atol = (1e-4, 1e-5) if dtype == "float32" else (2 ** -7, 1e-3)
+    worst = {n: float((after[n] - t).abs().max()) for n, t in expected.items()}
+    print(f"max |1-rank resumed - 2-rank| per tensor after one update: {max(worst.values()):.3g}")
+    for name, tensor in expected.items():
+        torch.testing.assert_close(after[name], tensor, rtol=rtol, atol=atol, msg=name)
 
 
 @pytest.mark.integration
-def test_resume_refuses_a_corrupt_shard_naming_it(ray_client, tiny_model_dir, tmp_path):
-    from learner.group import LearnerGroup
-
+def test_resume_refuses_a_corrupt_shard_naming_it(rank_pool, tiny_model_dir, tmp_path):
     run = RunStorage(str(tmp_path)).child("run")
-    group = LearnerGroup(_group_config(1, 2), tiny_model_dir, None, tag="ckpt-corrupt")
-    try:
-        ckpt = checkpoint.begin(run, 1)
-        checkpoint.commit(run, ckpt, group.save(ckpt.url), {"iteration": 1, "config": {}}, keep=2)
-        manifest = checkpoint.read_manifest(ckpt)
-        victim = next(n for n in manifest if n.endswith("optim_states.pt"))
-        data = bytearray(ckpt.read_bytes(victim))
-        data[-10] ^= 0xFF  # same size, other content: only the sha256 the rank checks can tell
-        ckpt.write_bytes(bytes(data), victim)
-        checkpoint.verify(ckpt)
-        with pytest.raises(checkpoint.CheckpointError, match=f"{ckpt.display(victim)} is corrupt"):
-            group.load(ckpt.url, manifest, saved_world_size=1)
-    finally:
-        for rank in group.ranks:
-            ray.kill(rank)
+    group = rank_pool.group(_group_config(1, 2), tiny_model_dir, tag="ckpt-corrupt")
+    ckpt = checkpoint.begin(run, 1)
+    checkpoint.commit(run, ckpt, group.save(ckpt.url), {"iteration": 1, "config": {}}, keep=2)
+    manifest = checkpoint.read_manifest(ckpt)
+    victim = next(n for n in manifest if n.endswith("optim_states.pt"))
+    data = bytearray(ckpt.read_bytes(victim))
+    data[-10] ^= 0xFF  # same size, other content: only the sha256 the rank checks can tell
+    ckpt.write_bytes(bytes(data), victim)
+    checkpoint.verify(ckpt)
+    with pytest.raises(checkpoint.CheckpointError, match=f"{ckpt.display(victim)} is corrupt"):
+        group.load(ckpt.url, manifest, saved_world_size=1)
 
 
 @pytest.mark.integration
-def test_hf_export_loads_in_transformers_and_vllm_with_the_learners_logprobs(ray_client, tiny_model_dir, tmp_path):
+def test_hf_export_loads_in_transformers_and_vllm_with_the_learners_logprobs(rank_pool, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from actors.rollout import RolloutActor
     from learner.cluster import start_actor
-    from learner.group import LearnerGroup
 
     cfg = _group_config(2, 3)
-    group = LearnerGroup(cfg, tiny_model_dir, None, tag="export")
-    try:
-        group.train(*_batch(), kl_coef=0.05, iteration=1)  # trained weights, not the initial ones
-        export = RunStorage(f"file://{tmp_path}").child("run", "export")
-        group.export_hf(export.url)
-        sequences, prompt_lengths = _probe_set()
-        learner_logprobs = group.probe(sequences, prompt_lengths)
-    finally:
-        for rank in group.ranks:
-            ray.kill(rank)
+    group = rank_pool.group(cfg, tiny_model_dir, tag="export")
+    group.train(*_batch(), kl_coef=0.05, iteration=1)  # trained weights, not the initial ones
+    export = RunStorage(f"file://{tmp_path}").child("run", "export")
+    group.export_hf(export.url)
+    sequences, prompt_lengths = _probe_set()
+    learner_logprobs = group.probe(sequences, prompt_lengths)
     files = export.files()
     assert "model.safetensors" in files and "config.json" in files and "tokenizer.json" in files, files
     assert AutoTokenizer.from_pretrained(export.path()).vocab_size == AutoTokenizer.from_pretrained(tiny_model_dir).vocab_size
