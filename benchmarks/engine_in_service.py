@@ -1,0 +1,124 @@
+"""Benchmark (issue 13, target 3): the rollout engine's generation speed inside a real iteration, against
+plain ``vllm.LLM.generate`` alone on the same model, prompts, batch, dtype and thread count.
+
+    .venv/bin/python benchmarks/engine_in_service.py [--iterations 8] [-- extra learner.main args]
+
+In the service: a job (``python -m learner.main``, its own local Ray, evaluation only at the end) logs, per
+iteration, the seconds its engine spent in ``generate`` (``generate_seconds``: the rollout actor's busy time,
+while the reference, reward and learner work on the chunks before) and the tokens it generated (episodes x
+mean response length); tokens/s is their ratio, the median over the iterations after the first (but the
+last, which evaluates).
+
+Alone: a fresh process with one OpenMP thread (what Ray gives an actor with less than one CPU) builds
+``vllm.LLM`` on the job's policy directory, as ``actors.engines.VLLMEngine`` does (same dtype, seed,
+``max_model_len``, KV cache, processed log-probs, eager), and generates the same number of calls of
+``rollout.chunk_size`` training prompts each with tether's ``SamplingParams`` (a seed per request,
+``logprobs=0``), the prefix cache reset before each call as the service must after a sync. Tokens/s is
+the generated tokens over the summed call times, after one untimed warm-up call.
+
+Writes ``benchmarks/results/engine_in_service.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import RAY_ENV, RESULTS, ROOT, stamp, write_results
+
+
+def in_service(extra: list[str], iterations: int, out: Path) -> tuple[list[float], Path]:
+    """Tokens/s of each iteration after the first, and the run directory."""
+    cmd = [sys.executable, "-m", "learner.main", *extra, "--run.iterations", str(iterations),
+           "--run.eval_every", str(10 * iterations), "--run.output_dir", str(out), "--run.name", "engine"]
+    subprocess.run(cmd, cwd=ROOT, env={**os.environ, **RAY_ENV}, check=True)
+    records = [json.loads(line) for line in (out / "engine" / "metrics.jsonl").read_text().splitlines()]
+    # an iteration with an evaluation counts its generation time too, not its tokens: left out
+    rates = [r["episodes"] * r["response_length_mean"] / r["generate_seconds"] for r in records[1:] if "eval" not in r]
+    return rates, out / "engine"
+
+
+def alone(run_dir: Path, calls: int) -> dict:
+    """Plain vLLM on the job's policy, prompts and settings (runs in its own process: one thread)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from learner.config import JobConfig
+    from services.models import load_tokenizer, policy_dir
+    from services.prompts import encode_prompts
+    from services.tasks import get_task
+
+    cfg = JobConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    task = get_task(cfg.task.name, **cfg.task.options())
+    model = policy_dir(task, cfg.model.path, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps,
+                       cfg.model.sft_batch_size, cfg.model.sft_lr, log=lambda _: None)
+    tokenizer = load_tokenizer(model)
+    prompts = encode_prompts([task.format_prompt(t, tokenizer) for t in task.prompts()], tokenizer,
+                             cfg.task.max_prompt_tokens, cfg.task.long_prompts, log=lambda _: None)
+    max_new = cfg.rollout.max_new_tokens or task.max_new_tokens
+    llm = LLM(model=str(model), dtype=cfg.learner.dtype, seed=cfg.run.seed,
+              max_model_len=cfg.task.max_prompt_tokens + max_new + 1, logprobs_mode="processed_logprobs",
+              enforce_eager=True, kv_cache_memory_bytes=cfg.rollout.kv_cache_mib << 20)
+    n = cfg.rollout.chunk_size
+    seconds, tokens = 0.0, 0
+    for call in range(calls + 1):  # call 0: warm-up, untimed
+        rows = [prompts[(call * n + i) % len(prompts)] for i in range(n)]
+        params = [SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_tokens=max_new,
+                                 logprobs=0, seed=cfg.run.seed + call * n + i) for i in range(n)]
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in rows], params, use_tqdm=False)
+        if call:
+            seconds += time.perf_counter() - start
+            tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"tokens_per_second": tokens / seconds, "calls": calls, "batch": n, "threads": torch.get_num_threads(),
+            "dtype": cfg.learner.dtype, "model": str(model)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--alone", help=argparse.SUPPRESS)  # internal: the run directory, in the child process
+    parser.add_argument("--calls", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(RESULTS))
+    args, extra = parser.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    if args.alone:
+        print(json.dumps(alone(Path(args.alone), args.calls)))
+        return
+    with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
+        rates, run_dir = in_service(extra, args.iterations, Path(tmp))
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        chunks = cfg["rollout"]["batch_size"] // cfg["rollout"]["chunk_size"]
+        child = subprocess.run([sys.executable, __file__, "--alone", str(run_dir), "--calls",
+                                str(chunks * len(rates))], cwd=ROOT, capture_output=True, text=True,
+                               env={**os.environ, **RAY_ENV, "OMP_NUM_THREADS": "1"}, check=True)
+        plain = json.loads(child.stdout.strip().splitlines()[-1])
+    service = statistics.median(rates)
+    results = {**stamp(), "args": extra, "iterations": args.iterations, "in_service_tokens_per_second": rates,
+               "in_service_median": service, "alone": plain, "ratio": service / plain["tokens_per_second"]}
+    table = [f"`.venv/bin/python benchmarks/engine_in_service.py --iterations {args.iterations}"
+             + (f" -- {' '.join(extra)}`" if extra else "`"), "",
+             "| engine | tokens/s | batch | dtype | threads |", "|---|---|---|---|---|",
+             (f"| inside the service (median of {len(rates)} iterations; range {min(rates):.0f}-{max(rates):.0f}) "
+             f"| {service:.0f} | {plain['batch']} | {plain['dtype']} | 1 |"),
+             (f"| `vllm.LLM.generate` alone ({plain['calls']} calls) | {plain['tokens_per_second']:.0f} | "
+             f"{plain['batch']} | {plain['dtype']} | {plain['threads']} |"),
+             f"| in service / alone | {results['ratio']:.2f} (target >= 0.90) | | | |"]
+    write_results(args.out, "engine_in_service", results, table)
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
