@@ -9,10 +9,10 @@ while the reference, reward and learner work on the chunks before) and the token
 mean response length); tokens/s is their ratio, the median over the iterations after the first (but the
 last, which evaluates).
 
-Alone: a fresh process with one OpenMP thread (what Ray gives an actor with less than one CPU) builds
-``vllm.LLM`` on the job's policy directory, as ``actors.engines.VLLMEngine`` does (same dtype, seed,
-``max_model_len``, KV cache, processed log-probs, eager), and generates the same number of calls of
-``rollout.chunk_size`` training prompts each with tether's ``SamplingParams`` (a seed per request,
+Alone: a fresh process with one OpenMP thread (what Ray gives an actor with less than one CPU) builds the
+engine on the job's policy directory with ``actors.engines.VLLMEngine`` (same dtype, seed, ``max_model_len``,
+KV cache, processed log-probs, eager), and calls its ``vllm.LLM.generate`` directly, as many times as
+the job did, on ``rollout.chunk_size`` training prompts each with tether's ``SamplingParams`` (a seed per request,
 ``logprobs=0``), the prefix cache reset before each call as the service must after a sync. Tokens/s is
 the generated tokens over the summed call times, after one untimed warm-up call.
 
@@ -50,10 +50,10 @@ def in_service(extra: list[str], iterations: int, out: Path) -> tuple[list[float
 
 def alone(run_dir: Path, calls: int) -> dict:
     """Plain vLLM on the job's policy, prompts and settings (runs in its own process: one thread)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import SamplingParams, TokensPrompt
 
+    from actors.engines import VLLMEngine
     from learner.config import JobConfig
     from services.models import load_tokenizer, policy_dir
     from services.prompts import encode_prompts
@@ -67,9 +67,9 @@ def alone(run_dir: Path, calls: int) -> dict:
     prompts = encode_prompts([task.format_prompt(t, tokenizer) for t in task.prompts()], tokenizer,
                              cfg.task.max_prompt_tokens, cfg.task.long_prompts, log=lambda _: None)
     max_new = cfg.rollout.max_new_tokens or task.max_new_tokens
-    llm = LLM(model=str(model), dtype=cfg.learner.dtype, seed=cfg.run.seed,
-              max_model_len=cfg.task.max_prompt_tokens + max_new + 1, logprobs_mode="processed_logprobs",
-              enforce_eager=True, kv_cache_memory_bytes=cfg.rollout.kv_cache_mib << 20)
+    # built as the rollout actor builds it; only the generate call below is plain vLLM
+    llm = VLLMEngine(str(model), cfg.run.seed, cfg.task.max_prompt_tokens + max_new + 1, cfg.rollout.kv_cache_mib,
+                     cfg.learner.dtype).llm
     n = cfg.rollout.chunk_size
     seconds, tokens = 0.0, 0
     for call in range(calls + 1):  # call 0: warm-up, untimed
