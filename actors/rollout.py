@@ -12,6 +12,7 @@ from services.model_source import ModelSource, as_source
 
 if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
     from services.experience import RolloutBatch
+    from services.weights import HostWeights
 
 
 class RolloutActor(VersionedActor):
@@ -51,10 +52,10 @@ class RolloutActor(VersionedActor):
             group_index=group_index,
         )
 
-    def update_weights(self, weights: dict, policy_version: int, kl_coef: float) -> float:
+    def update_weights(self, weights: HostWeights, policy_version: int, kl_coef: float) -> float:
         """Load new weights in place and take their version; returns the seconds it took."""
         start = time.perf_counter()
-        self.engine.load_weights(weights)
+        self.engine.load_weights(weights.tensors())  # over the object store's bytes: loaded, then let go
         self.set_state(policy_version, kl_coef)
         return time.perf_counter() - start
 

@@ -41,15 +41,19 @@ def cpu_flags() -> str:
     return "unknown"
 
 
-def trl_python(cache_dir: Path) -> Path:
-    """A virtualenv with torch and TRL under ``cache_dir`` (made on first use); its python."""
+def trl_python(cache_dir: Path, extra: tuple[str, ...] = ()) -> Path:
+    """A virtualenv with torch, TRL and ``extra`` packages under ``cache_dir`` (made on first use, ``extra``
+    added to it when missing); its python."""
     venv = cache_dir / f"venv-trl-{TRL_VERSION}"
     python = venv / "bin" / "python"
+    installs = [[f"torch=={TORCH_VERSION}"], [f"trl=={TRL_VERSION}"]]
     if python.is_file() and subprocess.run([str(python), "-c", "import trl"], check=False, capture_output=True).returncode == 0:
-        return python
-    print(f"[trl_compare] installing TRL {TRL_VERSION} into {venv}", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-    for packages in ([f"torch=={TORCH_VERSION}"], [f"trl=={TRL_VERSION}"]):
+        installs = [list(extra)] if extra else []
+    else:
+        print(f"[trl_compare] installing TRL {TRL_VERSION} into {venv}", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        installs += [list(extra)] if extra else []
+    for packages in installs:
         proc = subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=False,
                               capture_output=True, text=True)
         if proc.returncode != 0:
@@ -129,13 +133,15 @@ def to_target(run, steps: int, max_steps: int) -> list[dict]:
     return tries
 
 
-def write_readme(table: list[str]) -> None:
+def write_readme(table: list[str], mark: tuple[str, str] = README_MARK) -> None:
+    """``table`` into the README between ``mark``'s comments (replacing what is there), or at the top of
+    its measured figures the first time."""
     readme = ROOT / "README.md"
     text = readme.read_text()
-    block = "\n".join([README_MARK[0], *table, README_MARK[1]])
-    if README_MARK[0] in text:
-        head, rest = text.split(README_MARK[0], 1)
-        text = head + block + rest.split(README_MARK[1], 1)[1]
+    block = "\n".join([mark[0], *table, mark[1]])
+    if mark[0] in text:
+        head, rest = text.split(mark[0], 1)
+        text = head + block + rest.split(mark[1], 1)[1]
     else:
         text = text.replace("### Measured figures\n", f"### Measured figures\n\n{block}\n", 1)
     readme.write_text(text)

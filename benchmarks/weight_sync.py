@@ -10,9 +10,10 @@ subprocess builds a 1-rank ``learner.rank.LearnerRank`` (DeepSpeed on gloo, no l
 job's ranks) and times, ``--repeats`` times each (median):
 
 - gather: ``LearnerRank.policy_state_dict`` without its ``ray.put``: the full fp32 state dict (HF names)
-  cloned to CPU, inside ``deepspeed.zero.GatheredParameters`` under ZeRO-3 (a no-op context otherwise);
+  as ``services.weights.HostWeights`` (raw bytes, no copy of host fp32 tensors), inside
+  ``deepspeed.zero.GatheredParameters`` under ZeRO-3 (a no-op context otherwise);
 - put: ``ray.put`` of that dict into the object store of a local Ray this script starts;
-- get: ``ray.get`` of the ref inside another Ray process (an actor), as a rollout engine reads it;
+- get: ``ray.get(ref).tensors()`` inside another Ray process (an actor), as a rollout engine reads it;
 - policy_state_dict: the real method end to end (gather + put), as a cross-check;
 - vLLM load: ``collective_rpc("load_policy_weights")`` + ``reset_prefix_cache`` on a ``VLLMEngine`` built
   from the same model dir (what ``VLLMEngine.load_weights`` does), split into its two calls.
@@ -76,10 +77,12 @@ def worker(spec: dict) -> dict:
         raise RuntimeError("ZeRO-3 engine whose parameters are not partitioned")
     import deepspeed
 
-    def gather() -> dict:
+    from services.weights import HostWeights
+
+    def gather() -> HostWeights:
         # LearnerRank.policy_state_dict without the ray.put
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=stage == 3):
-            return {name: t.detach().to("cpu", torch.float32).clone() for name, t in lm.state_dict().items()}
+            return HostWeights(lm.state_dict(), torch.float32)
 
     def timed(fn):
         t0 = time.perf_counter()
@@ -92,7 +95,7 @@ def worker(spec: dict) -> dict:
         weights = None
         seconds, weights = timed(gather)
         gather_s.append(seconds)
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    nbytes = sum(t.numel() * t.element_size() for t in weights.tensors().values())
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in params)
 
     @ray.remote(num_cpus=0)
@@ -101,12 +104,12 @@ def worker(spec: dict) -> dict:
 
         def fetch(self, refs: list) -> tuple[float, int]:
             t0 = time.perf_counter()
-            got = ray.get(refs[0])
+            got = ray.get(refs[0]).tensors()
             seconds = time.perf_counter() - t0
             return seconds, sum(v.numel() * v.element_size() for v in got.values())
 
     fetcher = Fetcher.remote()
-    ray.get(fetcher.fetch.remote([ray.put({"warm": torch.zeros(4)})]))  # actor started, torch imported
+    ray.get(fetcher.fetch.remote([ray.put(HostWeights({"warm": torch.zeros(4)}, torch.float32))]))  # warm
     print(f"put/get x{repeats}", file=sys.stderr, flush=True)
     put_s, get_s = [], []
     for _ in range(repeats):
@@ -137,6 +140,7 @@ def worker(spec: dict) -> dict:
         t0 = time.perf_counter()
         engine = VLLMEngine(spec["model_dir"], 0, spec["max_model_len"], spec["kv_cache_mib"], "float32")
         result["vllm_start_seconds"] = time.perf_counter() - t0
+        weights = ray.get(ray.put(weights)).tensors()  # over the object store's bytes, as the engine reads them
         engine.load_weights(weights)  # warm-up (first reload builds the loader's bookkeeping)
         rpc_s, reset_s = [], []
         print(f"vLLM load x{repeats}", file=sys.stderr, flush=True)

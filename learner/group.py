@@ -38,7 +38,8 @@ class LearnerGroup:
             rank.setup.remote(master_addr, master_port, model, cfg.learner, cfg.ppo,
                               cfg.kl, cfg.rollout.temperature, cfg.run.seed, cfg.device("learner"),
                               run_iterations=cfg.run.iterations, missing_eos_penalty=cfg.reward.missing_eos_penalty,
-                              samples_per_prompt=cfg.rollout.samples_per_prompt, off_policy=cfg.rollout.mode == "async")
+                              samples_per_prompt=cfg.rollout.samples_per_prompt, off_policy=cfg.rollout.mode == "async",
+                              rollout_batch_size=cfg.rollout.batch_size)
             for rank in self.ranks
         ]
         self._get(setups, "setup")

@@ -8,6 +8,7 @@ exact over the whole batch.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from datetime import timedelta
@@ -48,6 +49,9 @@ class PolicyWithValueHead(nn.Module):
     def __init__(self, lm: nn.Module, critic: nn.Module | None = None, value_head: bool = True) -> None:
         super().__init__()
         self.lm = lm
+        # logits of the response positions only (transformers' logits_to_keep): the LM head over a large
+        # vocabulary is a fifth of SmolLM2's FLOPs, and the prompt's logits are never read
+        self.keeps_logits = "logits_to_keep" in inspect.signature(lm.forward).parameters
         # critic: a separate copy of the LM whose last hidden state feeds the value head; None shares the policy's
         self.critic = critic
         hidden = lm.config.hidden_size
@@ -59,9 +63,14 @@ class PolicyWithValueHead(nn.Module):
         """Returns (logits [B, T, V] predicting each response token, values [B, T] or None without a head)."""
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "output_hidden_states": self.value_head is not None, "use_cache": False}
-        out = self.lm(**inputs)
-        span = slice(prompt_width - 1, input_ids.shape[1] - 1)
-        logits = out.logits[:, span].float() / temperature
+        span = slice(prompt_width - 1, input_ids.shape[1] - 1)  # the positions that predict response tokens
+        if self.keeps_logits:  # the last T + 1 positions: the span and the final one
+            out = self.lm(**inputs, logits_to_keep=input_ids.shape[1] - prompt_width + 1)
+            logits = out.logits[:, :-1]
+        else:
+            out = self.lm(**inputs)
+            logits = out.logits[:, span]
+        logits = logits.float() / temperature
         if self.value_head is None:
             return logits, None
         hidden = (out if self.critic is None else self.critic(**inputs)).hidden_states[-1]
@@ -87,7 +96,7 @@ class LearnerRank:
     def setup(self, master_addr: str, master_port: int, model: ModelSource | str, learner_cfg: LearnerConfig,
               ppo_cfg: PPOConfig, kl_cfg: KLConfig, temperature: float, seed: int, device: str = "cpu",
               run_iterations: int = 1, missing_eos_penalty: float | None = None, samples_per_prompt: int = 1,
-              off_policy: bool = False) -> int:
+              off_policy: bool = False, rollout_batch_size: int | None = None) -> int:
         if getattr(self, "engine", None) is not None:
             self._set_up_again(learner_cfg)
         else:
@@ -106,6 +115,11 @@ class LearnerRank:
         self.samples_per_prompt = samples_per_prompt
         # rollout.mode async: rows may be a few versions old; the engine's log-probs are the behaviour policy
         self.off_policy = off_policy
+        # one optimizer step per batch (one epoch, one minibatch): the policy that generated the rows is the
+        # one that takes the step, so the step's own forward gives the old log-probs and values exactly, and
+        # collect runs none (what TRL's GRPO does at num_iterations=1)
+        self.single_step = (rollout_batch_size is not None and not off_policy and ppo_cfg.epochs == 1
+                            and ppo_cfg.minibatch_size == rollout_batch_size)
         on_gpu = check_device(device, f"learner-rank-{self.rank}") == "cuda"
         if learner_cfg.torch_threads:
             torch.set_num_threads(learner_cfg.torch_threads)
@@ -200,11 +214,12 @@ class LearnerRank:
             if expected_state is not None and bool(stale_rows(chunk, *expected_state).any()):
                 failed.append(slot)
                 continue
-            chunk.old_logprobs, chunk.old_values, _ = self._forward(chunk, grad=False)
+            if not self.single_step:
+                chunk.old_logprobs, chunk.old_values, _ = self._forward(chunk, grad=False)
+                ran += 1
             chunk.ref_logprobs, chunk.scores = chunk_ref_logprobs, chunk_scores
-            ran += 1
             self.collected[slot] = chunk
-        if self.learner.zero_stage == 3:
+        if self.learner.zero_stage == 3 and not self.single_step:
             if forwards is not None and ran > forwards:
                 raise ValueError(f"rank {self.rank}: ran {ran} forwards but the round has only {forwards}")
             for _ in range((forwards if forwards is not None else len(slots)) - ran):
@@ -220,6 +235,12 @@ class LearnerRank:
 
         batch = concat_batches([self.collected[slot] for slot in sorted(self.collected)])
         timings, self.collected, self.timings = self.timings, {}, {}
+        t0 = time.perf_counter()
+        step_forward = None
+        if self.single_step:  # the one step's forward, before any update: the old log-probs and values too
+            step_forward = self._forward(batch, grad=True)
+            batch.old_logprobs = step_forward[0].detach().cpu()
+            batch.old_values = step_forward[1].detach().cpu() if step_forward[1] is not None else None
         mask = batch.response_mask
         batch.old_logprobs, batch.ref_logprobs = batch.old_logprobs * mask, batch.ref_logprobs * mask
         if self.has_critic:
@@ -244,8 +265,7 @@ class LearnerRank:
         lr = scheduled_lr(self.ppo.lr, self.ppo.lr_schedule, iteration, self.run_iterations)
         for group in self.engine.optimizer.param_groups:  # after any checkpoint load: the schedule decides
             group["lr"] = lr
-        t0 = time.perf_counter()
-        ppo_sums = self._ppo_epochs(batch, kl_coef, iteration)
+        ppo_sums = self._ppo_epochs(batch, kl_coef, iteration, step_forward)
         if self.has_critic:  # values before the update against their targets, as CleanRL logs it
             ppo_sums["explained_variance_moments"] = explained_variance_moments(batch.old_values, batch.returns,
                                                                                 mask).tolist()
@@ -290,22 +310,28 @@ class LearnerRank:
             return logprobs.detach().cpu(), values.detach().cpu() if values is not None else None, logits.detach()
         return logprobs, values, logits
 
-    def _ppo_epochs(self, batch: RolloutBatch, kl_coef: float, iteration: int) -> dict:
+    def _ppo_epochs(self, batch: RolloutBatch, kl_coef: float, iteration: int,
+                    step_forward: tuple[Tensor, Tensor, Tensor] | None = None) -> dict:
         """The PPO epochs over ``batch``, which carries old_logprobs, old_values, ref_logprobs, advantages
-        and returns: shuffled minibatches ``batch[rows]``, one optimizer step each."""
+        and returns: shuffled minibatches ``batch[rows]``, one optimizer step each. ``step_forward``: the
+        forward of the whole batch with gradients, for the one step of ``single_step``."""
         micro = self.ppo.minibatch_size // self.world_size
         n = batch.shape[0]
+        if step_forward is not None and n > micro:
+            raise ValueError(f"rank {self.rank}: {n} rows for one optimizer step of {micro} (ppo.minibatch_size "
+                             f"{self.ppo.minibatch_size} over {self.world_size} ranks)")
         generator = torch.Generator().manual_seed(self.seed * 100_003 + iteration)
         aggregation = self.ppo.loss_aggregation
         totals: dict[str, list] = {}  # name -> [sum, count] (tensors until the end), additive over ranks
         steps = 0
         for _ in range(self.ppo.epochs):
-            for rows in torch.randperm(n, generator=generator).split(micro):
+            order = torch.arange(n) if step_forward is not None else torch.randperm(n, generator=generator)
+            for rows in order.split(micro):
                 mb = batch[rows]
                 mask = mb.response_mask.to(self.device)
                 # global token (or row) count over all ranks: W ranks compute what one would
                 denominator = global_loss_denominator(mask, aggregation, self.device)
-                logprobs, values, logits = self._forward(mb, grad=True)
+                logprobs, values, logits = step_forward or self._forward(mb, grad=True)
                 old_logprobs = mb.old_logprobs.to(self.device)
                 weights, is_stats = None, {}
                 if self.off_policy:  # decoupled PPO: ratio against pi_prox, times min(pi_prox / pi_behav, cap)
@@ -352,8 +378,9 @@ class LearnerRank:
     # ------------------------------------------------------------------ weights, probes, fixed-batch checks
 
     def policy_state_dict(self, dtype: str | None = None) -> list | None:
-        """[ObjectRef of the full policy weights (HF names), in ``dtype`` (default: the learner's)] on rank
-        0, None elsewhere: put once, read zero-copy by every engine on the node. Collective under ZeRO-3."""
+        """[ObjectRef of the full policy weights (HF names) as ``HostWeights``, in ``dtype`` (default: the
+        learner's)] on rank 0, None elsewhere: put once, read in place by every engine on the node.
+        Collective under ZeRO-3."""
         import deepspeed
         import ray
 
@@ -362,8 +389,10 @@ class LearnerRank:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=self.learner.zero_stage == 3):
             if self.rank != 0:
                 return None
-            target = getattr(torch, dtype or self.learner.dtype)
-            return [ray.put({name: t.detach().to("cpu", target).clone() for name, t in lm.state_dict().items()})]
+            from services.weights import HostWeights
+
+            # ray.put copies the bytes: the live parameters can move on after it returns
+            return [ray.put(HostWeights(lm.state_dict(), getattr(torch, dtype or self.learner.dtype)))]
 
     def weight_metadata(self) -> list[tuple[str, str, list[int]]]:
         """``[(name, dtype, full HF shape)]`` of the policy parameters the engines receive, as the weight

@@ -45,7 +45,7 @@ def train_once(rank_pool, cfg, model_dir: str, chunks):
     scores = [ray.put(torch.linspace(0, 1, 8)), ray.put(torch.linspace(1, -1, 8))]
     group = rank_pool.group(cfg, model_dir, tag="collectives")
     results = group.train([ray.put(c) for c in chunks], refs, scores, kl_coef=0.05, iteration=1)
-    return ray.get(group.policy_weights()), results
+    return ray.get(group.policy_weights()).tensors(), results
 
 
 @pytest.mark.parametrize("aggregation, placement, loss_form", [("token_mean", "reward", None),
@@ -100,7 +100,8 @@ def test_zero3_lost_chunk_finishes_within_the_timeout_and_the_retry_trains(ray_c
     from learner.group import LearnerGroup
 
     chunks = uneven_chunks(seed=1)
-    cfg = group_config(2, 3, learner={"collective_timeout_s": 120})
+    # two epochs: collect runs the no-grad forwards (one optimizer step would leave them to the update)
+    cfg = group_config(2, 3, learner={"collective_timeout_s": 120}, ppo={"minibatch_size": 16, "epochs": 2})
     group = LearnerGroup(cfg, tiny_model_dir, None, tag="lost-chunk")
     producer = ChunkProducer.remote()
     try:
@@ -123,7 +124,25 @@ def test_zero3_lost_chunk_finishes_within_the_timeout_and_the_retry_trains(ray_c
             ray.kill(rank)
     assert sorted(r.rank for r in result.ranks) == [0, 1]
     assert result.num_responses == 16
-    assert all(r.ppo["optimizer_steps"] == 1 for r in result.ranks)
+    assert all(r.ppo["optimizer_steps"] == 2 for r in result.ranks)
+
+
+def test_one_optimizer_step_takes_the_old_logprobs_from_its_own_forward(rank_pool, tiny_model_dir):
+    """One epoch of one minibatch: collect runs no forward, and the step's forward, before the step, gives
+    the old log-probs: the KL penalised and the mismatch are those of the policy before the update (its
+    log-probs measured apart, by the probe), and the PPO ratio is exactly 1."""
+    chunks = uneven_chunks(seed=2)
+    group = rank_pool.group(group_config(1, 0), tiny_model_dir, tag="collectives")
+    rows = [([int(c.prompt_ids[i, 0])], c.response_ids[i, :int(c.response_mask[i].sum())].tolist())
+            for c in chunks for i in range(8)]  # one-token prompts
+    before = group.probe([prompt + response for prompt, response in rows], [1] * len(rows))
+    ref = [torch.linspace(-3.0, -1.0, 6) * (i + 1) for i in range(len(chunks))]
+    expected_kl = sum(lp - float(ref[k // 8][t]) for k, row in enumerate(before) for t, lp in enumerate(row))
+    _, result = train_once(rank_pool, group_config(1, 0), tiny_model_dir, chunks)
+    assert result.sums["k1_response_sum"] == pytest.approx(expected_kl, rel=1e-5)
+    assert result.sums["mismatch_abs_sum"] == pytest.approx(-sum(map(sum, before)), rel=1e-5)  # rollout logprobs 0
+    assert result.ppo["optimizer_steps"] == 1
+    assert result.ppo["approx_kl"] == 0.0 and result.ppo["clipfrac"] == 0.0
 
 
 def test_zero3_weight_announcement_has_the_full_hf_shapes_without_a_collective(rank_pool, tiny_model_dir):

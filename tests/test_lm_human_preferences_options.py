@@ -197,7 +197,7 @@ def test_rank_penalises_whitens_and_anneals_the_lr_across_a_resume(ray_client, t
         checkpoint.commit(run, ckpt, group.save(ckpt.url), {"iteration": 2, "config": {}}, keep=2)
         result = group.train(chunks, refs, scores, kl_coef=beta, iteration=3)
         used[3] = result.lr
-        kept_going = ray.get(group.policy_weights())
+        kept_going = ray.get(group.policy_weights()).tensors()
     finally:
         for rank in group.ranks:
             ray.kill(rank)
@@ -209,7 +209,7 @@ def test_rank_penalises_whitens_and_anneals_the_lr_across_a_resume(ray_client, t
         ckpt = checkpoint.resolve(run, "latest")
         resumed.load(ckpt.url, checkpoint.read_manifest(ckpt), saved_world_size=1)
         result = resumed.train(chunks, refs, scores, kl_coef=beta, iteration=3)
-        after = ray.get(resumed.policy_weights())
+        after = ray.get(resumed.policy_weights()).tensors()
     finally:
         for rank in resumed.ranks:
             ray.kill(rank)

@@ -113,7 +113,7 @@ def _batch():
 
 
 def _weights(group) -> dict:
-    return ray.get(group.policy_weights())
+    return ray.get(group.policy_weights()).tensors()
 
 
 def _probe_set():

@@ -1,0 +1,165 @@
+"""Benchmark (issue 13, target 2): episodes per second on smollm2-sentiment, tether against TRL's GRPOTrainer
+on the same machine, at the same batch (64 completions of at most 32 tokens: 8 prompts x 8), one gradient
+pass over each batch for both, beta 0.05 with a reference model for both; and each against the FLOP bound.
+
+    .venv/bin/python benchmarks/trl_smollm2.py [--steps 4] [--dtypes float32 bfloat16] [--readme]
+
+- TRL 1.16 in its own virtualenv (``trl_compare.trl_python``), its defaults otherwise (gradient
+  checkpointing on, as TRL's GRPOConfig sets it), lr 5e-5, 2 threads, ``benchmarks/_trl_grpo.py``.
+- tether: the ``smollm2-sentiment`` preset with the GRPO estimator at the same batch and group size
+  (``--rollout.batch_size 64 --rollout.samples_per_prompt 8 --ppo.advantage grpo``), one epoch of one
+  minibatch (one optimizer step on the batch, as TRL's), the preset's KL in the reward starting at beta 0.05.
+  Its own local Ray, as ``python -m learner.main`` starts it.
+- Episodes/s: completions over the median seconds of the steps (iterations) after the first; tether's
+  iterations that evaluate are left out. Each side at each ``--dtypes`` entry.
+- The FLOP bound: the best of a few SmolLM2-shaped matmuls at the dtype on 2 threads, measured here, against
+  5 forward passes' worth of FLOPs per episode (2 x parameters x tokens each: generation, the reference's
+  forward and a training pass of forward and backward, 3), at the prompt and response lengths measured.
+
+Writes ``benchmarks/results/trl_smollm2.json`` and ``.md``; with ``--readme``, the table into the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import RESULTS, ROOT, MeasuredJob, count_params, read_records, stamp, steady_state, write_results
+from trl_compare import TRL_VERSION, cpu_flags, timed, trl_python, write_readme
+
+PROMPTS, SAMPLES, NEW_TOKENS, BETA, LR = 8, 8, 32, 0.05, 5e-5
+README_MARK = ("<!-- trl_smollm2:start -->", "<!-- trl_smollm2:end -->")
+
+
+def matmul_gflops(dtype: str, threads: int = 2) -> float:
+    """The best GFLOP/s of SmolLM2-shaped matmuls (hidden 576, MLP 1536, vocabulary 49152) at ``dtype``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    best = 0.0
+    for m, k, n in ((2048, 576, 1536), (2048, 1536, 576), (2048, 576, 49152 // 4)):
+        a = torch.randn(m, k, dtype=getattr(torch, dtype))
+        b = torch.randn(k, n, dtype=getattr(torch, dtype))
+        for _ in range(3):
+            a @ b
+        reps, start = 10, time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def smollm2_model() -> Path:
+    from learner.config import JobConfig
+    from services.tasks import get_task
+
+    return get_task("smollm2-sentiment").model_dir(JobConfig().model.cache_dir)
+
+
+def prompt_tokens_mean(model: Path) -> float:
+    """Mean chat-formatted prompt length of the task's prompts, in tokens."""
+    from services.models import load_tokenizer
+    from services.tasks import get_task
+
+    task, tokenizer = get_task("smollm2-sentiment"), load_tokenizer(model)
+    lengths = [len(tokenizer(task.format_prompt(t, tokenizer), add_special_tokens=False)["input_ids"])
+               for t in task.prompts()]
+    return sum(lengths) / len(lengths)
+
+
+def run_trl(python: Path, model: Path, steps: int, dtype: str, work: Path) -> dict:
+    out = work / f"trl-{dtype}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    seconds = timed([str(python), str(ROOT / "benchmarks" / "_trl_grpo.py"), "--task", "smollm2-sentiment",
+                     "--model", str(model), "--steps", str(steps), "--prompts-per-step", str(PROMPTS),
+                     "--samples-per-prompt", str(SAMPLES), "--beta", str(BETA), "--lr", str(LR),
+                     "--max-completion-length", str(NEW_TOKENS), "--missing-eos-penalty", "-1", "--dtype", dtype,
+                     "--out", str(out)], work / f"trl-{dtype}.log", env=env)
+    timings = json.loads((out / "timings.json").read_text())
+    step = statistics.median(timings["step_seconds"][1:])
+    return {"side": "TRL GRPO", "dtype": dtype, "whole_process_seconds": seconds, "step_seconds": timings["step_seconds"],
+            "steady_step_seconds": step, "episodes_per_second": PROMPTS * SAMPLES / step,
+            "response_length_mean": statistics.mean(timings["completion_length_by_step"])}
+
+
+def run_tether(steps: int, dtype: str, work: Path) -> dict:
+    args = ["--config", str(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml"),
+            "--rollout.batch_size", str(PROMPTS * SAMPLES), "--rollout.samples_per_prompt", str(SAMPLES),
+            "--rollout.chunk_size", str(PROMPTS * SAMPLES // 2), "--rollout.max_new_tokens", str(NEW_TOKENS),
+            "--ppo.advantage", "grpo", "--ppo.epochs", "1", "--ppo.minibatch_size", str(PROMPTS * SAMPLES),
+            "--kl.init_kl_coef", str(BETA), "--learner.dtype", dtype, "--run.iterations", str(steps + 1),
+            "--run.eval_every", str(100 * steps), "--run.output_dir", str(work), "--run.name", f"tether-{dtype}"]
+    job = MeasuredJob(args, log_path=work / f"tether-{dtype}.log").run()
+    records = read_records(work / f"tether-{dtype}")
+    steady = steady_state(records)
+    return {"side": "tether", "dtype": dtype, "whole_process_seconds": job.wall_seconds, "args": args,
+            "iteration_seconds": [r["iteration_seconds"] for r in records],
+            "steady_step_seconds": steady["steady_iteration_seconds"], "breakdown_seconds": steady["breakdown_seconds"],
+            "episodes_per_second": steady["episodes_per_second"],
+            "response_length_mean": statistics.mean(r["response_length_mean"] for r in records)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4, help="steady steps (iterations) per side, after one warm-up")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--sides", nargs="+", default=["tether", "trl"], choices=["tether", "trl"])
+    parser.add_argument("--cache-dir", default="~/.cache/tether/trl-compare", help="TRL's virtualenv goes here")
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--readme", action="store_true", help="write the table into README's Performance section")
+    args = parser.parse_args()
+    cache = Path(args.cache_dir).expanduser()
+    cache.mkdir(parents=True, exist_ok=True)
+    python = trl_python(cache, extra=("vadersentiment>=3.3",)) if "trl" in args.sides else None
+    model = smollm2_model()
+    params, prompt_len = count_params(model), prompt_tokens_mean(model)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="trl-smollm2-", dir=cache) as tmp:
+        for dtype in args.dtypes:
+            for side in args.sides:
+                run = (run_tether(args.steps, dtype, Path(tmp)) if side == "tether"
+                       else run_trl(python, model, args.steps + 1, dtype, Path(tmp)))
+                print(f"[trl_smollm2] {json.dumps({k: v for k, v in run.items() if k != 'args'})}", flush=True)
+                runs.append(run)
+    bounds = {dtype: matmul_gflops(dtype) for dtype in args.dtypes}
+    for run in runs:
+        episode_gflop = 5 * 2 * params * (prompt_len + run["response_length_mean"]) / 1e9
+        run["episode_gflop"] = episode_gflop
+        run["flop_bound_episodes_per_second"] = bounds[run["dtype"]] / episode_gflop
+        run["times_the_bound"] = run["flop_bound_episodes_per_second"] / run["episodes_per_second"]
+    trl = {r["dtype"]: r for r in runs if r["side"] == "TRL GRPO"}
+    trl_fp32 = trl.get("float32")
+    results = {**stamp(), "cpu_flags": cpu_flags(), "parameters": params, "prompt_tokens_mean": prompt_len,
+               "matmul_gflops": bounds, "runs": runs}
+    table = [
+        (f"smollm2-sentiment, {PROMPTS} prompts x {SAMPLES} completions of <= {NEW_TOKENS} tokens a step, one "
+         f"gradient pass, beta {BETA} with a reference model; tether (GRPO estimator, its own local Ray) against TRL "
+         f"{TRL_VERSION} GRPOTrainer (its defaults: gradient checkpointing), 2 threads; median step after the "
+         f"first; FLOP bound: {', '.join(f'{d} {g:.0f} GFLOP/s' for d, g in bounds.items())} (best SmolLM2-shaped "
+         f"matmul, 2 threads) over 5 forward passes of {params / 1e6:.0f}M parameters per episode; "
+         f"{results['date']}, {results['machine']}, CPU flags: {results['cpu_flags']}; "
+         "`.venv/bin/python benchmarks/trl_smollm2.py --readme`"),
+        "",
+        "| side | dtype | steady step | episodes/s | response tokens | against TRL fp32 | times the FLOP bound |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        against = (f"{run['episodes_per_second'] / trl_fp32['episodes_per_second']:.2f}x" if trl_fp32 else "n/a")
+        table.append(f"| {run['side']} | {run['dtype']} | {run['steady_step_seconds']:.1f} s | "
+                     f"{run['episodes_per_second']:.2f} | {run['response_length_mean']:.1f} | {against} | "
+                     f"{run['times_the_bound']:.1f}x |")
+    write_results(args.out, "trl_smollm2", results, table)
+    print("\n".join(table), flush=True)
+    if args.readme:
+        write_readme(table, README_MARK)
+
+
+if __name__ == "__main__":
+    main()
