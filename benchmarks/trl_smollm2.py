@@ -99,10 +99,14 @@ def run_tether(steps: int, dtype: str, work: Path) -> dict:
     job = MeasuredJob(args, log_path=work / f"tether-{dtype}.log").run()
     records = read_records(work / f"tether-{dtype}")
     steady = steady_state(records)
+    synced = [r for r in records[1:] if "eval" not in r] or records[-1:]
+    weight_sync = statistics.median(r["weight_sync_seconds"] for r in synced)
+    probe = statistics.median(r["sync_and_probe_seconds"] - r["weight_sync_seconds"] for r in synced)
     return {"side": "tether", "dtype": dtype, "whole_process_seconds": job.wall_seconds, "args": args,
             "iteration_seconds": [r["iteration_seconds"] for r in records],
             "steady_step_seconds": steady["steady_iteration_seconds"], "breakdown_seconds": steady["breakdown_seconds"],
-            "episodes_per_second": steady["episodes_per_second"],
+            "episodes_per_second": steady["episodes_per_second"], "weight_sync_seconds": weight_sync,
+            "probe_and_checks_seconds": probe, "probe_share": probe / steady["steady_iteration_seconds"],
             "response_length_mean": statistics.mean(r["response_length_mean"] for r in records)}
 
 

@@ -163,13 +163,16 @@ class Fleet:
 
     def probe(self, learner, sequences: list[list[int]], prompt_lengths: list[int], engines=None) -> float:
         """Max |engine - learner| log-prob over a fixed probe batch; raises ProbeError past tolerance."""
+        named, engines = engines is not None, engines if engines is not None else self.rollouts
+        # the engines score while the learner does: the probe costs the slower of the two, not their sum
+        calls = [engine.probe.remote(sequences, prompt_lengths) for engine in engines]
         expected = learner.probe(sequences, prompt_lengths)
         worst = 0.0
-        for engine in engines if engines is not None else self.rollouts:
+        for engine, call in zip(engines, calls, strict=True):
             try:
-                got = self._get(engine.probe.remote(sequences, prompt_lengths), self.all.index(engine), "the probe")
+                got = self._get(call, self.all.index(engine), "the probe")
             except ray.exceptions.RayActorError:
-                if engines is not None:
+                if named:
                     raise
                 continue  # down now; it is re-synced and probed when it is back
             error = max(abs(a - b) for e, g in zip(expected, got, strict=True) for a, b in zip(e, g, strict=True))
