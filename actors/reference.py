@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from actors.base import VersionedActor, starting_up
+from actors.base import VersionedActor, starting_up, yield_cpu_to_engines
 from services.model_source import ModelSource, as_source
 
 if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
@@ -20,13 +20,16 @@ class ReferenceActor(VersionedActor):
     @starting_up()
     def __init__(self, index: int, model: ModelSource | str, backend: str = "hf", dtype: str = "float32",
                  max_model_len: int = 64, kv_cache_mib: int = 128, temperature: float = 1.0,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", torch_threads: int | None = None) -> None:
         from actors.engines import check_device
 
         super().__init__(index)
         self.backend = backend
         self.temperature = temperature
         self.device = check_device(device, f"reference-{index}")
+        yield_cpu_to_engines(self.device)
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
         model_dir = as_source(model).resolve(f"reference-{index}")
         if backend == "hf":
             from services.models import load_causal_lm

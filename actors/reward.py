@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from actors.base import VersionedActor, starting_up
+from actors.base import VersionedActor, starting_up, yield_cpu_to_engines
 from services.model_source import ModelSource, as_source
 
 if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
@@ -109,6 +109,7 @@ class RewardActor(VersionedActor):
 
         super().__init__(index)
         self.device = check_device(device, f"reward-{index}")
+        yield_cpu_to_engines(self.device)
         from services.models import load_tokenizer
         from services.tasks import get_task
 

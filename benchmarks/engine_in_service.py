@@ -7,7 +7,8 @@ In the service: a job (``python -m learner.main``, its own local Ray, evaluation
 iteration, the seconds its engine spent in ``generate`` (``generate_seconds``: the rollout actor's busy time,
 while the reference, reward and learner work on the chunks before) and the tokens it generated (episodes x
 mean response length); tokens/s is their ratio, the median over the iterations after the first (but the
-last, which evaluates).
+last, which evaluates). From the same iterations: the weight sync's seconds, and the probe's (with the
+check that every actor holds the new version) as a share of the iteration.
 
 Alone: a fresh process with one OpenMP thread (what Ray gives an actor with less than one CPU) builds the
 engine on the job's policy directory with ``actors.engines.VLLMEngine`` (same dtype, seed, ``max_model_len``,
@@ -37,15 +38,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import RAY_ENV, RESULTS, ROOT, stamp, write_results
 
 
-def in_service(extra: list[str], iterations: int, out: Path) -> tuple[list[float], Path]:
-    """Tokens/s of each iteration after the first, and the run directory."""
+def in_service(extra: list[str], iterations: int, out: Path) -> tuple[list[float], dict, Path]:
+    """Tokens/s of each iteration after the first, the medians of the weight sync and the probe over the same
+    iterations (seconds, and the probe's share of an iteration: issue 13's target 5), and the run directory."""
     cmd = [sys.executable, "-m", "learner.main", *extra, "--run.iterations", str(iterations),
            "--run.eval_every", str(10 * iterations), "--run.output_dir", str(out), "--run.name", "engine"]
     subprocess.run(cmd, cwd=ROOT, env={**os.environ, **RAY_ENV}, check=True)
     records = [json.loads(line) for line in (out / "engine" / "metrics.jsonl").read_text().splitlines()]
     # an iteration with an evaluation counts its generation time too, not its tokens: left out
-    rates = [r["episodes"] * r["response_length_mean"] / r["generate_seconds"] for r in records[1:] if "eval" not in r]
-    return rates, out / "engine"
+    steady = [r for r in records[1:] if "eval" not in r]
+    rates = [r["episodes"] * r["response_length_mean"] / r["generate_seconds"] for r in steady]
+    # sync_and_probe: the weights' load, every actor's state checked, and the probe (learner and engines)
+    probe = [r["sync_and_probe_seconds"] - r["weight_sync_seconds"] for r in steady]
+    sync = {"weight_sync_seconds": statistics.median(r["weight_sync_seconds"] for r in steady),
+            "probe_and_checks_seconds": statistics.median(probe),
+            "iteration_seconds": statistics.median(r["iteration_seconds"] for r in steady),
+            "probe_share": statistics.median(p / r["iteration_seconds"] for p, r in zip(probe, steady, strict=True))}
+    return rates, sync, out / "engine"
 
 
 def alone(run_dir: Path, calls: int) -> dict:
@@ -98,7 +107,7 @@ def main() -> None:
         print(json.dumps(alone(Path(args.alone), args.calls)))
         return
     with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
-        rates, run_dir = in_service(extra, args.iterations, Path(tmp))
+        rates, sync, run_dir = in_service(extra, args.iterations, Path(tmp))
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
         chunks = cfg["rollout"]["batch_size"] // cfg["rollout"]["chunk_size"]
         child = subprocess.run([sys.executable, __file__, "--alone", str(run_dir), "--calls",
@@ -107,7 +116,8 @@ def main() -> None:
         plain = json.loads(child.stdout.strip().splitlines()[-1])
     service = statistics.median(rates)
     results = {**stamp(), "args": extra, "iterations": args.iterations, "in_service_tokens_per_second": rates,
-               "in_service_median": service, "alone": plain, "ratio": service / plain["tokens_per_second"]}
+               "in_service_median": service, "alone": plain, "ratio": service / plain["tokens_per_second"],
+               "sync": sync}
     table = [f"`.venv/bin/python benchmarks/engine_in_service.py --iterations {args.iterations}"
              + (f" -- {' '.join(extra)}`" if extra else "`"), "",
              "| engine | tokens/s | batch | dtype | threads |", "|---|---|---|---|---|",
@@ -115,7 +125,10 @@ def main() -> None:
              f"| {service:.0f} | {plain['batch']} | {plain['dtype']} | 1 |"),
              (f"| `vllm.LLM.generate` alone ({plain['calls']} calls) | {plain['tokens_per_second']:.0f} | "
              f"{plain['batch']} | {plain['dtype']} | {plain['threads']} |"),
-             f"| in service / alone | {results['ratio']:.2f} (target >= 0.90) | | | |"]
+             f"| in service / alone | {results['ratio']:.2f} (target >= 0.90) | | | |", "",
+             (f"Same iterations (medians): iteration {sync['iteration_seconds']:.2f} s, weight sync "
+              f"{sync['weight_sync_seconds']:.3f} s, probe and state checks {sync['probe_and_checks_seconds']:.3f} s "
+              f"= {100 * sync['probe_share']:.1f}% of an iteration (target <= 5%).")]
     write_results(args.out, "engine_in_service", results, table)
     print("\n".join(table))
 

@@ -147,16 +147,22 @@ def write_readme(table: list[str], mark: tuple[str, str] = README_MARK) -> None:
     readme.write_text(text)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="iterations (tether) and optimizer steps (TRL)")
-    parser.add_argument("--max-steps", type=int, default=80, help="give up doubling past this")
+def parse_args(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, Path]:
+    """``parser``'s arguments plus those every TRL comparison takes; the cache directory, made."""
     parser.add_argument("--cache-dir", default="~/.cache/tether/trl-compare", help="TRL's virtualenv goes here")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--readme", action="store_true", help="write the table into README's Performance section")
     args = parser.parse_args()
     cache = Path(args.cache_dir).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
+    return args, cache
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="iterations (tether) and optimizer steps (TRL)")
+    parser.add_argument("--max-steps", type=int, default=80, help="give up doubling past this")
+    args, cache = parse_args(parser)
     python = trl_python(cache)
     sft = sft_start()
     work = Path(tempfile.mkdtemp(prefix="trl-compare-", dir=cache))

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import RESULTS, ROOT, MeasuredJob, count_params, read_records, stamp, steady_state, write_results
-from trl_compare import TRL_VERSION, cpu_flags, timed, trl_python, write_readme
+from _bench import ROOT, MeasuredJob, count_params, read_records, stamp, steady_state, write_results
+from trl_compare import TRL_VERSION, cpu_flags, parse_args, timed, trl_python, write_readme
 
 PROMPTS, SAMPLES, NEW_TOKENS, BETA, LR = 8, 8, 32, 0.05, 5e-5
 README_MARK = ("<!-- trl_smollm2:start -->", "<!-- trl_smollm2:end -->")
@@ -115,12 +115,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steady steps (iterations) per side, after one warm-up")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--sides", nargs="+", default=["tether", "trl"], choices=["tether", "trl"])
-    parser.add_argument("--cache-dir", default="~/.cache/tether/trl-compare", help="TRL's virtualenv goes here")
-    parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--readme", action="store_true", help="write the table into README's Performance section")
-    args = parser.parse_args()
-    cache = Path(args.cache_dir).expanduser()
-    cache.mkdir(parents=True, exist_ok=True)
+    args, cache = parse_args(parser)
     python = trl_python(cache, extra=("vadersentiment>=3.3",)) if "trl" in args.sides else None
     model = smollm2_model()
     params, prompt_len = count_params(model), prompt_tokens_mean(model)

@@ -131,6 +131,17 @@ class RolloutConfig(Section):
 class ReferenceConfig(Section):
     backend: Literal["hf", "vllm"] = Field("hf", description="hf: learner numerics (default); vllm: prompt_logprobs")
     num_actors: PositiveInt = Field(1, description="reference actors")
+    torch_threads: PositiveInt | None = Field(
+        None, description="CPU threads of each reference actor's torch (backend hf); none = Ray's default (one "
+        "per whole CPU of the actor). On a CPU-only node it runs below the engines' priority, so it can use "
+        "their cores while they idle")
+
+    @model_validator(mode="after")
+    def _threads_of_the_hf_backend(self) -> ReferenceConfig:
+        if self.torch_threads is not None and self.backend != "hf":
+            raise ValueError(f"reference.torch_threads={self.torch_threads} sets the threads of backend 'hf'; "
+                             f"backend {self.backend!r} runs vLLM's CPU worker, which sets its own")
+        return self
 
 
 class RewardConfig(Section):

@@ -8,7 +8,6 @@ exact over the whole batch.
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 from datetime import timedelta
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from actors.base import starting_up
+from actors.base import starting_up, yield_cpu_to_engines
 from learner.advantages import check_whole_groups, compute_advantages, uses_critic
 from learner.choices import GROUP_ESTIMATORS
 from learner.config import KLConfig, LearnerConfig, PPOConfig
@@ -49,9 +48,6 @@ class PolicyWithValueHead(nn.Module):
     def __init__(self, lm: nn.Module, critic: nn.Module | None = None, value_head: bool = True) -> None:
         super().__init__()
         self.lm = lm
-        # logits of the response positions only (transformers' logits_to_keep): the LM head over a large
-        # vocabulary is a fifth of SmolLM2's FLOPs, and the prompt's logits are never read
-        self.keeps_logits = "logits_to_keep" in inspect.signature(lm.forward).parameters
         # critic: a separate copy of the LM whose last hidden state feeds the value head; None shares the policy's
         self.critic = critic
         hidden = lm.config.hidden_size
@@ -61,21 +57,17 @@ class PolicyWithValueHead(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_width: int,
                 temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
         """Returns (logits [B, T, V] predicting each response token, values [B, T] or None without a head)."""
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-                  "output_hidden_states": self.value_head is not None, "use_cache": False}
-        span = slice(prompt_width - 1, input_ids.shape[1] - 1)  # the positions that predict response tokens
-        if self.keeps_logits:  # the last T + 1 positions: the span and the final one
-            out = self.lm(**inputs, logits_to_keep=input_ids.shape[1] - prompt_width + 1)
-            logits = out.logits[:, :-1]
-        else:
-            out = self.lm(**inputs)
-            logits = out.logits[:, span]
+        from services.experience import response_logits
+
+        inputs = (input_ids, attention_mask, position_ids, prompt_width)
+        shared = self.value_head is not None and self.critic is None
+        logits, hidden = response_logits(self.lm, *inputs, hidden=shared)
         logits = logits.float() / temperature
         if self.value_head is None:
             return logits, None
-        hidden = (out if self.critic is None else self.critic(**inputs)).hidden_states[-1]
-        values = self.value_head(hidden[:, span]).squeeze(-1).float()
-        return logits, values
+        if self.critic is not None:
+            _, hidden = response_logits(self.critic, *inputs, hidden=True)
+        return logits, self.value_head(hidden).squeeze(-1).float()
 
 
 class LearnerRank:
@@ -121,6 +113,7 @@ class LearnerRank:
         self.single_step = (rollout_batch_size is not None and not off_policy and ppo_cfg.epochs == 1
                             and ppo_cfg.minibatch_size == rollout_batch_size)
         on_gpu = check_device(device, f"learner-rank-{self.rank}") == "cuda"
+        yield_cpu_to_engines("cuda" if on_gpu else "cpu")
         if learner_cfg.torch_threads:
             torch.set_num_threads(learner_cfg.torch_threads)
         if not on_gpu:

@@ -14,6 +14,9 @@ build or read a batch (``tests/test_models.py`` checks).
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from tensordict import tensorclass
 from torch import Tensor
@@ -130,25 +133,41 @@ def model_inputs(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
     return input_ids, attention_mask.long(), position_ids
 
 
+def response_logits(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_width: int,
+                    hidden: bool = False) -> tuple[Tensor, Tensor | None]:
+    """One forward of a causal LM over prompt + response [B, P + T]: the logits [B, T, V] at the positions
+    that predict the response tokens (column P + j - 1 predicts response token j), and with ``hidden`` the
+    last hidden states there [B, T, H].
+
+    Only those positions go through the LM head where the model takes transformers' ``logits_to_keep``:
+    over a large vocabulary the head is a fifth of SmolLM2's FLOPs, and the prompt's logits are never read.
+    """
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+              "output_hidden_states": hidden, "use_cache": False}
+    span = slice(prompt_width - 1, input_ids.shape[1] - 1)
+    if _keeps_logits(type(model)):  # the last T + 1 positions: the span and the final one
+        out = model(**inputs, logits_to_keep=input_ids.shape[1] - prompt_width + 1)
+        logits = out.logits[:, :-1]
+    else:
+        out = model(**inputs)
+        logits = out.logits[:, span]
+    return logits, out.hidden_states[-1][:, span] if hidden else None
+
+
+@functools.cache
+def _keeps_logits(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
 def response_forward(model, batch: RolloutBatch, temperature: float = 1.0, hidden: bool = False):
     """One forward over prompt + response.
 
     Returns (logprobs [B, T] of the sampled response tokens under ``softmax(logits / temperature)``,
     logits [B, T, V] that predict each response token, last hidden states [B, T, H] or None).
     """
-    input_ids, attention_mask, position_ids = model_inputs(batch)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        output_hidden_states=hidden,
-        use_cache=False,
-    )
-    p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    # logits at position i predict token i + 1: response token j is predicted from column P + j - 1
     from learner.ppo import token_logprobs
 
-    logits = out.logits[:, p - 1 : p + t - 1].float() / temperature
+    logits, states = response_logits(model, *model_inputs(batch), batch.prompt_ids.shape[1], hidden)
+    logits = logits.float() / temperature
     logprobs = token_logprobs(logits, batch.response_ids)
-    states = out.hidden_states[-1][:, p - 1 : p + t - 1] if hidden else None
     return logprobs, logits, states

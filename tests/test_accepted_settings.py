@@ -39,6 +39,13 @@ def test_batch_larger_than_the_horizon_is_refused_naming_both_fields():
     load_config(None, {"kl": {"horizon": 100, "controller": "fixed", "target": None}})
 
 
+def test_reference_threads_are_refused_for_the_vllm_backend():
+    with pytest.raises(ValidationError, match=r"reference.torch_threads=2 sets the threads of backend 'hf'; "
+                                              r"backend 'vllm' runs vLLM's CPU worker"):
+        load_config(None, {"reference": {"backend": "vllm", "torch_threads": 2}})
+    assert load_config(None, {"reference": {"torch_threads": 2}}).reference.torch_threads == 2
+
+
 def test_the_committed_configs_still_validate():
     root = Path(__file__).resolve().parents[1]
     paths = sorted((root / "deploy" / "configs").glob("*.yaml")) + sorted((root / "tests" / "configs").glob("*.yaml"))

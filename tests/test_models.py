@@ -44,3 +44,37 @@ def test_driver_imports_leave_actor_libraries_to_the_actors(tiny_model_dir):
                          check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_response_logits_are_the_full_forwards_response_positions():
+    """``response_logits`` passes the LM head only the positions that predict response tokens (GPT-2 and
+    Llama take ``logits_to_keep``), and falls back to slicing the full logits for a model that does not:
+    the same numbers either way, with left-padded prompts."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from services.experience import response_logits
+
+    class WithoutLogitsToKeep(GPT2LMHeadModel):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, output_hidden_states=None,
+                    use_cache=None):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   output_hidden_states=output_hidden_states, use_cache=use_cache)
+
+    torch.manual_seed(0)
+    gpt2 = GPT2Config(vocab_size=29, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    models = [GPT2LMHeadModel(gpt2), WithoutLogitsToKeep(gpt2),
+              LlamaForCausalLM(LlamaConfig(vocab_size=29, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))]
+    ids = torch.randint(0, 29, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding of a 4-wide prompt
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    for model in models:
+        model.eval()
+        full = model(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True,
+                     use_cache=False)
+        logits, hidden = response_logits(model, ids, mask, positions, prompt_width=4, hidden=True)
+        assert logits.shape == (3, 5, 29) and hidden.shape == (3, 5, 32)
+        torch.testing.assert_close(logits, full.logits[:, 3:8], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hidden, full.hidden_states[-1][:, 3:8])

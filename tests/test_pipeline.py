@@ -209,3 +209,18 @@ def test_chunk_from_an_engine_restarted_after_the_version_check_is_regenerated(r
     finally:
         kill(engine)
     assert result.num_responses == 8 and result.policy_versions == [3]
+
+
+def test_on_cpu_every_actor_but_the_engines_runs_below_their_priority(roles):
+    """The reference, reward and learner processes (all their threads) yield the cores to the rollout
+    engines' generation; the engines keep the default priority."""
+    import os
+
+    from actors.base import BELOW_THE_ENGINES
+
+    actors = {"vllm": roles["vllm"], "hf": roles["hf"], "reference": roles["reference"], "reward": roles["reward"],
+              "learner": roles["learner"].ranks[0]}
+    for name, actor in actors.items():
+        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+        niceness = {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+        assert niceness == ({0} if name in ("vllm", "hf") else {BELOW_THE_ENGINES}), (name, niceness)
