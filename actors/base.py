@@ -6,8 +6,10 @@ import gc
 import os
 from contextlib import contextmanager
 
-# the niceness of every CPU process but the engines': their work waits while an engine generates
-BELOW_THE_ENGINES = 10
+# niceness steps between the rollout engines and every other CPU process on their node (Ray starts every
+# worker at the same niceness, its worker_niceness: 15 by default); at most 19, Linux's lowest priority
+BELOW_THE_ENGINES = 5
+_yielded = False
 
 
 @contextmanager
@@ -31,22 +33,26 @@ def starting_up():
 
 
 def yield_cpu_to_engines(device: str) -> None:
-    """On CPU, this process's threads, and those they start later, run below the rollout engines' priority.
+    """On CPU, this process's threads, and those they start later, run ``BELOW_THE_ENGINES`` steps below the
+    rollout engines' priority (once per process: the engines' niceness is this worker's at its start).
 
     Generation is the head of the pipeline: while an engine's thread generates the next chunk, the
     reference, reward and learner work on the chunks before it, and on a machine with fewer cores than
     threads they took its core part of the time (the engine generated at 0.75-0.86 of its speed alone).
     Below it they still get every cycle the engine leaves, and the learner both cores once it is idle.
     A GPU process keeps its priority: its work is on the device."""
-    if device != "cpu":
+    global _yielded
+    if device != "cpu" or _yielded:
         return
+    _yielded = True
+    below = min(19, os.getpriority(os.PRIO_PROCESS, 0) + BELOW_THE_ENGINES)
     try:
         threads = [int(t) for t in os.listdir("/proc/self/task")]  # Linux: niceness is per thread
     except FileNotFoundError:
         threads = [0]
     for thread in threads:
         try:
-            os.setpriority(os.PRIO_PROCESS, thread, max(os.getpriority(os.PRIO_PROCESS, thread), BELOW_THE_ENGINES))
+            os.setpriority(os.PRIO_PROCESS, thread, max(os.getpriority(os.PRIO_PROCESS, thread), below))
         except (ProcessLookupError, PermissionError):
             pass  # a thread that ended meanwhile; lowering one's own priority is always allowed
 

@@ -212,15 +212,24 @@ def test_chunk_from_an_engine_restarted_after_the_version_check_is_regenerated(r
 
 
 def test_on_cpu_every_actor_but_the_engines_runs_below_their_priority(roles):
-    """The reference, reward and learner processes (all their threads) yield the cores to the rollout
-    engines' generation; the engines keep the default priority."""
+    """Every thread of the reference, reward and learner processes yields the cores to the rollout engines'
+    generation: it runs below the priority of the thread that runs an engine's methods."""
     import os
+    import threading
 
     from actors.base import BELOW_THE_ENGINES
 
-    actors = {"vllm": roles["vllm"], "hf": roles["hf"], "reference": roles["reference"], "reward": roles["reward"],
-              "learner": roles["learner"].ranks[0]}
-    for name, actor in actors.items():
-        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
-        niceness = {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
-        assert niceness == ({0} if name in ("vllm", "hf") else {BELOW_THE_ENGINES}), (name, niceness)
+    def calling_thread(self) -> tuple[int, int]:
+        return os.getpid(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def niceness(actor) -> tuple[int, set[int]]:
+        pid, caller = ray.get(actor.__ray_call__.remote(calling_thread))
+        return caller, {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+    engines = {niceness(roles[name])[0] for name in ("vllm", "hf")}
+    assert len(engines) == 1 and (engine := engines.pop()) < 19, engines
+    below = min(19, engine + BELOW_THE_ENGINES)
+    for name in ("reference", "reward", "learner"):
+        actor = roles[name].ranks[0] if name == "learner" else roles[name]
+        caller, threads = niceness(actor)
+        assert caller == below and min(threads) == below, (name, engine, caller, threads)
