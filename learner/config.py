@@ -17,9 +17,11 @@ from learner.choices import GROUP_ESTIMATORS, GRPO_TOKEN_K3_WARNING, Estimator, 
 
 # The probe's default bound on max |engine - learner| log-prob, per dtype. fp32 engines match the learner
 # to ~1e-6. In bf16 the engine's and the learner's kernels round differently: measured 0.02 on randomwalks
-# and 0.37 on SmolLM2-135M's probe (mean 0.075; 0.15 on sampled responses). bf16 still catches weights
-# that did not load, but not a sync one small step behind: the version check covers that.
-PROBE_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5}
+# and 0.37 on SmolLM2-135M's probe at the start (mean 0.075; 0.15 on sampled responses), 0.54 after one GRPO
+# step (2026-12-01); the same SmolLM2 in bf16 against fp32 on random tokens differs by up to 0.49 (mean
+# 0.06). Weights that did not load differ by nats on most tokens; a sync one small step behind is not caught
+# in bf16: the version check covers that.
+PROBE_TOLERANCE = {"float32": 1e-4, "bfloat16": 1.0}
 
 
 class Section(BaseModel):
