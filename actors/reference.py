@@ -34,8 +34,10 @@ class ReferenceActor(VersionedActor):
         if backend == "hf":
             from services.models import load_causal_lm
 
+            # its weights keep requires_grad: scoring runs under no_grad, so no graph or gradient is built, and
+            # on CPU in bf16 a forward over weights without it took twice as long (torch 2.13, SmolLM2-135M over
+            # 32 x 76 tokens, 2 threads: 2.3 against 1.1 s; fp32 3.4 against 3.2 s)
             self.model = load_causal_lm(model_dir, dtype).to(self.device)
-            self.model.requires_grad_(False)
         elif backend == "vllm":
             from actors.engines import VLLMEngine
 
