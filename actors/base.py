@@ -38,11 +38,11 @@ def yield_cpu_to_engines(device: str) -> None:
 
     Generation is the head of the pipeline: while an engine's thread generates the next chunk, the
     reference, reward and learner work on the chunks before it, and on a machine with fewer cores than
-    threads they took its core part of the time (the engine generated at 0.75-0.86 of its speed alone).
-    Below it they still get every cycle the engine leaves, and the learner both cores once it is idle.
-    A GPU process keeps its priority: its work is on the device."""
+    threads they would take its core part of the time. Below it they still get every cycle the engine
+    leaves, and the learner both cores once it is idle. A GPU process keeps its priority: its work is on the
+    device, and so does a role built as a plain object outside an actor (tests, tools): that is its caller."""
     global _yielded
-    if device != "cpu" or _yielded:
+    if device != "cpu" or _yielded or not _in_an_actor():
         return
     _yielded = True
     below = min(19, os.getpriority(os.PRIO_PROCESS, 0) + BELOW_THE_ENGINES)
@@ -55,6 +55,12 @@ def yield_cpu_to_engines(device: str) -> None:
             os.setpriority(os.PRIO_PROCESS, thread, max(os.getpriority(os.PRIO_PROCESS, thread), below))
         except (ProcessLookupError, PermissionError):
             pass  # a thread that ended meanwhile; lowering one's own priority is always allowed
+
+
+def _in_an_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 class VersionedActor:

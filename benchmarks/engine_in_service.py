@@ -53,14 +53,13 @@ def in_service(extra: list[str], iterations: int, out: Path) -> tuple[list[float
     # an iteration with an evaluation counts its generation time too, not its tokens: left out
     steady = [r for r in records[1:] if "eval" not in r]
     rates = [r["episodes"] * r["response_length_mean"] / r["generate_seconds"] for r in steady]
-    lengths = [r["response_length_mean"] for r in steady]
     # sync_and_probe: the weights' load, every actor's state checked, and the probe (learner and engines)
     probe = [r["sync_and_probe_seconds"] - r["weight_sync_seconds"] for r in steady]
     sync = {"weight_sync_seconds": statistics.median(r["weight_sync_seconds"] for r in steady),
             "probe_and_checks_seconds": statistics.median(probe),
             "iteration_seconds": statistics.median(r["iteration_seconds"] for r in steady),
             "probe_share": statistics.median(p / r["iteration_seconds"] for p, r in zip(probe, steady, strict=True)),
-            "response_length_mean": statistics.mean(lengths)}
+            "response_length_mean": statistics.mean(r["response_length_mean"] for r in steady)}
     return rates, sync, out / "engine"
 
 
@@ -98,8 +97,8 @@ def alone(run_dir: Path, calls: int) -> dict:
         if call:
             seconds += time.perf_counter() - start
             tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"tokens_per_second": tokens / seconds, "response_length_mean": tokens / (calls * n), "calls": calls, "batch": n, "threads": torch.get_num_threads(),
-            "dtype": cfg.learner.dtype, "model": str(model)}
+    return {"tokens_per_second": tokens / seconds, "response_length_mean": tokens / (calls * n), "calls": calls,
+            "batch": n, "threads": torch.get_num_threads(), "dtype": cfg.learner.dtype, "model": str(model)}
 
 
 def main() -> None:
@@ -110,11 +109,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
-    if not any(a.startswith("--ppo.lr") and not a.startswith("--ppo.lr_") for a in extra):
-        extra = ["--ppo.lr", "1e-12", *extra]  # the start's weights throughout: see the module's docstring
     if args.alone:
         print(json.dumps(alone(Path(args.alone), args.calls)))
         return
+    if not any(a.startswith("--ppo.lr") and not a.startswith("--ppo.lr_") for a in extra):
+        extra = ["--ppo.lr", "1e-12", *extra]  # the start's weights throughout: see the module's docstring
     with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
         rates, sync, run_dir = in_service(extra, args.iterations, Path(tmp))
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())

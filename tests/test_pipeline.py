@@ -234,3 +234,17 @@ def test_on_cpu_every_actor_but_the_engines_runs_below_their_priority(roles):
         actor = roles[name].ranks[0] if name == "learner" else roles[name]
         caller, threads = niceness(actor)
         assert caller == below and min(threads) == below, (name, engine, caller, threads)
+
+
+def test_a_role_built_outside_an_actor_leaves_its_callers_priority(ray_client, tiny_model_dir):
+    """Built as a plain object (tests, tools), a role runs in its caller's process: the caller, and what it
+    starts later (a Ray head, a job), keep their priority."""
+    import os
+
+    from actors.reference import ReferenceActor
+    from actors.reward import RewardActor
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    RewardActor(0, "randomwalks", {}, tiny_model_dir)
+    ReferenceActor(0, tiny_model_dir)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
