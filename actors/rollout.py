@@ -27,7 +27,7 @@ class RolloutActor(VersionedActor):
         model_dir = as_source(model).resolve(f"rollout-{index}")
         self.engine = make_engine(engine, model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core,
                                   check_device(device, f"rollout-{index}"), engine_args, weight_transfer)
-        self.last_tokens_per_second = 0.0
+        self.last_tokens_per_second: float | None = None  # no rate, and no gauge, before a generation
 
     def generate(self, prompts: list[list[int]], prompt_index: list[int], seeds: list[int],
                  sampling: SamplingSettings, pad_id: int, group_index: list[int] | None = None) -> RolloutBatch:
