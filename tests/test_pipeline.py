@@ -248,3 +248,23 @@ def test_a_role_built_outside_an_actor_leaves_its_callers_priority(ray_client, t
     RewardActor(0, "randomwalks", {}, tiny_model_dir)
     ReferenceActor(0, tiny_model_dir)
     assert os.getpriority(os.PRIO_PROCESS, 0) == before
+
+
+def test_an_eager_engine_on_cpu_compiles_nothing(roles):
+    """vLLM's eager engine still torch.compiles its sampler's log-prob rank helper on the first call that
+    returns log-probs: a C++ build, or a second from the inductor cache, in the first generation. On CPU the
+    engine runs it eagerly: after generating and scoring, dynamo has traced no frame in the engine's process."""
+    from actors.engines import SamplingSettings
+
+    engine = roles["vllm"]
+    batch = ray.get(engine.generate.remote([[1, 2], [3]], [0, 1], [5, 6], SamplingSettings(max_new_tokens=4), 0))
+    sequences, prompt_lengths = probe_set()
+    ray.get(engine.probe.remote(sequences, prompt_lengths))
+
+    def traced_frames(self) -> int:
+        from torch._dynamo.utils import counters
+
+        return sum(counters["frames"].values())
+
+    assert batch.response_lengths.sum() > 0
+    assert ray.get(engine.__ray_call__.remote(traced_frames)) == 0
