@@ -69,6 +69,10 @@ class VersionedActor:
     def __init__(self, index: int) -> None:
         import ray
 
+        # the batch's module, while the actor starts: it imports tensordict and with it torch._dynamo (0.9 CPU
+        # s), which the first batch to arrive would otherwise wait for (a reward actor's first evaluation
+        # did, 0.65 s, at the end of start-up); the engines and the models import it anyway
+        import services.experience  # noqa: F401
         from services.metrics import ActorMetrics
 
         self.index = index
