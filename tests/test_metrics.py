@@ -76,7 +76,7 @@ def test_dashboard_metrics_match_the_job(ray_head, cache_dir, tmp_path):
             assert count <= len(records)
             counted = max(counted, count)
         # this job's series only: the head is shared, and another job's gauges outlive it by two report
-        # intervals (seen: this job's iteration beside another job's learner step, before its own was reported)
+        # intervals
         iteration = by_name(snap, "ray_tether_iteration", tether_run="metrics")
         if len(iteration) != 1 or int(iteration[0]) not in records:
             continue
