@@ -100,21 +100,21 @@ class VLLMEngine:
         # with inductor on the first call that returns log-probs (measured: 1.2 s of the first generate with a
         # warm inductor cache, a C++ build without one; steady calls and log-probs unchanged when eager)
         self.eager = device == "cpu" and bool(args.get("enforce_eager"))
-        with self.compile_stance():
-            self.llm = LLM(
-                model=model_dir,
-                dtype=dtype,
-                seed=seed,
-                max_model_len=max_model_len,
-                # log-probs of the distribution actually sampled from (after temperature)
-                logprobs_mode="processed_logprobs",
-                worker_extension_cls="actors.vllm_extension.WeightSyncExtension",
-                **args,
-            )
+        self.llm = LLM(
+            model=model_dir,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            # log-probs of the distribution actually sampled from (after temperature)
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="actors.vllm_extension.WeightSyncExtension",
+            **args,
+        )
         self.eos_id = self.llm.get_tokenizer().eos_token_id
 
     def compile_stance(self):
-        """Around every vLLM call: nothing compiled when the engine is eager on CPU (see __init__)."""
+        """Around every vLLM call that samples or scores: nothing compiled when the engine is eager on CPU
+        (see __init__)."""
         return torch.compiler.set_stance("force_eager") if self.eager else nullcontext()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seeds: list[int]) -> list[Generation]:

@@ -95,9 +95,10 @@ def test_dashboard_metrics_match_the_job(ray_head, cache_dir, tmp_path):
             continue
         # every series of this Ray job, the driver's and the actors', names its run in its own label; none in
         # `job`, which Prometheus renames to `exported_job`
-        job_id = next(dict(labels)["ray_job"] for n, labels in snap if n == "ray_tether_iteration"
-                      and dict(labels).get("tether_run") == "metrics")
-        ours = [(name, dict(labels)) for name, labels in snap if dict(labels).get("ray_job") == job_id]
+        series = [(name, dict(labels)) for name, labels in snap]
+        job_id = next(labels["ray_job"] for name, labels in series
+                      if name == "ray_tether_iteration" and labels.get("tether_run") == "metrics")
+        ours = [(name, labels) for name, labels in series if labels.get("ray_job") == job_id]
         assert {name for name, _ in ours} >= set(DRIVER_SERIES)
         for name, labels in ours:
             assert labels.get("tether_run") == "metrics" and "job" not in labels, (name, labels)
