@@ -49,7 +49,7 @@ class ReferenceActor(VersionedActor):
             raise ValueError(f"unknown reference backend {backend!r}; expected 'hf' or 'vllm'")
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
-        """[B, T] ref log-probs of the response tokens (0 at padding)."""
+        """[B, T] ref log-probs of the tokens the model sampled (0 at padding and at environment tokens)."""
         start = time.perf_counter()
         try:
             return self._score(batch)
@@ -62,7 +62,7 @@ class ReferenceActor(VersionedActor):
             from services.experience import response_forward
 
             logprobs, _, _ = response_forward(self.model, batch.to(self.device), self.temperature)
-            return logprobs.cpu() * batch.response_mask
+            return logprobs.cpu() * batch.action_mask
         sequences, prompt_lengths = [], []
         for p_ids, p_mask, r_ids, n in zip(batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                            batch.response_lengths, strict=True):
@@ -72,4 +72,4 @@ class ReferenceActor(VersionedActor):
         out = torch.zeros_like(batch.rollout_logprobs)
         for row, scored in enumerate(self.engine.score(sequences, prompt_lengths)):
             out[row, : len(scored)] = torch.tensor(scored)
-        return out
+        return out * batch.action_mask  # a trajectory's environment tokens carry no log-prob

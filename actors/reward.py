@@ -154,6 +154,8 @@ class RewardActor(VersionedActor):
             self.busy_seconds += time.perf_counter() - start
 
     def _score(self, batch: RolloutBatch, chunk_index: int) -> torch.Tensor:
+        if batch.turn_rewards is not None:  # an environment's episodes: its turns' rewards are the score
+            return batch.turn_rewards.sum(-1)
         prompts, completions = self.decode(batch)
         return self.scores(prompts, completions, f"task {self.task.name!r}, chunk {chunk_index}",
                            batch.prompt_index.tolist(), "train")
@@ -194,6 +196,12 @@ class RewardActor(VersionedActor):
         prompts, completions = self.decode(batch)
         rows = batch.prompt_index.tolist()
         kept = [{"prompt": p, "response": c} for p, c in zip(prompts[:keep_samples], completions[:keep_samples])]
+        if batch.turn_rewards is not None:  # an environment's episodes: the return under the task's metric name
+            returns = batch.turn_rewards.sum(-1)
+            for sample, score in zip(kept, returns.tolist()):
+                sample["score"] = float(score)
+            return {"count": float(len(prompts)), "samples": kept,
+                    "sums": {self.task.metric: float(returns.sum()), "turns": float(batch.num_turns.sum())}}
         if kept:
             where = f"task {self.task.name!r}, evaluation chunk {chunk_index}"
             for sample, score in zip(kept, self.scores(prompts[:len(kept)], completions[:len(kept)], where,

@@ -1,13 +1,15 @@
 """Advantage estimators (``ppo.advantage``): GAE with a critic, and the critic-free GRPO, RLOO,
 REINFORCE++ and REINFORCE++-baseline.
 
-Pure torch. Shapes: B episodes, T response positions; ``mask`` is [B, T] float 0/1, a prefix per row;
+Pure torch. Shapes: B episodes, T response positions; ``mask`` is [B, T] float 0/1, the action mask (the
+model's tokens: a prefix per row for a single response, with gaps at a trajectory's environment tokens);
 ``group_index`` is [B] long, the same id for the ``rollout.samples_per_prompt`` episodes of one prompt
 (-1: the row belongs to no group).
 
 Every estimator reads the same per-token ``rewards`` [B, T]: ``-beta * kl_t`` on every response token
 (0 when the KL is in the loss, ``kl.placement: loss``) plus the score at the last token
-(``learner.kl.kl_penalized_rewards``). The sequence return is ``R = sum_t rewards_t``: the score minus
+(``learner.kl.kl_penalized_rewards``), or each turn's reward at its last model token for a trajectory. The
+sequence return is ``R = sum_t rewards_t``: the score minus
 ``beta * KL_b`` with the KL in the reward, the score alone with it in the loss. A sequence-level
 advantage is given to every token of its response. ``returns`` (the critic's targets) exist only for GAE.
 """
@@ -109,14 +111,15 @@ def rloo_sequence_advantages(returns: Tensor, group_index: Tensor) -> Tensor:
 
 
 def reward_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """[B, T] ``G_t = sum_{s >= t} gamma^(s - t) r_s`` over the response ``mask`` [B, T] of the per-token
-    ``rewards`` [B, T]; 0 where the mask is 0."""
+    """[B, T] ``G_t = sum_{s >= t} gamma^(n(t, s)) r_s`` over the action ``mask`` [B, T] of the per-token
+    ``rewards`` [B, T], where n(t, s) counts the model's tokens from t to s: the environment's tokens of a
+    trajectory are not discounted. 0 where the mask is 0."""
     rewards = rewards * mask
     out = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = (rewards[:, t] + gamma * running) * mask[:, t]
-        out[:, t] = running
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
+        out[:, t] = running * mask[:, t]
     return out
 
 

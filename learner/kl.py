@@ -2,9 +2,11 @@
 
 Pure torch: this module imports neither Ray nor DeepSpeed. It implements DESIGN.md section 1 exactly.
 
-Every per-token tensor is *response-aligned*, shape [B, T]: position t is the t-th generated token of
-sequence b, and ``mask[b, t] = 1`` for real response tokens (up to and including the first EOS), 0 after.
-Prompt tokens never appear in these tensors.
+Every per-token tensor is *response-aligned*, shape [B, T]: position t is the t-th token after the prompt
+of sequence b, and ``mask[b, t] = 1`` for the tokens the model sampled (up to and including the first
+EOS), 0 after. In a multi-turn trajectory the mask is the action mask: 1 on the model's turns, 0 on the
+environment's tokens between them, so it need not be a prefix; everything below sums over the model's
+tokens only. Prompt tokens never appear in these tensors.
 
 With ``r = logprobs - ref_logprobs``:
 
@@ -63,10 +65,11 @@ def check_estimator(estimator: str) -> None:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {ESTIMATORS}")
 
 
-def check_response_mask(mask: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor:
-    """Validate a [B, T] response mask and return it as a float tensor.
+def check_response_mask(mask: Tensor, shape: torch.Size | tuple[int, ...], prefix: bool = False) -> Tensor:
+    """Validate a [B, T] mask and return it as a float tensor.
 
-    It must have ``shape``, hold only 0/1, and be a prefix in each row (no 1 after a 0).
+    It must have ``shape`` and hold only 0/1. An action mask may have gaps (a trajectory's environment
+    tokens); with ``prefix`` it must be a prefix in each row (no 1 after a 0), as a single response's is.
     """
     if tuple(mask.shape) != tuple(shape):
         raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(shape)} (response-aligned [B, T])")
@@ -74,7 +77,7 @@ def check_response_mask(mask: Tensor, shape: torch.Size | tuple[int, ...]) -> Te
     not_binary = (m != 0) & (m != 1)
     if not_binary.any():
         raise ValueError(f"mask must hold only 0/1; first other value at (row, token) = {_first_index(not_binary)}")
-    if m.shape[-1] > 1:
+    if prefix and m.shape[-1] > 1:
         gap = m[:, 1:] > m[:, :-1]
         if gap.any():
             row, tok = _first_index(gap)
@@ -140,8 +143,10 @@ def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator:
 
 
 def last_token_index(mask: Tensor) -> Tensor:
-    """[B] index of the last response token of each row (the last t with mask = 1); -1 for empty rows."""
-    return mask.to(torch.long).sum(dim=-1) - 1
+    """[B] index of the last model token of each row (the last t with mask = 1); -1 for empty rows."""
+    positions = torch.arange(-1, mask.shape[-1], device=mask.device)  # a column of -1 for empty rows
+    padded = torch.nn.functional.pad(mask, (1, 0), value=1)
+    return torch.where(padded > 0, positions, -1).amax(dim=-1)
 
 
 def kl_penalized_rewards(
@@ -151,15 +156,19 @@ def kl_penalized_rewards(
     mask: Tensor,
     kl_coef: float,
     estimator: Estimator = "k1",
+    turn_rewards: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Per-token rewards: ``-kl_coef * kl_t``, plus each sequence's score at its last response token.
+    """Per-token rewards: ``-kl_coef * kl_t``, plus each sequence's score at its last model token, or, for
+    a multi-turn trajectory, each turn's reward where ``turn_rewards`` puts it (the turn's last model token).
 
     Args:
-        scores: [B] sequence scores from the reward model or function.
+        scores: [B] sequence scores from the reward model or function (a trajectory's: its turns' sum).
         logprobs, ref_logprobs: [B, T] sampled-token log-probs of policy and reference.
-        mask: [B, T] response mask (bool or 0/1, a prefix in each row).
+        mask: [B, T] action mask (bool or 0/1): the tokens the model sampled.
         kl_coef: beta >= 0.
         estimator: KL estimator for the penalty.
+        turn_rewards: [B, T] or None; nonzero only where ``mask`` is 1. Given, it replaces ``scores``'
+            placement: ``scores`` must then be its row sums.
     Returns:
         (rewards [B, T], kl [B, T]) where ``kl`` is the masked per-token estimate. Rows with an empty
         mask get neither penalty nor score; ``kl_stats`` counts them.
@@ -170,6 +179,15 @@ def kl_penalized_rewards(
         raise ValueError(f"scores has shape {tuple(scores.shape)}, expected [B] = [{kl.shape[0]}]")
     check_finite("scores", scores.unsqueeze(-1))
     rewards = -beta * kl
+    if turn_rewards is not None:
+        if turn_rewards.shape != kl.shape:
+            raise ValueError(f"turn_rewards has shape {tuple(turn_rewards.shape)}, expected {tuple(kl.shape)}")
+        check_finite("turn_rewards", turn_rewards)
+        off_model = (turn_rewards != 0) & (mask == 0)
+        if off_model.any():
+            raise ValueError(f"turn_rewards has a reward on a token the model did not sample, first at (row, "
+                             f"token) = {_first_index(off_model)}: a turn's reward lands on its last model token")
+        return rewards + turn_rewards.to(rewards.dtype), kl
     last = last_token_index(mask)
     rows = (last >= 0).nonzero().squeeze(-1)
     rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
@@ -205,7 +223,8 @@ def response_kl_loss(
         logprobs: [B, T] current policy log-probs of the sampled tokens (with grad).
         old_logprobs: [B, T] log-probs of the policy that sampled the rows (PPO's old log-probs).
         ref_logprobs: [B, T] frozen reference log-probs of the same tokens.
-        mask: [B, T] response mask (bool or 0/1, a prefix in each row).
+        mask: [B, T] action mask (bool or 0/1); the environment's tokens (0) carry no log-ratio and no
+            importance weight: their probability is the environment's, the same under both policies.
         form: "kl_to_go" or "response_k2".
         num_responses: divide the sum over responses by this: a rank's share of the global count of
             responses, empty ones included, as the controller's mean counts them; default B.

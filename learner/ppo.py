@@ -1,6 +1,7 @@
 """PPO math on response-aligned tensors: GAE, masked whitening, clipped policy and value losses.
 
-Pure torch. Shapes: B sequences, T response positions; ``mask`` is [B, T] float 0/1, a prefix per row.
+Pure torch. Shapes: B sequences, T response positions; ``mask`` is [B, T] float 0/1, the action mask: a
+prefix per row for a single response, with gaps at the environment's tokens for a multi-turn trajectory.
 """
 
 from __future__ import annotations
@@ -200,13 +201,18 @@ def scheduled_lr(lr: float, schedule: Literal["constant", "linear"], iteration: 
 def gae_advantages(
     rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over response tokens, right to left.
+    """Generalised advantage estimation over the model's tokens, right to left.
+
+    Tokens where ``mask`` is 0 are skipped as if they were not there: in a multi-turn trajectory a turn's
+    last model token bootstraps from the value at the next turn's first model token, and the environment's
+    tokens between them are neither discounted nor given an advantage (DESIGN.md section 7).
 
     Args:
-        rewards: [B, T] per-token rewards (KL penalty plus the score at the last token).
+        rewards: [B, T] per-token rewards (KL penalty plus the score at the last token, or each turn's reward
+            at the turn's last model token).
         values: [B, T] value estimates V(s_t) for the state before token t.
-        mask: [B, T] response mask; the state after the last response token is terminal (V = 0).
-        gamma, lam: discount and GAE lambda.
+        mask: [B, T] action mask; the state after the last model token is terminal (V = 0).
+        gamma, lam: discount and GAE lambda, per model token.
     Returns:
         (advantages [B, T], returns [B, T]), both 0 where ``mask`` is 0; returns = advantages + values.
     """
@@ -220,10 +226,12 @@ def gae_advantages(
     next_value = torch.zeros_like(rewards[:, 0])
     next_advantage = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
+        model = mask[:, t] > 0
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = (delta + gamma * lam * next_advantage) * mask[:, t]
-        advantages[:, t] = next_advantage
-        next_value = values[:, t]
+        # off the model's tokens the running terms pass through unchanged, to the model token before
+        next_advantage = torch.where(model, delta + gamma * lam * next_advantage, next_advantage)
+        advantages[:, t] = next_advantage * mask[:, t]
+        next_value = torch.where(model, values[:, t], next_value)
     return advantages, (advantages + values) * mask
 
 

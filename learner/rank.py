@@ -234,7 +234,7 @@ class LearnerRank:
             step_forward = self._forward(batch, grad=True)
             batch.old_logprobs = step_forward[0].detach().cpu()
             batch.old_values = step_forward[1].detach().cpu() if step_forward[1] is not None else None
-        mask = batch.response_mask
+        mask = batch.action_mask  # the model's tokens: a trajectory's environment tokens are context only
         batch.old_logprobs, batch.ref_logprobs = batch.old_logprobs * mask, batch.ref_logprobs * mask
         if self.has_critic:
             batch.old_values = batch.old_values * mask
@@ -246,7 +246,7 @@ class LearnerRank:
         behaviour = batch.rollout_logprobs * mask if self.off_policy else batch.old_logprobs
         in_reward = self.kl.placement == "reward"
         rewards, _ = kl_penalized_rewards(batch.scores, behaviour, batch.ref_logprobs, mask,
-                                           kl_coef if in_reward else 0.0, self.kl.estimator)
+                                           kl_coef if in_reward else 0.0, self.kl.estimator, batch.turn_rewards)
         estimator = self.ppo.advantage
         if estimator in GROUP_ESTIMATORS:  # whole chunks go to a rank, and a chunk holds whole groups
             check_whole_groups(batch.group_index, self.samples_per_prompt, f"rank {self.rank}: ")
@@ -280,6 +280,13 @@ class LearnerRank:
             "value_sum": float((batch.old_values * mask).sum()) if self.has_critic else float("nan"),
             "return_sum": float((batch.returns * mask).sum()) if batch.returns is not None else float("nan"),
         })
+        if batch.num_turns is not None:  # multi-turn episodes: what the environment added
+            sums.update({
+                "turns_sum": float(batch.num_turns.sum()),
+                "tool_calls_sum": float(batch.tool_calls.sum()),
+                "environment_seconds_sum": float(batch.environment_seconds.sum()),
+                "environment_tokens_sum": float((batch.response_mask - mask).sum()),
+            })
         return RankUpdate(
             sums=sums,
             ppo_sums=ppo_sums,
@@ -321,7 +328,7 @@ class LearnerRank:
             order = torch.arange(n) if step_forward is not None else torch.randperm(n, generator=generator)
             for rows in order.split(micro):
                 mb = batch[rows]
-                mask = mb.response_mask.to(self.device)
+                mask = mb.action_mask.to(self.device)
                 # global token (or row) count over all ranks: W ranks compute what one would
                 denominator = global_loss_denominator(mask, aggregation, self.device)
                 logprobs, values, logits = step_forward or self._forward(mb, grad=True)

@@ -2,7 +2,11 @@
 
 A ``RolloutBatch`` holds B episodes. Prompts are left-padded to P, responses right-padded to T, so the
 response always starts at column P of ``cat(prompt_ids, response_ids)``. Every response tensor is
-response-aligned [B, T]. Each row carries the ``policy_version`` and ``kl_coef`` it was produced under,
+response-aligned [B, T]. A multi-turn episode's response is its whole trajectory after the prompt, token for
+token as it happened: the model's turns (ids the engine sampled) and the environment's (observation ids),
+``response_mask`` marks every real token of it (the attention), ``action_mask`` the ones the model sampled
+(the only ones with log-probs, ratios, advantages and KL: DESIGN.md section 7). A single response is a
+trajectory of one turn, where the two masks are equal. Each row carries the ``policy_version`` and ``kl_coef`` it was produced under,
 so concatenating chunks keeps the stamps. The learner fills the optional fields (reference log-probs,
 scores, its own old log-probs and values, advantages, returns), so one container reaches the loss. ``tensordict``'s tensorclass gives indexing, ``torch.cat``,
 ``torch.stack`` and device moves for free.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 from tensordict import tensorclass
@@ -29,13 +34,19 @@ class RolloutBatch:
     prompt_ids: Tensor  # [B, P] long, left-padded with the pad id
     prompt_mask: Tensor  # [B, P] float 0/1
     response_ids: Tensor  # [B, T] long, right-padded
-    response_mask: Tensor  # [B, T] float 0/1: 1 up to and including the first EOS
+    response_mask: Tensor  # [B, T] float 0/1: every real token after the prompt (a prefix); the attention
+    action_mask: Tensor  # [B, T] float 0/1: the tokens the model sampled (each turn up to its EOS); the losses
     rollout_logprobs: Tensor  # [B, T] the engine's sampled-token log-probs (diagnostic only)
     finish_reason: Tensor  # [B] long: FINISH_STOP or FINISH_LENGTH
     policy_version: Tensor  # [B] long: weights version that generated the row
     kl_coef: Tensor  # [B] float: beta in force when the row was generated
     prompt_index: Tensor  # [B] long: index into the task's prompt list
     group_index: Tensor  # [B] long: the episodes of one prompt's samples_per_prompt group share it; -1: none
+    # multi-turn episodes only (an environment's task); None for single responses
+    turn_rewards: Tensor | None = None  # [B, T] each turn's reward at the turn's last model token (0 elsewhere)
+    num_turns: Tensor | None = None  # [B] long: the model's turns in the episode
+    tool_calls: Tensor | None = None  # [B] long: tool calls the environment executed
+    environment_seconds: Tensor | None = None  # [B] float: seconds the episode's environment steps took
     # filled by the learner rank; None until then
     ref_logprobs: Tensor | None = None  # [B, T] the reference model's log-probs of the sampled tokens
     scores: Tensor | None = None  # [B] sequence scores (the reward function's or model's)
@@ -46,6 +57,7 @@ class RolloutBatch:
 
     @property
     def response_lengths(self) -> Tensor:
+        """[B] real tokens after the prompt (the model's and the environment's)."""
         return self.response_mask.sum(-1).long()
 
 
@@ -78,15 +90,21 @@ def make_batch(
     kl_coef: float,
     response_width: int | None = None,
     group_index: list[int] | None = None,
+    action_masks: list[list[int]] | None = None,
+    episodes: Episodes | None = None,
 ) -> RolloutBatch:
     """Assemble engine outputs into a RolloutBatch (``response_width`` pads T to a fixed size, so chunks
-    of one iteration concatenate; ``group_index`` None: the rows belong to no group, -1)."""
+    of one iteration concatenate; ``group_index`` None: the rows belong to no group, -1). A trajectory
+    gives ``action_masks`` (1 on the ids the model sampled; ``logprobs`` 0 elsewhere) and ``episodes``;
+    without them every response token is the model's."""
     b = len(prompts)
-    return RolloutBatch(
+    batch = RolloutBatch(
         prompt_ids=pad_left(prompts, pad_id),
         prompt_mask=pad_left([[1] * len(p) for p in prompts], 0, dtype=torch.float32),
         response_ids=pad_right(responses, pad_id, response_width),
         response_mask=pad_right([[1] * len(r) for r in responses], 0, response_width, dtype=torch.float32),
+        action_mask=pad_right(action_masks if action_masks is not None else [[1] * len(r) for r in responses], 0,
+                              response_width, dtype=torch.float32),
         rollout_logprobs=pad_right(logprobs, 0.0, response_width, dtype=torch.float32),
         finish_reason=torch.tensor(finish_reasons, dtype=torch.long),
         policy_version=torch.full((b,), policy_version, dtype=torch.long),
@@ -95,6 +113,22 @@ def make_batch(
         group_index=torch.tensor(group_index if group_index is not None else [-1] * b, dtype=torch.long),
         batch_size=[b],
     )
+    if episodes is not None:
+        batch.turn_rewards = pad_right(episodes.turn_rewards, 0.0, response_width, dtype=torch.float32)
+        batch.num_turns = torch.tensor(episodes.num_turns, dtype=torch.long)
+        batch.tool_calls = torch.tensor(episodes.tool_calls, dtype=torch.long)
+        batch.environment_seconds = torch.tensor(episodes.environment_seconds, dtype=torch.float32)
+    return batch
+
+
+@dataclass
+class Episodes:
+    """What multi-turn episodes add to ``make_batch``'s rows, one entry per row."""
+
+    turn_rewards: list[list[float]]  # per trajectory token: a turn's reward at its last model token, else 0
+    num_turns: list[int]
+    tool_calls: list[int]
+    environment_seconds: list[float]
 
 
 def stale_rows(batch: RolloutBatch, policy_version: int, kl_coef: float | None, max_staleness: int = 0) -> Tensor:

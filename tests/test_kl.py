@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from learner.kl import (
     AdaptiveKLController,
     FixedKLController,
+    check_response_mask,
     controller_statistic,
     kl_estimate,
     kl_penalized_rewards,
@@ -173,7 +174,8 @@ def test_nonfinite_logprobs_named_with_count_and_location():
         (lambda: kl_estimate(LOGP, REF[:, :2]), "shape"),
         (lambda: kl_estimate(LOGP[0], REF[0]), r"\[B, T\]"),
         (lambda: sequence_kl(LOGP, REF, MASK[:, :2]), "mask has shape"),
-        (lambda: sequence_kl(LOGP, REF, torch.tensor([[1, 0, 1], [1, 1, 0]])), "not a prefix in row 0"),
+        (lambda: check_response_mask(torch.tensor([[1, 0, 1], [1, 1, 0]]), (2, 3), prefix=True),
+         "not a prefix in row 0"),
         (lambda: sequence_kl(LOGP, REF, torch.tensor([[1, 2, 0], [1, 1, 0]])), "only 0/1"),
         (lambda: kl_estimate(LOGP, REF, "k4"), "unknown KL estimator 'k4'"),
         (lambda: kl_penalized_rewards(torch.zeros(2), LOGP, REF, MASK, -0.1), "kl_coef must be"),
