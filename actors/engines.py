@@ -36,8 +36,10 @@ class Engine(Protocol):
 
     eos_id: int
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seeds: list[int]) -> list[Generation]:
-        """One sampled response per prompt, seeded per prompt."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seeds: list[int],
+                 max_new_tokens: list[int] | None = None) -> list[Generation]:
+        """One sampled response per prompt, seeded per prompt; ``max_new_tokens`` caps each prompt's below
+        ``sampling.max_new_tokens`` (a trajectory's last turn gets what its token budget has left)."""
         ...
 
     def score(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
@@ -117,17 +119,19 @@ class VLLMEngine:
         (see __init__)."""
         return torch.compiler.set_stance("force_eager") if self.eager else nullcontext()
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seeds: list[int]) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seeds: list[int],
+                 max_new_tokens: list[int] | None = None) -> list[Generation]:
         from vllm import SamplingParams, TokensPrompt
 
         from services.experience import FINISH_LENGTH, FINISH_STOP  # here: the driver imports this module
 
+        caps = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
         params = [
             SamplingParams(
-                temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=min(cap, sampling.max_new_tokens),
                 logprobs=0, seed=seed,
             )
-            for seed in seeds
+            for seed, cap in zip(seeds, caps, strict=True)
         ]
         with self.compile_stance():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -185,7 +189,8 @@ class HFEngine:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seeds: list[int]) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seeds: list[int],
+                 max_new_tokens: list[int] | None = None) -> list[Generation]:
         from services.experience import FINISH_LENGTH, FINISH_STOP, pad_left
 
         torch.manual_seed(seeds[0] if seeds else 0)
@@ -202,7 +207,9 @@ class HFEngine:
         logprobs = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], dim=1)
         token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         generations = []
-        for ids, lps in zip(new_tokens.tolist(), token_logprobs.tolist(), strict=True):
+        caps = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
+        for ids, lps, cap in zip(new_tokens.tolist(), token_logprobs.tolist(), caps, strict=True):
+            ids, lps = ids[:cap], lps[:cap]  # a row's own cap: what it sampled up to there is what it would have
             if self.eos_id in ids:
                 end = ids.index(self.eos_id) + 1
                 generations.append(Generation(ids[:end], lps[:end], FINISH_STOP))

@@ -11,6 +11,7 @@ from services.devices import gpu_location
 from services.model_source import ModelSource, as_source
 
 if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
+    from actors.episodes import EpisodeLimits, EpisodeRunner
     from services.experience import RolloutBatch
     from services.weights import HostWeights
 
@@ -24,7 +25,8 @@ class RolloutActor(VersionedActor):
                  engine_args: dict | None = None, weight_transfer: str | None = None) -> None:
         super().__init__(index)
         self.engine_kind = engine
-        model_dir = as_source(model).resolve(f"rollout-{index}")
+        self.model_dir = model_dir = as_source(model).resolve(f"rollout-{index}")
+        self.episodes: EpisodeRunner | None = None  # multi-turn episodes: built on the first chunk
         self.engine = make_engine(engine, model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core,
                                   check_device(device, f"rollout-{index}"), engine_args, weight_transfer)
         self.last_tokens_per_second: float | None = None  # no rate, and no gauge, before a generation
@@ -51,6 +53,35 @@ class RolloutActor(VersionedActor):
             response_width=sampling.max_new_tokens,
             group_index=group_index,
         )
+
+    def run_episodes(self, rows: list[dict], prompt_index: list[int], seeds: list[int], sampling: SamplingSettings,
+                     pad_id: int, group_index: list[int] | None, workers: list, limits: EpisodeLimits,
+                     first_worker: int = 0) -> RolloutBatch:
+        """Multi-turn episodes with an environment, one per row, all advancing turn by turn together (one
+        engine call per turn); the environments step on ``workers``. Every row is a whole trajectory of
+        this engine's one policy version: the prompt, then the model's and the environment's tokens."""
+        from actors.episodes import EpisodeRunner
+        from services.experience import FINISH_LENGTH, FINISH_STOP, Episodes, make_batch
+        from services.models import load_tokenizer
+
+        start = time.perf_counter()
+        if self.episodes is None:
+            self.episodes = EpisodeRunner(self.engine, load_tokenizer(self.model_dir), workers, limits)
+        episodes = self.episodes.run(rows, prompt_index, seeds, sampling, first_worker)
+        seconds = time.perf_counter() - start
+        self.busy_seconds += seconds
+        self.last_tokens_per_second = sum(sum(e.action_mask) for e in episodes) / max(seconds, 1e-9)
+        batch = make_batch(
+            prompts=[e.prompt for e in episodes], responses=[e.ids for e in episodes],
+            logprobs=[e.logprobs for e in episodes],
+            finish_reasons=[FINISH_LENGTH if e.truncated else FINISH_STOP for e in episodes],
+            prompt_index=prompt_index, pad_id=pad_id, policy_version=self.policy_version, kl_coef=self.kl_coef,
+            response_width=limits.max_trajectory_tokens, group_index=group_index,
+            action_masks=[e.action_mask for e in episodes],
+            episodes=Episodes([e.turn_rewards for e in episodes], [e.turns for e in episodes],
+                              [e.tool_calls for e in episodes], [e.seconds for e in episodes],
+                              [e.failures for e in episodes]))
+        return batch
 
     def update_weights(self, weights: HostWeights, policy_version: int, kl_coef: float) -> float:
         """Load new weights in place and take their version; returns the seconds it took."""

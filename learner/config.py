@@ -55,21 +55,43 @@ class TaskConfig(Section):
                                         "as function(prompt=, completion=, **fields) -> float (reward.kind=function)")
     reward_fields: list[str] = Field(default_factory=list, description="dataset: the row's fields passed to "
                                      "reward_function by name, e.g. a reference answer")
+    # task.name=environment: multi-turn episodes with your own environment (services/environments)
+    environment: str | None = Field(None, description="environment: package.module:factory returning an "
+                                    "environment (reset(row, seed), step(action)) or a gymnasium.Env")
+    environment_kwargs: dict[str, Any] = Field(default_factory=dict, description="environment: keyword arguments "
+                                               "the factory is called with")
+    environment_workers: PositiveInt = Field(2, description="environment: Ray actors that run the environments' "
+                                             "steps, outside the engines' processes")
+    environment_num_cpus: float = Field(0.1, ge=0, description="environment: CPUs reserved per environment worker")
+    environment_step_timeout_s: PositiveFloat = Field(30.0, description="environment: deadline of one reset or "
+                                                      "step; past it the episode fails and is generated again")
+    environment_max_failures: int = Field(8, ge=0, description="environment: failed episodes (a step that raised, "
+                                          "hung or returned a malformed result, a worker that died) a rollout "
+                                          "engine regenerates before the job fails naming the last one")
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments the task is built from (``services.tasks.get_task(name, **options)``)."""
+        if self.name == "environment":
+            return {"seed": self.seed, **self.model_dump(include=set(ENVIRONMENT_OPTIONS))}
         if self.name != "dataset":
             return {"seed": self.seed}
         return {"seed": self.seed, **self.model_dump(include=set(DATASET_FIELDS))}
 
     @model_validator(mode="after")
     def _dataset_fields(self) -> TaskConfig:
+        reads = {"dataset": DATASET_FIELDS, "environment": ENVIRONMENT_FIELDS}.get(self.name, ())
+        given = [f for f in (*DATASET_FIELDS, *ENVIRONMENT_FIELDS) if f not in reads
+                 and getattr(self, f) != TaskConfig.model_fields[f].default and getattr(self, f) not in ([], {})]
+        if given:
+            owner = "dataset" if given[0] in DATASET_FIELDS else "environment"
+            raise ValueError(f"task.{given[0]} is set but task.name={self.name!r} does not read it: the "
+                             f"{', '.join('task.' + f for f in given)} settings are for task.name={owner!r}")
+        if self.name == "environment":
+            if not self.environment or ":" not in self.environment:
+                raise ValueError(f"task.name='environment' needs task.environment: package.module:factory (got "
+                                 f"{self.environment!r})")
+            return self
         if self.name != "dataset":
-            given = [f for f in DATASET_FIELDS if getattr(self, f) != TaskConfig.model_fields[f].default
-                     and getattr(self, f) != []]
-            if given:
-                raise ValueError(f"task.{given[0]} is set but task.name={self.name!r} does not read it: the "
-                                 f"{', '.join('task.' + f for f in given)} settings are for task.name='dataset'")
             return self
         if not self.path:
             raise ValueError("task.name='dataset' needs task.path: a .jsonl, .json, .csv or .parquet file, or a "
@@ -85,6 +107,10 @@ class TaskConfig(Section):
 
 
 DATASET_FIELDS = ("path", "prompt_field", "split", "eval_path", "eval_split", "reward_function", "reward_fields")
+# what task.name=environment reads: its rows from a file as a dataset's prompts, or from the environment
+ENVIRONMENT_OPTIONS = ("environment", "environment_kwargs", "path", "split", "eval_path", "eval_split")
+ENVIRONMENT_FIELDS = (*ENVIRONMENT_OPTIONS, "environment_workers", "environment_num_cpus",
+                      "environment_step_timeout_s", "environment_max_failures")
 
 
 class RolloutConfig(Section):
@@ -111,6 +137,10 @@ class RolloutConfig(Section):
         "batch with the weights they hold while the learner trains on this one")
     max_staleness: int = Field(1, ge=0, description="async: the most policy versions a trained row may lag the "
                                "learner; no batch starts that would arrive staler (0: async is sync)")
+    max_turns: PositiveInt = Field(8, description="environment: the model's turns in one episode at most")
+    max_trajectory_tokens: PositiveInt = Field(
+        256, description="environment: tokens after the prompt in one episode at most (the model's and the "
+        "environment's); a longer trajectory is cut, with finish reason length")
 
     def vllm_engine_args(self) -> dict[str, Any]:
         """The vLLM ``LLM(...)`` arguments these settings map to."""
@@ -411,6 +441,17 @@ class JobConfig(BaseSettings):
                              "responses; set task.reward_function=null or reward.kind='function'")
         if self.task.name == "dataset" and not self.model.path:
             raise ValueError("task.name='dataset' needs model.path: the policy to train on your prompts")
+        if self.task.name == "environment":
+            if self.reward.kind != "function":
+                raise ValueError(f"task.name='environment' is rewarded by its environment's steps, but reward.kind="
+                                 f"{self.reward.kind!r}; set reward.kind='function'")
+            for field in ("score_clip", "missing_eos_penalty"):
+                if getattr(self.reward, field) is not None:
+                    raise ValueError(f"reward.{field} is set but task.name='environment' takes its rewards from the "
+                                     f"environment's steps as they are; set reward.{field}=null")
+            if r.max_new_tokens is not None and r.max_new_tokens > r.max_trajectory_tokens:
+                raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens} (one turn) exceeds "
+                                 f"rollout.max_trajectory_tokens={r.max_trajectory_tokens} (the whole episode)")
         if self.reward.kind != "model" and self.reward.label is not None:
             raise ValueError(f"reward.label={self.reward.label!r} is set but reward.kind={self.reward.kind!r} has no labels; "
                              "set reward.label=null")

@@ -13,12 +13,14 @@ from collections.abc import Callable
 import ray
 
 from actors.engines import SamplingSettings
+from actors.environment import EnvironmentWorker
+from actors.episodes import EpisodeLimits
 from actors.reference import ReferenceActor
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
 from learner import cluster
 from learner.cluster import ClusterError
-from learner.config import JobConfig
+from learner.config import JobConfig, RoleResources
 from services.model_source import ModelSource
 
 
@@ -79,7 +81,20 @@ class Fleet:
             for i in range(cfg.reward.num_actors)
         ]
         self.all = self.rollouts + self.references + self.rewards
-        self.ready_refs = [a.ready.remote() for a in self.all]
+        # multi-turn episodes: the environments step on workers of their own, outside the engines' processes
+        self.environment_workers, self.episode_limits = [], None
+        if cfg.task.name == "environment":
+            task = cfg.task
+            self.environment_workers = [
+                cluster.start_actor(EnvironmentWorker, "environment", i, RoleResources(num_cpus=task.environment_num_cpus),
+                                    None, i, task.environment, task.environment_kwargs, model,
+                                    task.environment_step_timeout_s, max_restarts=restarts)
+                for i in range(task.environment_workers)
+            ]
+            self.episode_limits = EpisodeLimits(cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens,
+                                                task.max_prompt_tokens, task.environment_step_timeout_s,
+                                                task.environment_max_failures, task.environment)
+        self.ready_refs = [a.ready.remote() for a in self.all + self.environment_workers]
         if wait:
             self.wait_ready()
 
@@ -101,6 +116,11 @@ class Fleet:
             rows, groups = layout[i]
             seeds = [seed_for(self.cfg.run.seed, iteration, i * size + j) for j in range(len(rows))]
             engine = self.rollouts[i % len(self.rollouts)]
+            if self.environment_workers:  # multi-turn episodes: the prompt set holds the rows to reset from
+                refs[i] = engine.run_episodes.remote([prompt_set[r] for r in rows], rows, seeds, self.sampling,
+                                                     self.pad_id, groups, self.environment_workers,
+                                                     self.episode_limits, first_worker=i * size)
+                continue
             refs[i] = engine.generate.remote([prompt_set[r] for r in rows], rows, seeds, self.sampling, self.pad_id,
                                              groups)
         return refs

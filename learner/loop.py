@@ -288,7 +288,11 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
         checkpoint.check_compatible(resume_state["config"], cfg, resume_from)
     log("KL accounting: " + ", ".join(f"{k}={v}" for k, v in cfg.kl.model_dump().items()))
 
-    def encoded_prompts(tokenizer, log=log) -> tuple[list[list[int]], list[list[int]]]:
+    episodic = cfg.task.name == "environment"
+
+    def encoded_prompts(tokenizer, log=log) -> tuple[list, list]:
+        if episodic:  # multi-turn: rows the environments reset from; each prompt is its reset's observation
+            return task.train_rows, task.eval_rows
         return tuple(
             encode_prompts([task.format_prompt(t, tokenizer) for t in texts], tokenizer, cfg.task.max_prompt_tokens,
                            cfg.task.long_prompts, log, origin=lambda i, split=split: task.prompt_origin(i, split))
@@ -307,8 +311,13 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     prompts, eval_prompts = encoded_prompts(tokenizer)
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p,
                                 cfg.rollout.max_new_tokens or task.max_new_tokens)
+    # token ids the engines and the learner score after each sync: the eval prompts (an environment's rows
+    # are not tokens: a few ids then) followed by arbitrary ids
+    probe_prompts = [[(5 * j + 11 * k) % len(tokenizer) for k in range(4)] for j in range(8)] if episodic \
+        else eval_prompts[:8]
     probe_set = ([p + [(7 * j + 3 * k) % len(tokenizer) for k in range(sampling.max_new_tokens)]
-                  for j, p in enumerate(eval_prompts[:8])], [len(p) for p in eval_prompts[:8]])
+                  for j, p in enumerate(probe_prompts)], [len(p) for p in probe_prompts])
+    response_width = cfg.rollout.max_trajectory_tokens if episodic else sampling.max_new_tokens
     run_path = rundir.prepare(cfg)
     log(f"run directory {run_path}")
 
@@ -317,7 +326,7 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     placement = cluster.reserve(cfg)
     cluster.preflight(cfg, placement, [m for m in (model, reward_model) if m], run_path, log=log)
     fleet = Fleet(cfg, model, placement, sampling, pad_id,
-                  max_model_len=cfg.task.max_prompt_tokens + sampling.max_new_tokens + 1, reward_model=reward_model,
+                  max_model_len=cfg.task.max_prompt_tokens + response_width + 1, reward_model=reward_model,
                   task_options=task.reward_actor_options(), wait=False)
     learner = LearnerGroup(cfg, model, placement)  # DeepSpeed sets up while the engines start
     fleet.wait_ready()

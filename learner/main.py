@@ -76,7 +76,9 @@ class Progress:
         target = self.cfg.kl.target
         line = (f"iter {r['iteration']}/{self.cfg.run.iterations} | reward {r['reward_mean']:.3f} | "
                 f"score {r['score_mean']:.3f} | kl {r['kl_response_mean']:.3f}/{target or 0:.1f} nats | "
-                f"beta {r['kl_coef']:.4f} | " + "".join(f"eval {k} {v:.3f} | " for k, v in r.get("eval", {}).items())
+                f"beta {r['kl_coef']:.4f} | "
+                + (f"turns {r['turns_mean']:.2f} | env {r['environment_seconds']:.2f}s | " if "turns_mean" in r else "")
+                + "".join(f"eval {k} {v:.3f} | " for k, v in r.get("eval", {}).items())
                 + f"{r['iteration_seconds']:.2f}s")
         if self.bar.disable:
             log(line)
@@ -180,11 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         from learner.loop import LoopError
         from learner.rundir import RunDirectoryError
         from learner.storage import StorageError
+        from services.environments.base import EnvironmentFailure
 
     try:
         summary = run(cfg)
     except (ClusterError, RunDirectoryError, RewardError, CheckpointError, ProbeError, StorageError, LoopError,
-            FileNotFoundError, ValueError) as err:
+            EnvironmentFailure, FileNotFoundError, ValueError) as err:
         print(f"[tether] error: {err}", file=sys.stderr, flush=True)
         return 1
     if summary["stopped_early"]:

@@ -285,6 +285,7 @@ class LearnerRank:
                 "turns_sum": float(batch.num_turns.sum()),
                 "tool_calls_sum": float(batch.tool_calls.sum()),
                 "environment_seconds_sum": float(batch.environment_seconds.sum()),
+                "environment_failures": float(batch.environment_failures.sum()),
                 "environment_tokens_sum": float((batch.response_mask - mask).sum()),
             })
         return RankUpdate(

@@ -47,6 +47,7 @@ class RolloutBatch:
     num_turns: Tensor | None = None  # [B] long: the model's turns in the episode
     tool_calls: Tensor | None = None  # [B] long: tool calls the environment executed
     environment_seconds: Tensor | None = None  # [B] float: seconds the episode's environment steps took
+    environment_failures: Tensor | None = None  # [B] long: failed attempts at the row before it succeeded
     # filled by the learner rank; None until then
     ref_logprobs: Tensor | None = None  # [B, T] the reference model's log-probs of the sampled tokens
     scores: Tensor | None = None  # [B] sequence scores (the reward function's or model's)
@@ -118,6 +119,7 @@ def make_batch(
         batch.num_turns = torch.tensor(episodes.num_turns, dtype=torch.long)
         batch.tool_calls = torch.tensor(episodes.tool_calls, dtype=torch.long)
         batch.environment_seconds = torch.tensor(episodes.environment_seconds, dtype=torch.float32)
+        batch.environment_failures = torch.tensor(episodes.environment_failures, dtype=torch.long)
     return batch
 
 
@@ -129,6 +131,7 @@ class Episodes:
     num_turns: list[int]
     tool_calls: list[int]
     environment_seconds: list[float]
+    environment_failures: list[int]
 
 
 def stale_rows(batch: RolloutBatch, policy_version: int, kl_coef: float | None, max_staleness: int = 0) -> Tensor:

@@ -33,6 +33,15 @@ DRIVER_GAUGES = {
     "weight_sync_seconds": ("weight_sync_seconds", "seconds to load new weights into the engines"),
     "rollout_learner_logprob_mismatch": ("rollout_learner_logprob_mismatch",
                                          "mean |engine - learner| sampled-token log-prob"),
+    # multi-turn episodes (task.name environment); unset for single responses
+    "turns_per_episode": ("turns_mean", "the model's turns per episode"),
+    "tool_calls_per_episode": ("tool_calls_mean", "tool calls the environment executed per episode"),
+    "environment_seconds": ("environment_seconds", "environment seconds this iteration, over all episodes"),
+    "trajectory_model_tokens_mean": ("trajectory_model_tokens_mean", "tokens the model sampled per episode"),
+    "trajectory_environment_tokens_mean": ("trajectory_environment_tokens_mean",
+                                           "tokens the environment added per episode"),
+    "environment_failures": ("environment_failures", "episodes regenerated after their environment failed"),
+    "truncated_fraction": ("truncated_fraction", "episodes cut at the length or turn limit"),
     "iteration": ("iteration", "last finished iteration"),
     "policy_version": ("policy_version", "the learner's policy version"),
 }
@@ -86,6 +95,13 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
     resynced_actors; ``seconds``: learner, learner_forward, learner_update, weight_sync, sync_and_probe.
     """
     n = kl["num_responses"]
+    episodes = {}
+    if "turns_sum" in sums:  # multi-turn episodes
+        episodes = {"turns_mean": sums["turns_sum"] / n, "tool_calls_mean": sums["tool_calls_sum"] / n,
+                    "environment_seconds": sums["environment_seconds_sum"],
+                    "trajectory_model_tokens_mean": sums["length_sum"] / n,
+                    "trajectory_environment_tokens_mean": sums["environment_tokens_sum"] / n,
+                    "environment_failures": sums["environment_failures"]}
     return {
         "iteration": iteration,
         "policy_version": policy_version,
@@ -122,5 +138,6 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
         "learner_update_seconds": seconds["learner_update"],
         "weight_sync_seconds": seconds["weight_sync"],
         "sync_and_probe_seconds": seconds["sync_and_probe"],
+        **episodes,
         **{f"ppo_{k}": v for k, v in ppo.items()},
     }

@@ -31,8 +31,8 @@ FILE_READERS = {".jsonl": "from_json", ".json": "from_json", ".csv": "from_csv",
 
 
 def read_rows(path: str, split: str, columns: list[tuple[str, str]], what: str) -> dict[str, list]:
-    """The ``columns`` ((name, the setting that names it) pairs) of a data file, or of one split of a saved
-    dataset directory, as lists. Raises ValueError naming the file (the split, the row, the field) for anything
+    """The ``columns`` ((name, the setting that names it) pairs; none: every column) of a data file, or of one
+    split of a saved dataset directory, as lists. Raises ValueError naming the file (the split, the row, the field) for anything
     missing or empty."""
     import datasets
 
@@ -83,7 +83,7 @@ def read_rows(path: str, split: str, columns: list[tuple[str, str]], what: str) 
         if column not in data.column_names:
             raise ValueError(f"{what} {where} has no field {column!r} ({setting}); its fields are "
                              f"{data.column_names}")
-    rows = data.select_columns([c for c, _ in columns]).to_dict()
+    rows = data.select_columns([c for c, _ in columns]).to_dict() if columns else data.to_dict()
     for column, setting in columns:
         missing = [i for i, v in enumerate(rows[column]) if v is None]
         if missing:

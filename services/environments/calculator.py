@@ -1,0 +1,152 @@
+"""Arithmetic word problems with a calculator tool, for a chat model (SmolLM2-135M-Instruct and up).
+
+The model calls the calculator by writing ``<calc>3 + 4 * 2</calc>`` and gets ``<result>11</result>`` back
+as the next user message; it ends the episode with ``<answer>11</answer>``: reward 1.0 if that is the exact
+answer, else 0.0. The system prompt shows the syntax with one worked example, since a model this small does
+not produce it unprompted.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from fractions import Fraction
+
+import numpy as np
+
+from services.environments.base import Environment
+
+SYSTEM_PROMPT = """You solve math word problems with a calculator.
+To calculate, write the expression between <calc> and </calc>, then stop. The result comes back as \
+<result>...</result>.
+When you know the answer, write it as <answer>number</answer>.
+
+Example:
+User: Ann has 4 boxes of 6 pens and gives away 5 pens. How many pens does she have left?
+Assistant: <calc>4 * 6 - 5</calc>
+User: <result>19</result>
+Assistant: <answer>19</answer>"""
+
+CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+MAX_CALLS = 4  # the fifth call ends the episode with 0: a model that loops cannot grow the context unbounded
+MAX_EXPRESSION = 200  # characters; keeps exact arithmetic on the numbers a call can write small
+EVAL_START = 1_000_000  # evaluation rows are indices from here on, never drawn for training
+
+
+def problem(seed: int, index: int, max_operand: int) -> tuple[str, int]:
+    """Word problem ``index`` of generator ``seed``: its question and its integer answer, always the same."""
+    rng = np.random.default_rng([seed, index])
+    a, b, c = (int(x) for x in rng.integers(1, max_operand + 1, size=3))
+    taken = int(rng.integers(1, a * b + 1))
+    problems = [
+        (f"Tom has {a} apples and buys {b} bags of {c} apples. How many apples does he have now?", a + b * c),
+        (f"A baker packs {a * b} cookies equally into {b} boxes. How many cookies are in each box?", a),
+        (f"A train has {a} cars of {b} seats and {taken} seats are taken. How many are free?", a * b - taken),
+        (f"Sara reads {a} pages a day for {b} days, then {c} more. How many pages does she read?", a * b + c),
+        (f"{c} friends share {c * a} stickers equally, then each gets {b} more. How many has each?", a + b),
+    ]
+    return problems[int(rng.integers(len(problems)))]
+
+
+def evaluate(expression: str) -> Fraction:
+    """The exact value of ``expression``: numbers, + - * / and parentheses only (parsed with ``ast``, never
+    evaluated as Python). ValueError for anything else, ZeroDivisionError for a division by zero."""
+    if len(expression) > MAX_EXPRESSION:
+        raise ValueError(f"expression longer than {MAX_EXPRESSION} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as err:
+        raise ValueError(f"cannot parse {expression.strip()!r}") from err
+    return _value(tree.body)
+
+
+_OPERATORS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__,
+              ast.Div: Fraction.__truediv__}
+
+
+def _value(node: ast.AST) -> Fraction:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return Fraction(repr(node.value))  # from the literal's text: 0.1 is 1/10, not its binary neighbour
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_value(node.left), _value(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd | ast.USub):
+        value = _value(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    raise ValueError(f"{ast.unparse(node)!r} is not allowed: only numbers, + - * / and parentheses")
+
+
+def _number_text(value: Fraction) -> str:
+    return str(value.numerator) if value.denominator == 1 else str(round(float(value), 6))
+
+
+def _integer(text: str) -> int | None:
+    """``text`` as an integer ("12", " 12.0 ", "1,200"), or None."""
+    try:
+        value = Fraction(text.strip().replace(",", ""))
+    except (ValueError, ZeroDivisionError):
+        return None
+    return value.numerator if value.denominator == 1 else None
+
+
+class CalculatorEnvironment(Environment):
+    """A word problem per row (``{"index": i}``, or ``{"question": ..., "answer": ...}``); each turn the model
+    either calls the calculator or answers. Observations are chat messages."""
+
+    metric = "accuracy"
+    max_new_tokens = 48
+
+    def __init__(self, seed: int = 0, max_operand: int = 20):
+        self.seed = seed
+        self.max_operand = max_operand
+        self.answer: int | None = None  # the episode's exact answer; None before reset and once done
+        self.calls = 0
+
+    def rows(self, n: int = 256) -> list[dict]:
+        return [{"index": i} for i in range(n)]
+
+    def eval_rows(self, n: int = 64) -> list[dict]:
+        return [{"index": EVAL_START + i} for i in range(n)]
+
+    def reset(self, row: dict, seed: int) -> list[dict]:
+        """The problem of ``row``; ``seed`` is unused, since a row is always the same problem."""
+        if "index" in row:
+            question, answer = problem(self.seed, int(row["index"]), self.max_operand)
+        elif "question" in row and "answer" in row and _integer(str(row["answer"])) is not None:
+            question, answer = str(row["question"]), _integer(str(row["answer"]))
+        else:
+            raise ValueError(f"calculator row {row!r}: expected {{'index': int}} or "
+                             f"{{'question': str, 'answer': int}}")
+        self.answer, self.calls = answer, 0
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+
+    def step(self, action: str) -> tuple[list[dict] | None, float, bool, dict]:
+        if self.answer is None:
+            raise RuntimeError("step before reset, or after the episode ended")
+        answer = ANSWER.search(action)
+        if answer:
+            reward = 1.0 if _integer(answer.group(1)) == self.answer else 0.0
+            self.answer = None
+            return None, reward, True, {}
+        if "<calc>" not in action and "</calc>" not in action:
+            self.answer = None
+            return None, 0.0, True, {"ended": "neither a <calc> call nor an <answer>"}
+        self.calls += 1
+        if self.calls > MAX_CALLS:
+            self.answer = None
+            return None, 0.0, True, {"ended": f"more than {MAX_CALLS} calculator calls"}
+        call = CALL.search(action)
+        try:
+            if call is None:
+                raise ValueError("unbalanced tags: write <calc>expression</calc>")
+            content = f"<result>{_number_text(evaluate(call.group(1)))}</result>"
+        except ZeroDivisionError:
+            content = "<error>division by zero</error>"
+        except (ValueError, ArithmeticError) as err:  # ArithmeticError: a result too large for a float
+            content = f"<error>{err}</error>"
+        return [{"role": "user", "content": content}], 0.0, False, {"tool_calls": 1}
+
+
+def calculator(seed: int = 0, max_operand: int = 20) -> CalculatorEnvironment:
+    """The environment a job names as ``services.environments.calculator:calculator``."""
+    return CalculatorEnvironment(seed, max_operand)
