@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Self
 
@@ -40,7 +40,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from actors.engines import Engine, Generation, SamplingSettings
+from actors.engines import Engine, SamplingSettings
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class Trajectory:
     action_mask: list[int]  # 1 where the model sampled the token, 0 on the environment's
     logprobs: list[float]  # the sampled log-prob where action_mask is 1, else 0
     finish_reason: int  # the last call's
+    calls: int = 1  # the model calls merged into it
 
 
 @dataclass
@@ -274,12 +275,10 @@ class AgentEndpoint:
                 await asyncio.sleep(self.gather_s)
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())
-            # one call at the largest max_tokens, each cut to its own: a prefix of a sample is a sample
-            sampling = replace(self.sampling, max_new_tokens=max(p.max_tokens for p in batch))
             try:
                 generations = await loop.run_in_executor(self._executor, self.engine.generate,
-                                                         [p.prompt_ids for p in batch], sampling,
-                                                         [p.seed for p in batch])
+                                                         [p.prompt_ids for p in batch], self.sampling,
+                                                         [p.seed for p in batch], [p.max_tokens for p in batch])
                 if len(generations) != len(batch):
                     raise RuntimeError(f"the engine returned {len(generations)} generations for {len(batch)} "
                                        "prompts")
@@ -290,7 +289,7 @@ class AgentEndpoint:
                 continue
             for p, generation in zip(batch, generations, strict=True):
                 if not p.future.done():  # a request whose client went away
-                    p.future.set_result(truncated(generation, p.max_tokens))
+                    p.future.set_result(generation)
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -431,15 +430,6 @@ class AgentEndpoint:
         return app
 
 
-def truncated(generation: Generation, max_tokens: int) -> Generation:
-    """The first ``max_tokens`` of a generation (then it finished by length)."""
-    if len(generation.response_ids) <= max_tokens:
-        return generation
-    from services.experience import FINISH_LENGTH
-
-    return Generation(generation.response_ids[:max_tokens], generation.logprobs[:max_tokens], FINISH_LENGTH)
-
-
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -564,6 +554,7 @@ def merge_calls(calls: list[Call]) -> list[Trajectory]:
                 last.action_mask += [0] * len(between) + [1] * len(call.completion_ids)
                 last.logprobs += [0.0] * len(between) + list(call.logprobs)
                 last.finish_reason = call.finish_reason
+                last.calls += 1
                 continue
         trajectories.append(Trajectory(list(call.prompt_ids), list(call.completion_ids),
                                        [1] * len(call.completion_ids), list(call.logprobs), call.finish_reason))

@@ -11,6 +11,7 @@ from services.devices import gpu_location
 from services.model_source import ModelSource, as_source
 
 if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
+    from actors.agents import AgentRunner, AgentSettings
     from actors.episodes import EpisodeLimits, EpisodeRunner
     from services.experience import RolloutBatch
     from services.weights import HostWeights
@@ -27,6 +28,8 @@ class RolloutActor(VersionedActor):
         self.engine_kind = engine
         self.model_dir = model_dir = as_source(model).resolve(f"rollout-{index}")
         self.episodes: EpisodeRunner | None = None  # multi-turn episodes: built on the first chunk
+        self.agents: AgentRunner | None = None  # agent programs (rollout.agent): built on the first chunk
+        self.max_model_len = max_model_len
         self.engine = make_engine(engine, model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core,
                                   check_device(device, f"rollout-{index}"), engine_args, weight_transfer)
         self.last_tokens_per_second: float | None = None  # no rate, and no gauge, before a generation
@@ -82,6 +85,36 @@ class RolloutActor(VersionedActor):
                               [e.tool_calls for e in episodes], [e.seconds for e in episodes],
                               [e.failures for e in episodes]))
         return batch
+
+    def run_agents(self, rows: list[dict], prompt_index: list[int], seeds: list[int], sampling: SamplingSettings,
+                   pad_id: int, group_index: list[int] | None, settings: AgentSettings) -> RolloutBatch:
+        """One agent episode per row, all at once, served by this engine through its OpenAI-compatible
+        endpoint. Each trajectory of an episode's model calls is a row (calls merge into one when the next
+        prompt extends the last call token for token); an episode's rows share its reward, at each row's last
+        model token, and its group."""
+        from actors.agents import AgentRunner
+        from services.experience import FINISH_LENGTH, Episodes, make_batch
+        from services.models import load_tokenizer
+
+        start = time.perf_counter()
+        if self.agents is None:
+            self.agents = AgentRunner(self.engine, load_tokenizer(self.model_dir), sampling, self.max_model_len,
+                                      settings)
+        trajectories = self.agents.run(rows, prompt_index, seeds)
+        seconds = time.perf_counter() - start
+        self.busy_seconds += seconds
+        self.last_tokens_per_second = sum(sum(t.action_mask) for t in trajectories) / max(seconds, 1e-9)
+        return make_batch(
+            prompts=[t.prompt_ids for t in trajectories], responses=[t.ids for t in trajectories],
+            logprobs=[t.logprobs for t in trajectories],
+            finish_reasons=[FINISH_LENGTH if t.truncated else t.finish_reason for t in trajectories],
+            prompt_index=[prompt_index[t.episode] for t in trajectories], pad_id=pad_id,
+            policy_version=self.policy_version, kl_coef=self.kl_coef, response_width=settings.max_trajectory_tokens,
+            group_index=None if group_index is None else [group_index[t.episode] for t in trajectories],
+            action_masks=[t.action_mask for t in trajectories],
+            episodes=Episodes([t.turn_rewards for t in trajectories], [t.turns for t in trajectories],
+                              [t.tool_calls for t in trajectories], [0.0] * len(trajectories),
+                              [t.failures for t in trajectories]))
 
     def update_weights(self, weights: HostWeights, policy_version: int, kl_coef: float) -> float:
         """Load new weights in place and take their version; returns the seconds it took."""

@@ -42,14 +42,15 @@ def sequence_returns(rewards: Tensor, mask: Tensor) -> Tensor:
     return (rewards * mask).sum(dim=-1)
 
 
-def check_whole_groups(group_index: Tensor, samples_per_prompt: int, where: str = "") -> None:
+def check_whole_groups(group_index: Tensor, samples_per_prompt: int, where: str = "", at_least: bool = False) -> None:
     """Raise ValueError unless every group in ``group_index`` [B] holds exactly ``samples_per_prompt``
-    rows: a group split over chunks or ranks would get a baseline from part of its samples."""
+    rows (``at_least``: that many or more, when an episode may give several rows, as an agent's model calls
+    do): a group split over chunks or ranks would get a baseline from part of its samples."""
     if bool((group_index < 0).any()):
         raise ValueError(f"{where}{int((group_index < 0).sum())} rows carry no group (group_index -1): a group "
                          "estimator needs the prompt group of every row (rollout.samples_per_prompt)")
     ids, counts = torch.unique(group_index, return_counts=True)
-    bad = counts != samples_per_prompt
+    bad = counts < samples_per_prompt if at_least else counts != samples_per_prompt
     if bool(bad.any()):
         shown = ", ".join(f"group {int(g)}: {int(c)} rows" for g, c in zip(ids[bad][:5], counts[bad][:5], strict=True))
         raise ValueError(f"{where}a prompt group is split or incomplete ({shown}; rollout.samples_per_prompt="

@@ -71,6 +71,8 @@ class TaskConfig(Section):
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments the task is built from (``services.tasks.get_task(name, **options)``)."""
+        if self.name == "agent":
+            return {"seed": self.seed, **self.model_dump(include=set(AGENT_FIELDS))}
         if self.name == "environment":
             return {"seed": self.seed, **self.model_dump(include=set(ENVIRONMENT_OPTIONS))}
         if self.name != "dataset":
@@ -79,13 +81,16 @@ class TaskConfig(Section):
 
     @model_validator(mode="after")
     def _dataset_fields(self) -> TaskConfig:
-        reads = {"dataset": DATASET_FIELDS, "environment": ENVIRONMENT_FIELDS}.get(self.name, ())
+        reads = {"dataset": DATASET_FIELDS, "environment": ENVIRONMENT_FIELDS, "agent": AGENT_FIELDS}.get(self.name, ())
         given = [f for f in (*DATASET_FIELDS, *ENVIRONMENT_FIELDS) if f not in reads
                  and getattr(self, f) != TaskConfig.model_fields[f].default and getattr(self, f) not in ([], {})]
         if given:
             owner = "dataset" if given[0] in DATASET_FIELDS else "environment"
             raise ValueError(f"task.{given[0]} is set but task.name={self.name!r} does not read it: the "
                              f"{', '.join('task.' + f for f in given)} settings are for task.name={owner!r}")
+        if self.name == "agent" and not self.path:
+            raise ValueError("task.name='agent' needs task.path: a file of rows (.jsonl, .json, .csv, .parquet or a "
+                             "saved dataset directory), each passed whole to rollout.agent")
         if self.name == "environment":
             if not self.environment or ":" not in self.environment:
                 raise ValueError(f"task.name='environment' needs task.environment: package.module:factory (got "
@@ -109,6 +114,8 @@ class TaskConfig(Section):
 DATASET_FIELDS = ("path", "prompt_field", "split", "eval_path", "eval_split", "reward_function", "reward_fields")
 # what task.name=environment reads: its rows from a file as a dataset's prompts, or from the environment
 ENVIRONMENT_OPTIONS = ("environment", "environment_kwargs", "path", "split", "eval_path", "eval_split")
+# what task.name=agent reads: the rows each episode's agent gets
+AGENT_FIELDS = ("path", "split", "eval_path", "eval_split")
 ENVIRONMENT_FIELDS = (*ENVIRONMENT_OPTIONS, "environment_workers", "environment_num_cpus",
                       "environment_step_timeout_s", "environment_max_failures")
 
@@ -139,8 +146,16 @@ class RolloutConfig(Section):
                                "learner; no batch starts that would arrive staler (0: async is sync)")
     max_turns: PositiveInt = Field(8, description="environment: the model's turns in one episode at most")
     max_trajectory_tokens: PositiveInt = Field(
-        256, description="environment: tokens after the prompt in one episode at most (the model's and the "
-        "environment's); a longer trajectory is cut, with finish reason length")
+        256, description="environment, agent: tokens after the prompt in one trajectory at most (the model's and "
+        "the environment's); a longer trajectory is cut, with finish reason length")
+    agent: str | None = Field(None, description="task.name agent: package.module:function, an async "
+                              "agent(base_url, row) -> reward that runs any agent against the OpenAI-compatible "
+                              "endpoint at base_url (served by the rollout engine, every token recorded)")
+    agent_timeout_s: PositiveFloat = Field(300.0, description="agent: deadline of one episode; past it the "
+                                           "episode fails and is generated again")
+    agent_max_failures: int = Field(8, ge=0, description="agent: failed episodes (raised, timed out, returned "
+                                    "no number or made no model call) a rollout engine regenerates before the "
+                                    "job fails naming the last one")
 
     def vllm_engine_args(self) -> dict[str, Any]:
         """The vLLM ``LLM(...)`` arguments these settings map to."""
@@ -441,14 +456,25 @@ class JobConfig(BaseSettings):
                              "responses; set task.reward_function=null or reward.kind='function'")
         if self.task.name == "dataset" and not self.model.path:
             raise ValueError("task.name='dataset' needs model.path: the policy to train on your prompts")
-        if self.task.name == "environment":
+        if (self.task.name == "agent") != (r.agent is not None):
+            raise ValueError("task.name='agent' and rollout.agent go together: the agent function "
+                             "(package.module:function) runs one episode per row of task.path"
+                             if r.agent is None else f"rollout.agent={r.agent!r} is set but task.name="
+                             f"{self.task.name!r}; set task.name='agent' (rows from task.path)")
+        if r.agent is not None:
+            if ":" not in r.agent:
+                raise ValueError(f"rollout.agent={r.agent!r} is not of the form package.module:function")
+            if not self.model.path:
+                raise ValueError("task.name='agent' needs model.path: the policy the agent's calls are served by")
+        if self.task.name in ("environment", "agent"):
             if self.reward.kind != "function":
-                raise ValueError(f"task.name='environment' is rewarded by its environment's steps, but reward.kind="
-                                 f"{self.reward.kind!r}; set reward.kind='function'")
+                raise ValueError(f"task.name={self.task.name!r} is rewarded by its episodes (the environment's "
+                                 f"steps, the agent's return), but reward.kind={self.reward.kind!r}; set "
+                                 "reward.kind='function'")
             for field in ("score_clip", "missing_eos_penalty"):
                 if getattr(self.reward, field) is not None:
-                    raise ValueError(f"reward.{field} is set but task.name='environment' takes its rewards from the "
-                                     f"environment's steps as they are; set reward.{field}=null")
+                    raise ValueError(f"reward.{field} is set but task.name={self.task.name!r} takes its rewards from "
+                                     f"its episodes as they are; set reward.{field}=null")
             if r.max_new_tokens is not None and r.max_new_tokens > r.max_trajectory_tokens:
                 raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens} (one turn) exceeds "
                                  f"rollout.max_trajectory_tokens={r.max_trajectory_tokens} (the whole episode)")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import ray
 
+from actors.agents import AgentSettings
 from actors.engines import SamplingSettings
 from actors.environment import EnvironmentWorker
 from actors.episodes import EpisodeLimits
@@ -94,6 +95,10 @@ class Fleet:
             self.episode_limits = EpisodeLimits(cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens,
                                                 task.max_prompt_tokens, task.environment_step_timeout_s,
                                                 task.environment_max_failures, task.environment)
+        # agent programs (rollout.agent): each engine serves their model calls itself
+        self.agent_settings = None if cfg.rollout.agent is None else AgentSettings(
+            cfg.rollout.agent, cfg.rollout.agent_timeout_s, cfg.rollout.agent_max_failures,
+            cfg.rollout.max_trajectory_tokens)
         self.ready_refs = [a.ready.remote() for a in self.all + self.environment_workers]
         if wait:
             self.wait_ready()
@@ -120,6 +125,10 @@ class Fleet:
                 refs[i] = engine.run_episodes.remote([prompt_set[r] for r in rows], rows, seeds, self.sampling,
                                                      self.pad_id, groups, self.environment_workers,
                                                      self.episode_limits, first_worker=i * size)
+                continue
+            if self.agent_settings is not None:  # agent programs: the prompt set holds the rows they get
+                refs[i] = engine.run_agents.remote([prompt_set[r] for r in rows], rows, seeds, self.sampling,
+                                                   self.pad_id, groups, self.agent_settings)
                 continue
             refs[i] = engine.generate.remote([prompt_set[r] for r in rows], rows, seeds, self.sampling, self.pad_id,
                                              groups)

@@ -39,7 +39,7 @@ class LearnerGroup:
                               cfg.kl, cfg.rollout.temperature, cfg.run.seed, cfg.device("learner"),
                               run_iterations=cfg.run.iterations, missing_eos_penalty=cfg.reward.missing_eos_penalty,
                               samples_per_prompt=cfg.rollout.samples_per_prompt, off_policy=cfg.rollout.mode == "async",
-                              rollout_batch_size=cfg.rollout.batch_size)
+                              rollout_batch_size=cfg.rollout.batch_size, rows_per_episode_vary=cfg.rollout.agent is not None)
             for rank in self.ranks
         ]
         self._get(setups, "setup")

@@ -88,7 +88,8 @@ class LearnerRank:
     def setup(self, master_addr: str, master_port: int, model: ModelSource | str, learner_cfg: LearnerConfig,
               ppo_cfg: PPOConfig, kl_cfg: KLConfig, temperature: float, seed: int, device: str = "cpu",
               run_iterations: int = 1, missing_eos_penalty: float | None = None, samples_per_prompt: int = 1,
-              off_policy: bool = False, rollout_batch_size: int | None = None) -> int:
+              off_policy: bool = False, rollout_batch_size: int | None = None,
+              rows_per_episode_vary: bool = False) -> int:
         if getattr(self, "engine", None) is not None:
             self._set_up_again(learner_cfg)
         else:
@@ -105,13 +106,17 @@ class LearnerRank:
         self.seed = seed
         self.run_iterations, self.missing_eos_penalty = run_iterations, missing_eos_penalty
         self.samples_per_prompt = samples_per_prompt
+        # rollout.agent: an episode gives one row per trajectory its model calls make, so a rank's rows vary; the
+        # optimizer steps per epoch are counted in episodes then, the same on every rank (collectives in step)
+        self.rows_per_episode_vary = rows_per_episode_vary
+        self.minibatches = (rollout_batch_size or ppo_cfg.minibatch_size) // ppo_cfg.minibatch_size
         # rollout.mode async: rows may be a few versions old; the engine's log-probs are the behaviour policy
         self.off_policy = off_policy
         # one optimizer step per batch (one epoch, one minibatch): the policy that generated the rows is the
         # one that takes the step, so the step's own forward gives the old log-probs and values exactly, and
         # collect runs none (what TRL's GRPO does at num_iterations=1)
         self.single_step = (rollout_batch_size is not None and not off_policy and ppo_cfg.epochs == 1
-                            and ppo_cfg.minibatch_size == rollout_batch_size)
+                            and ppo_cfg.minibatch_size == rollout_batch_size and not rows_per_episode_vary)
         on_gpu = check_device(device, f"learner-rank-{self.rank}") == "cuda"
         yield_cpu_to_engines("cuda" if on_gpu else "cpu")
         if learner_cfg.torch_threads:
@@ -249,7 +254,8 @@ class LearnerRank:
                                            kl_coef if in_reward else 0.0, self.kl.estimator, batch.turn_rewards)
         estimator = self.ppo.advantage
         if estimator in GROUP_ESTIMATORS:  # whole chunks go to a rank, and a chunk holds whole groups
-            check_whole_groups(batch.group_index, self.samples_per_prompt, f"rank {self.rank}: ")
+            check_whole_groups(batch.group_index, self.samples_per_prompt, f"rank {self.rank}: ",
+                               at_least=self.rows_per_episode_vary)
         batch.advantages, batch.returns = compute_advantages(
             estimator, rewards, mask, values=batch.old_values, group_index=batch.group_index, gamma=self.ppo.gamma,
             lam=self.ppo.lam, whiten_advantages=self.ppo.whiten_advantages,
@@ -327,7 +333,9 @@ class LearnerRank:
         steps = 0
         for _ in range(self.ppo.epochs):
             order = torch.arange(n) if step_forward is not None else torch.randperm(n, generator=generator)
-            for rows in order.split(micro):
+            # ppo.minibatch_size episodes a step: micro rows on this rank, or this rank's share of them when
+            # an episode's rows vary (rollout.agent), so every rank takes as many steps
+            for rows in (order.tensor_split(self.minibatches) if self.rows_per_episode_vary else order.split(micro)):
                 mb = batch[rows]
                 mask = mb.action_mask.to(self.device)
                 # global token (or row) count over all ranks: W ranks compute what one would

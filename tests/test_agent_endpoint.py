@@ -82,12 +82,12 @@ class Recorded:
         self.running = self.most_running = 0
         self.lock = threading.Lock()
 
-    def generate(self, prompts, sampling, seeds):
+    def generate(self, prompts, sampling, seeds, max_new_tokens=None):
         with self.lock:
             self.running += 1
             self.most_running = max(self.most_running, self.running)
         try:
-            generations = super().generate(prompts, sampling, seeds)
+            generations = super().generate(prompts, sampling, seeds, max_new_tokens)
         finally:
             with self.lock:
                 self.running -= 1

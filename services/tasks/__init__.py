@@ -2,12 +2,12 @@
 
 from services.tasks.base import Task
 from services.tasks.dataset import DatasetTask
-from services.tasks.environment import EnvironmentTask
+from services.tasks.environment import AgentTask, EnvironmentTask
 from services.tasks.randomwalks import RandomWalksTask
 from services.tasks.sentiment import SentimentTask
 
 TASKS: dict[str, type[Task]] = {"randomwalks": RandomWalksTask, "smollm2-sentiment": SentimentTask,
-                                "dataset": DatasetTask, "environment": EnvironmentTask}
+                                "dataset": DatasetTask, "environment": EnvironmentTask, "agent": AgentTask}
 
 
 def get_task(name: str, **options) -> Task:

@@ -79,6 +79,7 @@ def read_rows(path: str, split: str, columns: list[tuple[str, str]], what: str) 
         where = path
     if len(data) == 0:
         raise ValueError(f"{what} {where} has no rows")
+    columns = columns or []
     for column, setting in columns:
         if column not in data.column_names:
             raise ValueError(f"{what} {where} has no field {column!r} ({setting}); its fields are "

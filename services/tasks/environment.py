@@ -90,3 +90,15 @@ class EnvironmentTask(Task):
 
     def reward(self, prompts: list[str], completions: list[str]) -> list[float]:
         raise NotImplementedError("an environment's episodes are rewarded by its steps (RolloutBatch.turn_rewards)")
+
+
+@dataclass
+class AgentTask(EnvironmentTask):
+    """``task.name: agent``: each row of ``task.path`` is passed whole to ``rollout.agent``, an agent program
+    that talks to the policy through an OpenAI-compatible endpoint (``actors/agent_endpoint.py``) and returns
+    the episode's reward. No environment: the agent is one."""
+
+    name: str = "agent"
+
+    def __post_init__(self) -> None:
+        self.example = None

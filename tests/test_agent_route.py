@@ -1,0 +1,71 @@
+"""rollout.agent: any agent program trained through the rollout engine's OpenAI-compatible endpoint, as a
+job on the real stack. The program (tests/agent_programs.py) walks randomwalks with the ``openai`` client in
+two calls; the second extends the first token for token, so an episode is one trajectory of two calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import SMALL, run_job
+
+ROWS = [{"start": s} for s in "bcdefghi"]
+# the tests' randomwalks GPT-2 has 32 positions: prompt 8 + trajectory 16 + 1
+SIZES = ["--task.max_prompt_tokens", "8", "--rollout.max_trajectory_tokens", "16", "--rollout.max_new_tokens", "9"]
+
+
+def agent_args(root, tiny_model_dir, agent: str) -> list[str]:
+    rows = root / "agent-rows.jsonl"
+    if not rows.exists():
+        rows.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return [*SMALL, *SIZES, "--task.name", "agent", "--task.path", str(rows), "--rollout.agent", agent,
+            "--model.path", tiny_model_dir]
+
+
+@pytest.fixture(scope="module")
+def agent_run(shared_runs, tiny_model_dir):
+    return shared_runs.get("agent-two-calls", *agent_args(shared_runs.root, tiny_model_dir,
+                                                          "tests.agent_programs:walk_in_two_calls"),
+                           "--run.iterations", "3", "--run.eval_every", "3")
+
+
+def test_an_agent_program_trains_through_the_endpoint(agent_run):
+    run_dir, proc = agent_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3
+    for r in records:
+        # two calls merged into one trajectory per episode (the second prompt extends the first exactly),
+        # or one call when the walk ended within the first
+        assert r["episodes"] == 32 and 1.0 <= r["turns_mean"] <= 2.0
+        assert r["trajectory_environment_tokens_mean"] == 0.0  # nothing between the calls
+        # the KL the reward penalised is the controller's statistic, on these trajectories too
+        assert r["reward_mean"] == pytest.approx(r["score_mean"] - r["kl_coef_used"] * r["kl_response_mean"],
+                                                 rel=1e-5, abs=1e-6)
+        # the learner's log-probs of the recorded tokens are the engine's: nothing was re-tokenised
+        assert r["rollout_learner_logprob_mismatch_max"] < 1e-3
+        assert r["probe_max_abs_error"] < 1e-4 or r["probe_max_abs_error"] != r["probe_max_abs_error"]
+    assert any(r["turns_mean"] > 1.0 for r in records)  # some episodes did make two calls
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary["eval_final"]) == {"return", "turns"}
+
+
+def test_an_agent_that_always_fails_ends_the_job_naming_it(ray_head, cache_dir, tiny_model_dir, tmp_path):
+    proc = run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir,
+                    "--run.output_dir", str(tmp_path), "--run.name", "agent-fails",
+                    *agent_args(tmp_path, tiny_model_dir, "tests.agent_programs:never_answers"),
+                    "--rollout.agent_max_failures", "2", "--run.iterations", "1"])
+    assert proc.returncode == 1
+    assert "agent 'tests.agent_programs:never_answers' failed at row" in proc.stderr
+    assert "RuntimeError: no answer for" in proc.stderr and "rollout.agent_max_failures=2" in proc.stderr
+
+
+@pytest.mark.parametrize("agent, message", [
+    ("tests.agent_programs:nowhere", "has no attribute 'nowhere'"),
+    ("tests.agent_programs:graph", "must be an async function"),
+])
+def test_an_agent_that_cannot_be_loaded_fails_before_any_actor(tmp_path, tiny_model_dir, agent, message):
+    proc = run_job(["--run.output_dir", str(tmp_path), *agent_args(tmp_path, tiny_model_dir, agent)], timeout_s=120)
+    assert proc.returncode != 0 and message in proc.stderr
+    assert "actors ready" not in proc.stdout
