@@ -494,3 +494,14 @@ def test_calculator_rows_are_integer_problems():
         question, answer = problem(3, row["index"], 12)
         assert isinstance(answer, int) and answer >= 0 and question
     assert (env.metric, env.max_new_tokens) == ("accuracy", 48)
+
+
+def test_the_readme_environment_is_the_one_the_tests_run():
+    """The README's complete environment, as a user copies it, is tests/readme_environment.py, which
+    tests/test_agents.py runs as a job."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    code = (root / "tests" / "readme_environment.py").read_text()
+    assert f"```python\n# my_env.py\n{code}```" in readme

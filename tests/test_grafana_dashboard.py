@@ -22,6 +22,14 @@ METRICS = [
     "ray_tether_learner_step_seconds",
     "ray_tether_policy_version",
     "ray_tether_rollout_learner_logprob_mismatch",
+    # multi-turn episodes (task.name environment or agent)
+    "ray_tether_turns_per_episode",
+    "ray_tether_tool_calls_per_episode",
+    "ray_tether_environment_seconds",
+    "ray_tether_trajectory_model_tokens_mean",
+    "ray_tether_trajectory_environment_tokens_mean",
+    "ray_tether_environment_failures",
+    "ray_tether_truncated_fraction",
 ]
 
 
