@@ -38,16 +38,16 @@ class AgentRow:
     """One trajectory of an episode's model calls, as a row of the batch."""
 
     episode: int  # index of its episode's row in the chunk
-    prompt_ids: list[int]
+    prompt: list[int]
     ids: list[int]
     action_mask: list[int]
     logprobs: list[float]
-    finish_reason: int
-    truncated: bool
+    finish_reason: int  # FINISH_LENGTH also when cut at rollout.max_trajectory_tokens
     turn_rewards: list[float] = field(default_factory=list)
-    turns: int = 0
+    turns: int = 0  # the model calls merged into the row
     tool_calls: int = 0
     failures: int = 0
+    seconds: float = 0.0  # environment seconds: an agent's own time is not told apart from the engine's
 
 
 class AgentRunner:
@@ -91,6 +91,7 @@ class AgentRunner:
 
     def _rows(self, episode: int, outcome, failures: int) -> list[AgentRow]:
         from actors.agent_endpoint import merge_calls, parse_tool_calls
+        from services.experience import FINISH_LENGTH
 
         limit = self.settings.max_trajectory_tokens
         tool_calls = sum(len(parse_tool_calls(self.tokenizer.decode(c.completion_ids, skip_special_tokens=True))[1])
@@ -104,6 +105,7 @@ class AgentRunner:
             if last is not None:  # the episode's reward on the row's last model token
                 rewards[last] = outcome.reward
             rows.append(AgentRow(episode, trajectory.prompt_ids, trajectory.ids[:limit], mask,
-                                 trajectory.logprobs[:limit], trajectory.finish_reason, cut, rewards, trajectory.calls,
+                                 trajectory.logprobs[:limit], FINISH_LENGTH if cut else trajectory.finish_reason,
+                                 rewards, trajectory.calls,
                                  tool_calls if n == 0 else 0, failures if n == 0 else 0))
         return rows

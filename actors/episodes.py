@@ -35,6 +35,7 @@ class Episode:
     row_index: int
     seed: int
     worker: int
+    episode: int  # its position in the chunk
     key: str = ""
     prompt: list[int] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # the trajectory after the prompt
@@ -49,6 +50,12 @@ class Episode:
     failure: str | None = None
     failed_turn: int = 0
     failures: int = 0  # failed attempts of this row before this one
+
+    @property
+    def finish_reason(self) -> int:
+        from services.experience import FINISH_LENGTH, FINISH_STOP
+
+        return FINISH_LENGTH if self.truncated else FINISH_STOP
 
     def append(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
         self.ids += ids
@@ -68,7 +75,7 @@ class EpisodeRunner:
             first_worker: int = 0) -> list[Episode]:
         """Every episode to its end, in order; those whose environment failed are generated again (with
         another seed, on another worker) until they succeed, each counting its failed attempts."""
-        episodes = [Episode(row, index, seed, (first_worker + i) % len(self.workers))
+        episodes = [Episode(row, index, seed, (first_worker + i) % len(self.workers), i)
                     for i, (row, index, seed) in enumerate(zip(rows, row_index, seeds, strict=True))]
         pending, attempt = episodes, 0
         while pending:
@@ -78,13 +85,13 @@ class EpisodeRunner:
                 self._count_failure(episode)
             attempt += 1
             pending = [self._again(e, attempt) for e in failed]
-            for fresh, old in zip(pending, failed, strict=True):
-                episodes[episodes.index(old)] = fresh
+            for fresh in pending:
+                episodes[fresh.episode] = fresh
         return episodes
 
     def _again(self, episode: Episode, attempt: int) -> Episode:
         return Episode(episode.row, episode.row_index, (episode.seed + 7_919 * attempt) % (2**31 - 1),
-                       (episode.worker + 1) % len(self.workers), failures=episode.failures + 1)
+                       (episode.worker + 1) % len(self.workers), episode.episode, failures=episode.failures + 1)
 
     def _count_failure(self, episode: Episode) -> None:
         from services.environments import EnvironmentFailure

@@ -64,27 +64,13 @@ class RolloutActor(VersionedActor):
         engine call per turn); the environments step on ``workers``. Every row is a whole trajectory of
         this engine's one policy version: the prompt, then the model's and the environment's tokens."""
         from actors.episodes import EpisodeRunner
-        from services.experience import FINISH_LENGTH, FINISH_STOP, Episodes, make_batch
         from services.models import load_tokenizer
 
         start = time.perf_counter()
         if self.episodes is None:
             self.episodes = EpisodeRunner(self.engine, load_tokenizer(self.model_dir), workers, limits)
         episodes = self.episodes.run(rows, prompt_index, seeds, sampling, first_worker)
-        seconds = time.perf_counter() - start
-        self.busy_seconds += seconds
-        self.last_tokens_per_second = sum(sum(e.action_mask) for e in episodes) / max(seconds, 1e-9)
-        batch = make_batch(
-            prompts=[e.prompt for e in episodes], responses=[e.ids for e in episodes],
-            logprobs=[e.logprobs for e in episodes],
-            finish_reasons=[FINISH_LENGTH if e.truncated else FINISH_STOP for e in episodes],
-            prompt_index=prompt_index, pad_id=pad_id, policy_version=self.policy_version, kl_coef=self.kl_coef,
-            response_width=limits.max_trajectory_tokens, group_index=group_index,
-            action_masks=[e.action_mask for e in episodes],
-            episodes=Episodes([e.turn_rewards for e in episodes], [e.turns for e in episodes],
-                              [e.tool_calls for e in episodes], [e.seconds for e in episodes],
-                              [e.failures for e in episodes]))
-        return batch
+        return self._trajectory_batch(episodes, start, prompt_index, group_index, pad_id, limits.max_trajectory_tokens)
 
     def run_agents(self, rows: list[dict], prompt_index: list[int], seeds: list[int], sampling: SamplingSettings,
                    pad_id: int, group_index: list[int] | None, settings: AgentSettings) -> RolloutBatch:
@@ -93,7 +79,6 @@ class RolloutActor(VersionedActor):
         prompt extends the last call token for token); an episode's rows share its reward, at each row's last
         model token, and its group."""
         from actors.agents import AgentRunner
-        from services.experience import FINISH_LENGTH, Episodes, make_batch
         from services.models import load_tokenizer
 
         start = time.perf_counter()
@@ -101,19 +86,27 @@ class RolloutActor(VersionedActor):
             self.agents = AgentRunner(self.engine, load_tokenizer(self.model_dir), sampling, self.max_model_len,
                                       settings)
         trajectories = self.agents.run(rows, prompt_index, seeds)
+        return self._trajectory_batch(trajectories, start, prompt_index, group_index, pad_id,
+                                      settings.max_trajectory_tokens)
+
+    def _trajectory_batch(self, trajectories: list, start: float, prompt_index: list[int],
+                          group_index: list[int] | None, pad_id: int, width: int) -> RolloutBatch:
+        """Trajectories (``Episode``s or ``AgentRow``s) as a batch stamped with this engine's state; each
+        row keeps the prompt row and group of the episode it came from."""
+        from services.experience import Episodes, make_batch
+
         seconds = time.perf_counter() - start
         self.busy_seconds += seconds
         self.last_tokens_per_second = sum(sum(t.action_mask) for t in trajectories) / max(seconds, 1e-9)
         return make_batch(
-            prompts=[t.prompt_ids for t in trajectories], responses=[t.ids for t in trajectories],
-            logprobs=[t.logprobs for t in trajectories],
-            finish_reasons=[FINISH_LENGTH if t.truncated else t.finish_reason for t in trajectories],
+            prompts=[t.prompt for t in trajectories], responses=[t.ids for t in trajectories],
+            logprobs=[t.logprobs for t in trajectories], finish_reasons=[t.finish_reason for t in trajectories],
             prompt_index=[prompt_index[t.episode] for t in trajectories], pad_id=pad_id,
-            policy_version=self.policy_version, kl_coef=self.kl_coef, response_width=settings.max_trajectory_tokens,
+            policy_version=self.policy_version, kl_coef=self.kl_coef, response_width=width,
             group_index=None if group_index is None else [group_index[t.episode] for t in trajectories],
             action_masks=[t.action_mask for t in trajectories],
             episodes=Episodes([t.turn_rewards for t in trajectories], [t.turns for t in trajectories],
-                              [t.tool_calls for t in trajectories], [0.0] * len(trajectories),
+                              [t.tool_calls for t in trajectories], [t.seconds for t in trajectories],
                               [t.failures for t in trajectories]))
 
     def update_weights(self, weights: HostWeights, policy_version: int, kl_coef: float) -> float:

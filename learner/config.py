@@ -131,7 +131,8 @@ class RolloutConfig(Section):
     temperature: PositiveFloat = Field(1.0, description="sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass; only 1.0 (no truncation) is "
                          "accepted: the learner and the reference score the full softmax")
-    max_new_tokens: PositiveInt | None = Field(None, description="response length cap; none = the task's")
+    max_new_tokens: PositiveInt | None = Field(None, description="response length cap (one turn's, in multi-turn "
+                                               "episodes); none = the task's")
     kv_cache_mib: PositiveInt = Field(256, description="vLLM KV cache size in MiB (CPU)")
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM's share of its GPU (CUDA only)")
     enforce_eager: bool = Field(True, description="vLLM without CUDA graphs / compilation: fast starts")
