@@ -69,3 +69,30 @@ def test_an_agent_that_cannot_be_loaded_fails_before_any_actor(tmp_path, tiny_mo
     proc = run_job(["--run.output_dir", str(tmp_path), *agent_args(tmp_path, tiny_model_dir, agent)], timeout_s=120)
     assert proc.returncode != 0 and message in proc.stderr
     assert "actors ready" not in proc.stdout
+
+
+ENV = {"name": "environment", "environment": "services.environments.randomwalks:interactive_randomwalks"}
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"task": {"environment": "my_env:Env"}}, "task.environment is set but task.name='randomwalks' does not read it"),
+    ({"task": {"name": "environment"}}, "task.name='environment' needs task.environment"),
+    ({"task": {"name": "environment", "environment": "my_env"}}, "package.module:factory"),
+    ({"task": {"name": "dataset", "path": "x.jsonl", "environment_workers": 4}, "model": {"path": "/m"}},
+     "task.environment_workers is set but task.name='dataset'"),
+    ({"task": ENV, "reward": {"kind": "model", "model_path": "/r"}}, "rewarded by its episodes"),
+    ({"task": ENV, "reward": {"missing_eos_penalty": -1.0}}, "reward.missing_eos_penalty is set"),
+    ({"task": ENV, "rollout": {"max_new_tokens": 64, "max_trajectory_tokens": 32}},
+     "rollout.max_new_tokens=64 .* exceeds rollout.max_trajectory_tokens=32"),
+    ({"rollout": {"agent": "my_agent:solve"}}, "rollout.agent='my_agent:solve' is set but task.name='randomwalks'"),
+    ({"task": {"name": "agent", "path": "rows.jsonl"}}, "task.name='agent' and rollout.agent go together"),
+    ({"task": {"name": "agent"}, "rollout": {"agent": "a:b"}}, "task.name='agent' needs task.path"),
+    ({"task": {"name": "agent", "path": "rows.jsonl"}, "rollout": {"agent": "a:b"}}, "needs model.path"),
+])
+def test_episode_settings_are_refused_where_they_mean_nothing(config, message):
+    from pydantic import ValidationError
+
+    from learner.config import JobConfig
+
+    with pytest.raises(ValidationError, match=message):
+        JobConfig.model_validate(config)
