@@ -32,6 +32,7 @@ class Outcome:
     tool_calls: int = 0
     seconds: float = 0.0
     error: str | None = None
+    lost_worker: int | None = None  # set by the rollout side: the worker that held the episode was lost
 
 
 class EnvironmentWorker:

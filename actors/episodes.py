@@ -49,6 +49,7 @@ class Episode:
     truncated: bool = False
     failure: str | None = None
     failed_turn: int = 0
+    lost_with: int | None = None  # the worker whose loss failed it, with every episode that worker held
     failures: int = 0  # failed attempts of this row before this one
 
     @property
@@ -81,7 +82,9 @@ class EpisodeRunner:
         while pending:
             self._run_once(pending, sampling)
             failed = [e for e in pending if e.failure is not None]
-            for episode in failed:
+            # a worker lost is one failure, not one per episode it held: only one of them can be the cause
+            lost = {e.lost_with: e for e in failed if e.lost_with is not None}
+            for episode in [e for e in failed if e.lost_with is None] + list(lost.values()):
                 self._count_failure(episode)
             attempt += 1
             pending = [self._again(e, attempt) for e in failed]
@@ -91,7 +94,8 @@ class EpisodeRunner:
 
     def _again(self, episode: Episode, attempt: int) -> Episode:
         return Episode(episode.row, episode.row_index, (episode.seed + 7_919 * attempt) % (2**31 - 1),
-                       (episode.worker + 1) % len(self.workers), episode.episode, failures=episode.failures + 1)
+                       (episode.worker + 1) % len(self.workers), episode.episode, seconds=episode.seconds,
+                       failures=episode.failures + 1)
 
     def _count_failure(self, episode: Episode) -> None:
         from services.environments import EnvironmentFailure
@@ -128,7 +132,7 @@ class EpisodeRunner:
         for episode, outcome in zip(episodes, outcomes, strict=True):
             episode.seconds += outcome.seconds
             if outcome.error is not None:
-                episode.failure, episode.failed_turn = outcome.error, 0
+                episode.failure, episode.failed_turn, episode.lost_with = outcome.error, 0, outcome.lost_worker
             elif len(outcome.ids) > self.limits.max_prompt_tokens:
                 from services.environments import EnvironmentFailure
 
@@ -164,7 +168,7 @@ class EpisodeRunner:
         for episode, outcome in zip(acting, outcomes, strict=True):
             episode.seconds += outcome.seconds
             if outcome.error is not None:
-                episode.failure, episode.failed_turn = outcome.error, turn
+                episode.failure, episode.failed_turn, episode.lost_with = outcome.error, turn, outcome.lost_worker
                 continue
             episode.turn_rewards[-1] += outcome.reward
             episode.tool_calls += outcome.tool_calls
@@ -214,8 +218,9 @@ class EpisodeRunner:
                 results = ray.get(call, timeout=max(deadline - time.monotonic(), 1.0))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
                 what = "died" if isinstance(err, ray.exceptions.RayActorError) else "did not answer in time"
-                results = [Outcome([], error=f"environment worker {worker} {what} during {method}")] \
-                    * len(by_worker[worker])
+                rows = ", ".join(str(episodes[i].row_index) for i in by_worker[worker])
+                results = [Outcome([], error=f"environment worker {worker} {what} during {method} (it held the "
+                                   f"episodes of rows {rows})", lost_worker=worker)] * len(by_worker[worker])
             for i, outcome in zip(by_worker[worker], results, strict=True):
                 outcomes[i] = outcome
         return outcomes

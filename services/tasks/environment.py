@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from services.tasks.base import Task
@@ -46,6 +47,14 @@ class EnvironmentTask(Task):
     def sft_corpus(self) -> list[str] | None:
         corpus = getattr(self.example, "sft_corpus", None)
         return corpus() if callable(corpus) else None
+
+    def model_dir(self, cache_dir: str | Path) -> Path:
+        """The environment's own pretrained model (its ``model_dir(cache_dir)``, e.g. the calculator's
+        SmolLM2), where it brings one; else the base class's error (set model.path)."""
+        own = getattr(self.example, "model_dir", None)
+        if callable(own):
+            return Path(own(cache_dir))
+        return super().model_dir(cache_dir)
 
     @cached_property
     def train_rows(self) -> list[dict]:
