@@ -94,6 +94,10 @@ class VLLMEngine:
         if device == "cpu":  # the KV cache is sized in bytes here; vLLM's CPU build has no GPU share
             args.pop("gpu_memory_utilization", None)
             args["kv_cache_memory_bytes"] = kv_cache_mib << 20
+            # a prompt prefilled in parts fails a seeded request on CPU ("CPU Generator does not use offset"):
+            # a multi-turn chunk's trajectories pass the 4096 tokens of one step; whole prompts per step instead
+            args.setdefault("enable_chunked_prefill", False)
+            args.setdefault("max_num_batched_tokens", max(4096, max_model_len))
         if weight_transfer is not None:  # vLLM's trainer-to-engine transfer: "nccl" or "ipc" (GPU)
             from vllm.config import WeightTransferConfig
 

@@ -377,6 +377,16 @@ def test_the_job_fails_past_max_failures_naming_the_environment_row_and_turn(age
     assert f"task.environment_max_failures={STRICT_MAX_FAILURES}" in message
 
 
+def test_a_turn_whose_contexts_pass_one_engine_step_still_generates(agents):
+    """One engine call of a turn prefills every episode's trajectory so far: 96 episodes of about 45 tokens
+    pass the 4096 tokens vLLM prefills in one step. A seeded request whose prompt vLLM's CPU build prefilled
+    in parts failed ("CPU Generator does not use offset"), so the engine prefills whole prompts."""
+    rows = [row(f"wide-{i}", turns=2, id=i, prompt_len=MAX_PROMPT_TOKENS, obs_len=32) for i in range(96)]
+    batch = ray.get(run_episodes(agents, rows, first_row=700))
+    check_batch(agents, batch, rows)
+    assert int((batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).sum()) > 4096
+
+
 def test_a_first_observation_longer_than_max_prompt_tokens_is_refused_naming_the_row(agents):
     from services.environments import EnvironmentFailure
 
