@@ -3,7 +3,9 @@
 The model calls the calculator by writing ``<calc>3 + 4 * 2</calc>`` and gets ``<result>11</result>`` back
 as the next user message; it ends the episode with ``<answer>11</answer>``: reward 1.0 if that is the exact
 answer, else 0.0. The system prompt shows the syntax with one worked example, since a model this small does
-not produce it unprompted.
+not produce it unprompted. With ``examples=N`` the prompt is a few-shot conversation instead: a short system
+prompt, then N worked problems of the generator as earlier chat turns (question, call, result, answer), then
+the row's question. SmolLM2-135M-Instruct follows that much more often (deploy/configs/calculator-smollm2.yaml).
 """
 
 from __future__ import annotations
@@ -28,26 +30,58 @@ Assistant: <calc>4 * 6 - 5</calc>
 User: <result>19</result>
 Assistant: <answer>19</answer>"""
 
+# the system prompt of the few-shot conversation (``examples`` > 0): the worked examples follow as chat turns
+FEW_SHOT_SYSTEM_PROMPT = ("You solve math word problems with a calculator. To calculate, reply with only "
+                          "<calc>expression</calc>. The result comes back as <result>number</result>. Then reply "
+                          "with only <answer>number</answer>.")
+
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 MAX_CALLS = 4  # the fifth call ends the episode with 0: a model that loops cannot grow the context unbounded
 MAX_EXPRESSION = 200  # characters; keeps exact arithmetic on the numbers a call can write small
 EVAL_START = 1_000_000  # evaluation rows are indices from here on, never drawn for training
+EXAMPLE_START = 2_000_000  # the few-shot examples are problems from here on, never a training or eval row
 
 
 def problem(seed: int, index: int, max_operand: int) -> tuple[str, int]:
     """Word problem ``index`` of generator ``seed``: its question and its integer answer, always the same."""
+    question, _, answer, _ = worked_problem(seed, index, max_operand)
+    return question, answer
+
+
+def worked_problem(seed: int, index: int, max_operand: int) -> tuple[str, str, int, int]:
+    """Word problem ``index`` of generator ``seed`` worked out: its question, an expression for the calculator
+    that gives the answer, the integer answer, and which of the problem templates it is."""
     rng = np.random.default_rng([seed, index])
     a, b, c = (int(x) for x in rng.integers(1, max_operand + 1, size=3))
     taken = int(rng.integers(1, a * b + 1))
     problems = [
-        (f"Tom has {a} apples and buys {b} bags of {c} apples. How many apples does he have now?", a + b * c),
-        (f"A baker packs {a * b} cookies equally into {b} boxes. How many cookies are in each box?", a),
-        (f"A train has {a} cars of {b} seats and {taken} seats are taken. How many are free?", a * b - taken),
-        (f"Sara reads {a} pages a day for {b} days, then {c} more. How many pages does she read?", a * b + c),
-        (f"{c} friends share {c * a} stickers equally, then each gets {b} more. How many has each?", a + b),
+        (f"Tom has {a} apples and buys {b} bags of {c} apples. How many apples does he have now?",
+         f"{a} + {b} * {c}", a + b * c),
+        (f"A baker packs {a * b} cookies equally into {b} boxes. How many cookies are in each box?",
+         f"{a * b} / {b}", a),
+        (f"A train has {a} cars of {b} seats and {taken} seats are taken. How many are free?",
+         f"{a} * {b} - {taken}", a * b - taken),
+        (f"Sara reads {a} pages a day for {b} days, then {c} more. How many pages does she read?",
+         f"{a} * {b} + {c}", a * b + c),
+        (f"{c} friends share {c * a} stickers equally, then each gets {b} more. How many has each?",
+         f"{c * a} / {c} + {b}", a + b),
     ]
-    return problems[int(rng.integers(len(problems)))]
+    template = int(rng.integers(len(problems)))
+    return (*problems[template], template)
+
+
+def few_shot_examples(seed: int, count: int, max_operand: int) -> list[tuple[str, str, int]]:
+    """``count`` worked problems (question, expression, answer) of distinct templates while there are any left,
+    the first such from problem EXAMPLE_START on: the same for every episode of a generator."""
+    examples, seen, index = [], set(), EXAMPLE_START
+    while len(examples) < count:
+        question, expression, answer, template = worked_problem(seed, index, max_operand)
+        if template not in seen or len(seen) == 5:
+            seen.add(template)
+            examples.append((question, expression, answer))
+        index += 1
+    return examples
 
 
 def evaluate(expression: str) -> Fraction:
@@ -100,9 +134,13 @@ class CalculatorEnvironment(Environment):
     model_kind = "smollm2"
     tokenizer_kind = "pretrained"
 
-    def __init__(self, seed: int = 0, max_operand: int = 20):
+    def __init__(self, seed: int = 0, max_operand: int = 20, examples: int = 0):
+        if not 0 <= examples <= 16:
+            raise ValueError(f"calculator examples={examples}: give 0 (the system prompt's one example) to 16 "
+                             "worked problems as earlier chat turns")
         self.seed = seed
         self.max_operand = max_operand
+        self.examples = examples
         self.answer: int | None = None  # the episode's exact answer; None before reset and once done
         self.calls = 0
 
@@ -129,7 +167,15 @@ class CalculatorEnvironment(Environment):
             raise ValueError(f"calculator row {row!r}: expected {{'index': int}} or "
                              f"{{'question': str, 'answer': int}}")
         self.answer, self.calls = answer, 0
-        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        if not self.examples:
+            return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        messages = [{"role": "system", "content": FEW_SHOT_SYSTEM_PROMPT}]
+        for example, expression, result in few_shot_examples(self.seed, self.examples, self.max_operand):
+            messages += [{"role": "user", "content": example},
+                         {"role": "assistant", "content": f"<calc>{expression}</calc>"},
+                         {"role": "user", "content": f"<result>{result}</result>"},
+                         {"role": "assistant", "content": f"<answer>{result}</answer>"}]
+        return [*messages, {"role": "user", "content": question}]
 
     def step(self, action: str) -> tuple[list[dict] | None, float, bool, dict]:
         if self.answer is None:
@@ -158,6 +204,7 @@ class CalculatorEnvironment(Environment):
         return [{"role": "user", "content": content}], 0.0, False, {"tool_calls": 1}
 
 
-def calculator(seed: int = 0, max_operand: int = 20) -> CalculatorEnvironment:
-    """The environment a job names as ``services.environments.calculator:calculator``."""
-    return CalculatorEnvironment(seed, max_operand)
+def calculator(seed: int = 0, max_operand: int = 20, examples: int = 0) -> CalculatorEnvironment:
+    """The environment a job names as ``services.environments.calculator:calculator``; ``examples``: worked
+    problems shown as earlier chat turns (few-shot), 0 for the system prompt's one example."""
+    return CalculatorEnvironment(seed, max_operand, examples)
