@@ -59,11 +59,13 @@ class EnvironmentWorker:
         asyncio.get_running_loop().set_default_executor(self.threads)
         return await asyncio.gather(*map(self._reset, keys, rows, row_index, seeds))
 
-    async def step(self, keys: list[str], actions: list[str], row_index: list[int], turns: list[int]) -> list[Outcome]:
-        """Each episode's environment takes the model's turn as text: the next observation's ids, the reward
-        and done. An episode that ends (or fails) lets its environment go."""
+    async def step(self, keys: list[str], actions: list[str], row_index: list[int], turns: list[int],
+                   closed: list[bool]) -> list[Outcome]:
+        """Each episode's environment takes the model's turn as text (``closed``: the turn ended with its EOS,
+        not at its token cap): the next observation's ids, the reward and done. An episode that ends (or
+        fails) lets its environment go."""
         asyncio.get_running_loop().set_default_executor(self.threads)
-        return await asyncio.gather(*map(self._step, keys, actions, row_index, turns))
+        return await asyncio.gather(*map(self._step, keys, actions, row_index, turns, closed))
 
     async def close(self, keys: list[str]) -> None:
         for key in keys:
@@ -83,7 +85,7 @@ class EnvironmentWorker:
             return Outcome([], seconds=time.perf_counter() - start, error=_reason("reset", err, self.step_timeout_s))
         return Outcome(ids, seconds=time.perf_counter() - start)
 
-    async def _step(self, key: str, action: str, row_index: int, turn: int) -> Outcome:
+    async def _step(self, key: str, action: str, row_index: int, turn: int, closed: bool) -> Outcome:
         from services.environments import check_step_result, encode_observation
 
         start = time.perf_counter()
@@ -92,7 +94,8 @@ class EnvironmentWorker:
             return Outcome([], error=f"environment worker {self.index} lost the episode (it restarted)")
         try:
             result = check_step_result(await self._call(env.step, action), self.spec, row=row_index, turn=turn)
-            ids = [] if result.done else encode_observation(result.observation, self.tokenizer, first=False)
+            ids = [] if result.done else encode_observation(result.observation, self.tokenizer, first=False,
+                                                            turn_closed=closed)
             tool_calls = int(result.info.get("tool_calls", 0))
         except Exception as err:  # noqa: BLE001 - as in _reset
             self._close(key)

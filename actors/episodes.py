@@ -50,6 +50,7 @@ class Episode:
     failure: str | None = None
     failed_turn: int = 0
     lost_with: int | None = None  # the worker whose loss failed it, with every episode that worker held
+    turn_closed: bool = True  # the last model turn ended with its EOS (not at rollout.max_new_tokens)
     failures: int = 0  # failed attempts of this row before this one
 
     @property
@@ -151,6 +152,7 @@ class EpisodeRunner:
         for episode, generation, left in zip(running, generations, budget, strict=True):
             episode.append(generation.response_ids, True, generation.logprobs)
             episode.turns += 1
+            episode.turn_closed = self._ends_turn(generation)
             if len(generation.response_ids) >= left and not self._ends_turn(generation):
                 episode.done = episode.truncated = True  # the budget ran out inside the model's turn
 
@@ -164,7 +166,7 @@ class EpisodeRunner:
         turn's last model token, the observation's ids follow as context."""
         actions = {e.key: self.tokenizer.decode(e.ids[len(e.ids) - self._turn_length(e):], skip_special_tokens=True)
                    for e in acting}
-        outcomes = self._on_workers(acting, "step", lambda e: (actions[e.key], e.row_index, turn))
+        outcomes = self._on_workers(acting, "step", lambda e: (actions[e.key], e.row_index, turn, e.turn_closed))
         for episode, outcome in zip(acting, outcomes, strict=True):
             episode.seconds += outcome.seconds
             if outcome.error is not None:

@@ -201,7 +201,8 @@ class RewardActor(VersionedActor):
             for sample, score in zip(kept, returns.tolist()):
                 sample["score"] = float(score)
             return {"count": float(len(prompts)), "samples": kept,
-                    "sums": {self.task.metric: float(returns.sum()), "turns": float(batch.num_turns.sum())}}
+                    "sums": {self.task.metric: float(returns.sum()), "turns": float(batch.num_turns.sum()),
+                             "tool_calls": float(batch.tool_calls.sum())}}
         if kept:
             where = f"task {self.task.name!r}, evaluation chunk {chunk_index}"
             for sample, score in zip(kept, self.scores(prompts[:len(kept)], completions[:len(kept)], where,

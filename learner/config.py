@@ -95,6 +95,9 @@ class TaskConfig(Section):
             if not self.environment or ":" not in self.environment:
                 raise ValueError(f"task.name='environment' needs task.environment: package.module:factory (got "
                                  f"{self.environment!r})")
+            if self.seed != TaskConfig.model_fields["seed"].default:
+                raise ValueError(f"task.seed={self.seed} is set but task.name='environment' does not read it: an "
+                                 "environment's own seed is one of its task.environment_kwargs")
             return self
         if self.name != "dataset":
             return self

@@ -30,7 +30,7 @@ from learner.storage import RunStorage
 from learner.weight_sync import WeightSync
 from services.metrics import DriverMetrics, iteration_record
 from services.model_source import ModelSource
-from services.models import load_tokenizer, policy_source, sft_tokenizer
+from services.models import load_tokenizer, model_positions, policy_source, sft_tokenizer
 from services.prompts import PromptSampler, encode_prompts
 from services.tasks import get_task
 
@@ -325,6 +325,12 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     probe_set = ([p + [(7 * j + 3 * k) % len(tokenizer) for k in range(sampling.max_new_tokens)]
                   for j, p in enumerate(probe_prompts)], [len(p) for p in probe_prompts])
     response_width = cfg.rollout.max_trajectory_tokens if episodic else sampling.max_new_tokens
+    max_model_len = cfg.task.max_prompt_tokens + response_width + 1
+    positions = model_positions(model.resolve("driver"))
+    if positions is not None and max_model_len > positions:  # the engines would refuse it at start-up
+        raise ValueError(f"task.max_prompt_tokens={cfg.task.max_prompt_tokens} + "
+                         f"{'rollout.max_trajectory_tokens' if episodic else 'rollout.max_new_tokens'}="
+                         f"{response_width} + 1 = {max_model_len} tokens do not fit the model's {positions} positions")
     run_path = rundir.prepare(cfg)
     log(f"run directory {run_path}")
 
@@ -333,7 +339,7 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     placement = cluster.reserve(cfg)
     cluster.preflight(cfg, placement, [m for m in (model, reward_model) if m], run_path, log=log)
     fleet = Fleet(cfg, model, placement, sampling, pad_id,
-                  max_model_len=cfg.task.max_prompt_tokens + response_width + 1, reward_model=reward_model,
+                  max_model_len=max_model_len, reward_model=reward_model,
                   task_options=task.reward_actor_options(), wait=False)
     learner = LearnerGroup(cfg, model, placement)  # DeepSpeed sets up while the engines start
     fleet.wait_ready()

@@ -177,6 +177,17 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def model_positions(path: str | Path) -> int | None:
+    """The positions a model directory's config.json gives it (``max_position_embeddings``, GPT-2's
+    ``n_positions``); None when the directory has no config.json or the config says neither."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    positions = config.get("max_position_embeddings", config.get("n_positions"))
+    return int(positions) if isinstance(positions, int) else None
+
+
 def load_causal_lm(path: str | Path, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 

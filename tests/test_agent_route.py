@@ -48,7 +48,7 @@ def test_an_agent_program_trains_through_the_endpoint(agent_run):
         assert r["probe_max_abs_error"] < 1e-4 or r["probe_max_abs_error"] != r["probe_max_abs_error"]
     assert any(r["turns_mean"] > 1.0 for r in records)  # some episodes did make two calls
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert set(summary["eval_final"]) == {"return", "turns"}
+    assert set(summary["eval_final"]) == {"return", "turns", "tool_calls"}
 
 
 def test_an_agent_that_always_fails_ends_the_job_naming_it(ray_head, cache_dir, tiny_model_dir, tmp_path):
@@ -81,6 +81,7 @@ ENV = {"name": "environment", "environment": "services.environments.randomwalks:
     ({"task": {"name": "dataset", "path": "x.jsonl", "environment_workers": 4}, "model": {"path": "/m"}},
      "task.environment_workers is set but task.name='dataset'"),
     ({"task": ENV, "reward": {"kind": "model", "model_path": "/r"}}, "rewarded by its episodes"),
+    ({"task": {**ENV, "seed": 7}}, "task.seed=7 is set but task.name='environment' does not read it"),
     ({"task": ENV, "reward": {"missing_eos_penalty": -1.0}}, "reward.missing_eos_penalty is set"),
     ({"task": ENV, "rollout": {"max_new_tokens": 64, "max_trajectory_tokens": 32}},
      "rollout.max_new_tokens=64 .* exceeds rollout.max_trajectory_tokens=32"),
@@ -96,3 +97,11 @@ def test_episode_settings_are_refused_where_they_mean_nothing(config, message):
 
     with pytest.raises(ValidationError, match=message):
         JobConfig.model_validate(config)
+
+
+def test_a_trajectory_longer_than_the_models_positions_fails_before_any_actor(tmp_path, tiny_model_dir):
+    args = agent_args(tmp_path, tiny_model_dir, "tests.agent_programs:walk")
+    proc = run_job(["--run.output_dir", str(tmp_path), *args, "--rollout.max_trajectory_tokens", "64"], timeout_s=120)
+    assert proc.returncode == 1 and "actors ready" not in proc.stdout
+    assert ("task.max_prompt_tokens=8 + rollout.max_trajectory_tokens=64 + 1 = 73 tokens do not fit the model's 32 "
+            "positions") in proc.stderr

@@ -275,6 +275,26 @@ def test_encode_chat_messages_after_the_model_turn_start_after_its_end_token():
                                      "<|im_start|>assistant\n")
 
 
+def test_a_turn_cut_at_its_token_cap_is_closed_by_the_observation():
+    """A model turn that stopped at rollout.max_new_tokens has no <|im_end|>: the observation brings it, so
+    the conversation is still the template's, token for token."""
+    tokenizer = chatml_tokenizer()
+    closed = encode_observation([{"role": "user", "content": "<result>14</result>"}], tokenizer, first=False)
+    cut = encode_observation([{"role": "user", "content": "<result>14</result>"}], tokenizer, first=False,
+                             turn_closed=False)
+    assert cut == [tokenizer.eos_token_id, *closed]
+
+
+def test_the_calculator_few_shot_conversation_shows_worked_problems_as_chat_turns():
+    env = CalculatorEnvironment(examples=2)
+    messages = env.reset({"index": 3}, seed=0)
+    roles = [m["role"] for m in messages]
+    assert roles == ["system", "user", "assistant", "user", "assistant"] * 1 + ["user", "assistant", "user",
+                                                                                  "assistant", "user"]
+    assert messages[-1]["content"] == CalculatorEnvironment(examples=0).reset({"index": 3}, seed=0)[-1]["content"]
+    assert messages[2]["content"].startswith("<calc>") and messages[4]["content"].startswith("<answer>")
+
+
 # ---------------------------------------------------------------- gymnasium
 
 GUESS_ID = "tether-test/Guess-v0"

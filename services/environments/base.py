@@ -188,13 +188,15 @@ async def call_maybe_async(fn: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
-def encode_observation(observation: Observation | None, tokenizer, *, first: bool) -> list[int]:
+def encode_observation(observation: Observation | None, tokenizer, *, first: bool,
+                       turn_closed: bool = True) -> list[int]:
     """The token ids of ``observation``, encoded once, to be appended to the trajectory as they are.
 
     Token ids are taken as they are (checked against the vocabulary); text is encoded without special tokens;
     None (a final step's) is no tokens. Chat messages, when ``first``, are the prompt with the generation
     prompt. Later they follow the model's turn, which ended with the template's end-of-turn token: they are
-    the tokens the template adds after that token, up to and including the next generation prompt.
+    the tokens the template adds after that token, up to and including the next generation prompt; a turn
+    cut at its token cap (``turn_closed`` False) is closed by the observation, with that token first.
     """
     problem = observation_problem(observation)
     if problem:
@@ -209,13 +211,13 @@ def encode_observation(observation: Observation | None, tokenizer, *, first: boo
     elif isinstance(observation, str):
         ids = list(tokenizer(observation, add_special_tokens=False)["input_ids"])
     else:
-        ids = _encode_messages(observation, tokenizer, first)
+        ids = _encode_messages(observation, tokenizer, first, turn_closed)
     if first and not ids:
         raise ValueError("the first observation (the prompt) encodes to no tokens")
     return ids
 
 
-def _encode_messages(messages: list[dict], tokenizer, first: bool) -> list[int]:
+def _encode_messages(messages: list[dict], tokenizer, first: bool, turn_closed: bool = True) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the observation is chat messages but the tokenizer has no chat template")
     if first:
@@ -225,6 +227,8 @@ def _encode_messages(messages: list[dict], tokenizer, first: bool) -> list[int]:
     eos = tokenizer.eos_token_id
     # the model sampled the template's end-of-turn token; what the template puts after it is the environment's
     end = len(base_ids) - base_ids[::-1].index(eos) if eos in base_ids else len(base_ids)
+    if not turn_closed and eos in base_ids:
+        end -= 1  # the model did not sample the end-of-turn token: it is the environment's
     full_ids = _chat_ids(tokenizer, base + messages, add_generation_prompt=True)
     if full_ids[:end] != base_ids[:end]:
         raise ValueError("the chat template renders a conversation's earlier turns differently once more "
