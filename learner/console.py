@@ -30,8 +30,12 @@ HARMLESS_VLLM = {
         "libtcmalloc is not found in LD_PRELOAD",
         "libiomp is not found in LD_PRELOAD",
     ),
-    # the engine runs in the actor's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the seed is ours
-    "vllm.engine.arg_utils": ("The global random seed is set to",),
+    # the engine runs in the actor's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the seed is ours; on CPU
+    # tether prefills whole prompts (actors/engines.py: a seeded request prefilled in parts fails there), which
+    # vLLM warns of for every model outside a short list; tests/test_agents.py checks the log-probs against
+    # transformers with it
+    "vllm.engine.arg_utils": ("The global random seed is set to",
+                              "This model does not officially support disabling chunked prefill"),
     # rollout.enforce_eager (tether's default, for fast starts) and the CPU build without triton
     "vllm.config.vllm": ("Enforce eager set, disabling torch.compile",
                          "Inductor compilation was disabled by user settings",
