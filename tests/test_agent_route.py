@@ -1,6 +1,8 @@
 """rollout.agent: any agent program trained through the rollout engine's OpenAI-compatible endpoint, as a
 job on the real stack. The program (tests/agent_programs.py) walks randomwalks with the ``openai`` client in
-two calls; the second extends the first token for token, so an episode is one trajectory of two calls."""
+two calls; the second extends the first token for token, so an episode is one trajectory of two calls. An
+agent past its failure limit is tested on an engine actor (tests/test_agents.py): the driver reports the
+error it raises as it does an environment's."""
 
 from __future__ import annotations
 
@@ -27,14 +29,14 @@ def agent_args(root, tiny_model_dir, agent: str) -> list[str]:
 def agent_run(shared_runs, tiny_model_dir):
     return shared_runs.get("agent-two-calls", *agent_args(shared_runs.root, tiny_model_dir,
                                                           "tests.agent_programs:walk_in_two_calls"),
-                           "--run.iterations", "3", "--run.eval_every", "3")
+                           "--run.iterations", "2", "--run.eval_every", "2")
 
 
 def test_an_agent_program_trains_through_the_endpoint(agent_run):
     run_dir, proc = agent_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 3
+    assert len(records) == 2
     for r in records:
         # two calls merged into one trajectory per episode (the second prompt extends the first exactly),
         # or one call when the walk ended within the first
@@ -49,16 +51,6 @@ def test_an_agent_program_trains_through_the_endpoint(agent_run):
     assert any(r["turns_mean"] > 1.0 for r in records)  # some episodes did make two calls
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["eval_final"]) == {"return", "turns", "tool_calls"}
-
-
-def test_an_agent_that_always_fails_ends_the_job_naming_it(ray_head, cache_dir, tiny_model_dir, tmp_path):
-    proc = run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir,
-                    "--run.output_dir", str(tmp_path), "--run.name", "agent-fails",
-                    *agent_args(tmp_path, tiny_model_dir, "tests.agent_programs:never_answers"),
-                    "--rollout.agent_max_failures", "2", "--run.iterations", "1"])
-    assert proc.returncode == 1
-    assert "agent 'tests.agent_programs:never_answers' failed at row" in proc.stderr
-    assert "RuntimeError: no answer for" in proc.stderr and "rollout.agent_max_failures=2" in proc.stderr
 
 
 @pytest.mark.parametrize("agent, message", [

@@ -4,9 +4,10 @@ real ones (tests/agent_envs.py records, attempt by attempt, what each episode wa
 token of a batch is checked against it), and the faults are real (raises, a step that hangs past its deadline,
 malformed results, a worker process that exits).
 
-The actor-level tests share one engine (``engine``), a second one for the failure limit (``strict``: an
-engine counts its failed episodes over its life, as in a job), and two environment workers. The jobs run once per session (``shared_runs``); the
-policy of the actor tests is the jobs' SFT warm start (the same recipe and cache), trained once.
+The actor-level tests share one engine and two environment workers (an engine counts its failed episodes
+over its life, as in a job, so the failure-limit test sets its limit above the count it finds). The jobs run
+once per session (``shared_runs``); the policy of the actor tests is the jobs' SFT warm start (the same
+recipe and cache), trained once.
 """
 
 from __future__ import annotations
@@ -47,8 +48,7 @@ HANG_S = 30.0  # a hung step's sleep, far past the step deadline
 
 @dataclass
 class Agents:
-    engine: object  # RolloutActor: max_failures large, every test but the failure limit
-    strict: object  # RolloutActor: max_failures STRICT_MAX_FAILURES
+    engine: object  # RolloutActor
     workers: list
     root: Path  # the Scripted environments' attempt files
     policy: str
@@ -73,7 +73,7 @@ def policy(cache_dir) -> str:
 
 @pytest.fixture(scope="module")
 def agents(ray_client, policy, tmp_path_factory):
-    """Two environment workers as learner/fleet.py starts them (restartable), two vLLM engines."""
+    """Two environment workers as learner/fleet.py starts them (restartable), one vLLM engine."""
     from actors.environment import EnvironmentWorker
     from actors.rollout import RolloutActor
     from learner.cluster import start_actor
@@ -85,26 +85,25 @@ def agents(ray_client, policy, tmp_path_factory):
     workers = [start_actor(EnvironmentWorker, "environment", i, light, None, i, SCRIPTED, {"root": str(root)},
                            policy, STEP_TIMEOUT_S, max_restarts=2, tag="agents") for i in range(2)]
     max_model_len = MAX_PROMPT_TOKENS + MAX_TRAJECTORY_TOKENS + 1
-    engine, strict = (start_actor(RolloutActor, "rollout", i, light, None, i, "vllm", policy, i, max_model_len, 64,
-                                  "float32", i, tag="agents") for i in range(2))
-    actors = [*workers, engine, strict]
+    engine = start_actor(RolloutActor, "rollout", 0, light, None, 0, "vllm", policy, 0, max_model_len, 64, "float32",
+                         0, tag="agents")
+    actors = [*workers, engine]
     try:
         ray.get([a.ready.remote() for a in actors])
-        yield Agents(engine, strict, workers, root, policy, load_tokenizer(policy))
+        yield Agents(engine, workers, root, policy, load_tokenizer(policy))
     finally:
         for actor in actors:
             ray.kill(actor)
 
 
-def run_episodes(agents: Agents, rows: list[dict], strict: bool = False, first_row: int = 100):
+def run_episodes(agents: Agents, rows: list[dict], first_row: int = 100, max_failures: int = 1_000):
     """The rows' episodes in one chunk, row i as prompt row ``first_row + i``, from worker i % 2."""
     from actors.engines import SamplingSettings
 
-    engine = agents.strict if strict else agents.engine
     index = list(range(first_row, first_row + len(rows)))
-    return engine.run_episodes.remote(rows, index, [7 * i + 3 for i in index], SamplingSettings(1.0, 1.0, MAX_NEW_TOKENS),
-                                      agents.tokenizer.pad_token_id, None, agents.workers,
-                                      limits(STRICT_MAX_FAILURES if strict else 1_000), first_worker=0)
+    return agents.engine.run_episodes.remote(rows, index, [7 * i + 3 for i in index],
+                                             SamplingSettings(1.0, 1.0, MAX_NEW_TOKENS), agents.tokenizer.pad_token_id,
+                                             None, agents.workers, limits(max_failures), first_worker=0)
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -358,23 +357,42 @@ def test_a_worker_that_dies_is_restarted_and_its_episodes_regenerated(agents):
 
 def test_the_job_fails_past_max_failures_naming_the_environment_row_and_turn(agents):
     """task.environment_max_failures failed episodes are regenerated; the next failure on that engine fails
-    the chunk with an error naming the environment, the row and the turn."""
+    the chunk with an error naming the environment, the row and the turn. The engine has counted the failures
+    of the tests before this one: the limit is set STRICT_MAX_FAILURES above them."""
     from services.environments import EnvironmentFailure
 
+    limit = ray.get(agents.engine.stats.remote())["episode_failures"] + STRICT_MAX_FAILURES
     fault = {"at": "step", "turn": 1, "kind": "raise"}
     rows = [row(f"strict-{i}", turns=2, id=i, **({"fault": fault} if i < STRICT_MAX_FAILURES else {}))
             for i in range(4)]
-    batch = ray.get(run_episodes(agents, rows, strict=True, first_row=500))
+    batch = ray.get(run_episodes(agents, rows, first_row=500, max_failures=limit))
     check_batch(agents, batch, rows, failed=[1] * STRICT_MAX_FAILURES + [0] * (4 - STRICT_MAX_FAILURES))
 
     late = {"at": "step", "turn": 2, "kind": "raise"}
     rows = [row("strict-last-0", turns=3, id=0), row("strict-last-1", turns=3, id=1, fault=late)]
     with pytest.raises(EnvironmentFailure) as failure:
-        ray.get(run_episodes(agents, rows, strict=True, first_row=510))
+        ray.get(run_episodes(agents, rows, first_row=510, max_failures=limit))
     message = str(failure.value)
     assert f"environment {SCRIPTED!r} failed at row 511, turn 2" in message
     assert "RuntimeError: injected fault at turn 2" in message
-    assert f"task.environment_max_failures={STRICT_MAX_FAILURES}" in message
+    assert f"({limit + 1} failed episodes on this engine, more than task.environment_max_failures={limit})" in message
+
+
+def test_an_agent_past_its_failure_limit_fails_the_chunk_naming_it(agents):
+    """rollout.agent on the same engine: an agent program that raises on every row is retried up to
+    rollout.agent_max_failures times, then fails the chunk naming the agent, the row and the cause."""
+    from actors.agents import AgentFailure, AgentSettings
+    from actors.engines import SamplingSettings
+
+    agent = "tests.agent_programs:never_answers"
+    rows = [{"start": s} for s in "bcd"]
+    with pytest.raises(AgentFailure) as failure:
+        ray.get(agents.engine.run_agents.remote(rows, [0, 1, 2], [1, 2, 3], SamplingSettings(1.0, 1.0, 4),
+                                                agents.tokenizer.pad_token_id, None,
+                                                AgentSettings(agent, 30.0, 2, MAX_TRAJECTORY_TOKENS)))
+    message = str(failure.value)
+    assert f"agent {agent!r} failed at row" in message
+    assert "RuntimeError: no answer for" in message and "rollout.agent_max_failures=2" in message
 
 
 def test_a_turn_whose_contexts_pass_one_engine_step_still_generates(agents):
@@ -458,13 +476,13 @@ def test_interactive_randomwalks_job_learns_and_keeps_exact_books(randomwalks_ru
 def test_async_group_estimator_job_on_trajectories(shared_runs):
     """rollout.mode async with a group estimator (GRPO, 4 episodes a prompt) on the same environment: it
     completes, each batch at most one version behind, with the same books."""
-    run_dir, proc = shared_runs.get("agents-async-grpo", *ENVIRONMENT_JOB, "--run.iterations", "3",
+    run_dir, proc = shared_runs.get("agents-async-grpo", *ENVIRONMENT_JOB, "--run.iterations", "2",
                                     "--rollout.mode", "async", "--ppo.advantage", "grpo",
                                     "--rollout.samples_per_prompt", "4")
     records, summary = read_run(run_dir, proc)
-    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert [r["iteration"] for r in records] == [1, 2]
     check_trajectory_records(records)
-    assert [r["batch_staleness_max"] for r in records] == [0, 1, 1]
+    assert [r["batch_staleness_max"] for r in records] == [0, 1]
     for r in records:
         assert r["episodes"] == 32 and len(r["prompt_rows"]) == 8  # 8 prompts, 4 episodes each
         assert r["probe_max_abs_error"] < 1e-4
