@@ -46,8 +46,8 @@ class Engine(Protocol):
         """Log-prob of each token after the prompt (temperature 1): the probe."""
         ...
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """New policy weights (HF names) in place."""
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> list[str]:
+        """New policy weights (HF names) in place; returns the model's parameters that were not loaded."""
         ...
 
     # vLLM's weight transfer (learner.weight_sync nccl | ipc), in this order: init once, then per sync
@@ -58,7 +58,22 @@ class Engine(Protocol):
 
     def receive_weight_transfer(self, update_info: dict) -> None: ...
 
-    def finish_weight_transfer(self) -> None: ...
+    def finish_weight_transfer(self) -> list[str]:
+        """The model's parameters that this sync did not load."""
+        ...
+
+
+class WeightLoadError(RuntimeError):
+    """A sync after which some of the engine's parameters still hold the previous version's weights."""
+
+
+def check_loaded(missing: list[str], engine: str, what: str) -> None:
+    """Fail the sync when any of the engine's parameters was not loaded by it, naming them."""
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise WeightLoadError(f"{engine}: {what} did not load {len(missing)} of the engine's parameters ({shown}); "
+                              "they would keep the previous version's weights. Every parameter of the policy "
+                              "must be sent at every sync")
 
 
 def check_device(device: str, role: str) -> str:
@@ -71,8 +86,27 @@ def check_device(device: str, role: str) -> str:
     return device
 
 
+def vllm_device_args(device: str, max_model_len: int, kv_cache_mib: int, engine_args: dict | None = None) -> dict:
+    """The ``LLM(...)`` arguments of an engine on ``device``, from the config's ``engine_args``
+    (``RolloutConfig.vllm_engine_args``, ``JobConfig.reference_vllm_engine_args``)."""
+    args = {"enforce_eager": True, **(engine_args or {})}
+    if device == "cpu":  # the KV cache is sized in bytes here; vLLM's CPU build has no GPU share
+        args.pop("gpu_memory_utilization", None)
+        args["kv_cache_memory_bytes"] = kv_cache_mib << 20
+        # a prompt prefilled in parts fails a seeded request on CPU ("CPU Generator does not use offset"):
+        # a multi-turn chunk's trajectories pass the 4096 tokens of one step; whole prompts per step instead
+        args.setdefault("enable_chunked_prefill", False)
+        args.setdefault("max_num_batched_tokens", max(4096, max_model_len))
+    elif "gpu_memory_utilization" not in args:
+        # vLLM's default takes 0.92 of the GPU: more than a shared GPU has free, so the engine fails to start
+        raise ValueError(f"a vLLM engine on {device} needs gpu_memory_utilization from the config (its share "
+                         "of the GPU); vLLM's default of 0.92 does not fit a GPU shared with other actors")
+    return args
+
+
 class VLLMEngine:
-    """vLLM in the actor's own process (single-process mode: 2-5 s starts, tensors pass directly)."""
+    """vLLM in the actor's own process (single-process mode: 2-5 s starts, tensors pass directly); with
+    tensor parallelism (executor 'mp') its workers run in a process per GPU of the actor."""
 
     def __init__(self, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int, dtype: str = "float32",
                  cpu_core: int | None = None, device: str = "cpu", engine_args: dict | None = None,
@@ -90,14 +124,7 @@ class VLLMEngine:
         # modules just imported are not scanned by them (about 1 CPU s of a 7.5 s build here)
         gc.freeze()
         # the checkpoint-loading bar only at metrics.log_level debug or info
-        args = {"enforce_eager": True, "use_tqdm_on_load": verbose(), **(engine_args or {})}
-        if device == "cpu":  # the KV cache is sized in bytes here; vLLM's CPU build has no GPU share
-            args.pop("gpu_memory_utilization", None)
-            args["kv_cache_memory_bytes"] = kv_cache_mib << 20
-            # a prompt prefilled in parts fails a seeded request on CPU ("CPU Generator does not use offset"):
-            # a multi-turn chunk's trajectories pass the 4096 tokens of one step; whole prompts per step instead
-            args.setdefault("enable_chunked_prefill", False)
-            args.setdefault("max_num_batched_tokens", max(4096, max_model_len))
+        args = {"use_tqdm_on_load": verbose(), **vllm_device_args(device, max_model_len, kv_cache_mib, engine_args)}
         if weight_transfer is not None:  # vLLM's trainer-to-engine transfer: "nccl" or "ipc" (GPU)
             from vllm.config import WeightTransferConfig
 
@@ -160,24 +187,28 @@ class VLLMEngine:
             scored.append([out.prompt_logprobs[i][seq[i]].logprob for i in range(plen, len(seq))])
         return scored
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.llm.collective_rpc("load_policy_weights", args=(weights,))
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> list[str]:
+        missing = self.llm.collective_rpc("load_policy_weights", args=(weights,))
         # cached keys were computed by the old weights
         self.llm.reset_prefix_cache()
+        return sorted(set().union(*missing))  # every worker's (tensor parallel: each holds its shard)
 
     def init_weight_transfer(self, init_info: dict) -> None:
         """This engine's side of vLLM's weight transfer (NCCL: join the learner's group; collective)."""
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_transfer(self) -> None:
+        self.llm.collective_rpc("begin_load_record")
         self.llm.start_weight_update()
 
     def receive_weight_transfer(self, update_info: dict) -> None:
         self.llm.update_weights({"update_info": update_info})
 
-    def finish_weight_transfer(self) -> None:
+    def finish_weight_transfer(self) -> list[str]:
         self.llm.finish_weight_update()
+        missing = self.llm.collective_rpc("end_load_record")
         self.llm.reset_prefix_cache()  # cached keys were computed by the old weights
+        return sorted(set().union(*missing))
 
 
 class HFEngine:
@@ -230,8 +261,11 @@ class HFEngine:
             scored.append(logprobs[torch.arange(plen - 1, len(seq) - 1), ids[0, plen:]].tolist())
         return scored
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(weights, strict=True)
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> list[str]:
+        loaded = self.model.load_state_dict(weights, strict=False)
+        if loaded.unexpected_keys:
+            raise ValueError(f"weights for parameters this model does not have: {loaded.unexpected_keys[:5]}")
+        return sorted(loaded.missing_keys)
 
     # vLLM's weight transfer has no transformers side (the config refuses it for rollout.engine='hf')
     def init_weight_transfer(self, init_info: dict) -> None:
@@ -243,7 +277,7 @@ class HFEngine:
     def receive_weight_transfer(self, update_info: dict) -> None:
         _no_weight_transfer()
 
-    def finish_weight_transfer(self) -> None:
+    def finish_weight_transfer(self) -> list[str]:
         _no_weight_transfer()
 
 

@@ -20,7 +20,8 @@ class ReferenceActor(VersionedActor):
     @starting_up()
     def __init__(self, index: int, model: ModelSource | str, backend: str = "hf", dtype: str = "float32",
                  max_model_len: int = 64, kv_cache_mib: int = 128, temperature: float = 1.0,
-                 device: str = "cpu", torch_threads: int | None = None) -> None:
+                 device: str = "cpu", torch_threads: int | None = None, engine_args: dict | None = None) -> None:
+        """``engine_args``: backend vllm's ``LLM(...)`` arguments (``JobConfig.reference_vllm_engine_args``)."""
         from actors.engines import check_device
 
         super().__init__(index)
@@ -44,7 +45,7 @@ class ReferenceActor(VersionedActor):
             if temperature != 1.0:
                 raise ValueError("reference.backend='vllm' scores at temperature 1; use backend 'hf'")
             self.engine = VLLMEngine(model_dir, 0, max_model_len, kv_cache_mib, dtype, cpu_core=None,
-                                     device=self.device)
+                                     device=self.device, engine_args=engine_args)
         else:
             raise ValueError(f"unknown reference backend {backend!r}; expected 'hf' or 'vllm'")
 

@@ -6,7 +6,7 @@ import time
 from typing import TYPE_CHECKING
 
 from actors.base import VersionedActor, starting_up
-from actors.engines import SamplingSettings, check_device, make_engine
+from actors.engines import SamplingSettings, check_device, check_loaded, make_engine
 from services.devices import gpu_location
 from services.model_source import ModelSource, as_source
 
@@ -113,7 +113,9 @@ class RolloutActor(VersionedActor):
     def update_weights(self, weights: HostWeights, policy_version: int, kl_coef: float) -> float:
         """Load new weights in place and take their version; returns the seconds it took."""
         start = time.perf_counter()
-        self.engine.load_weights(weights.tensors())  # over the object store's bytes: loaded, then let go
+        # over the object store's bytes: loaded, then let go
+        check_loaded(self.engine.load_weights(weights.tensors()), f"{self.role}-{self.index}",
+                     f"the sync of version {policy_version}")
         self.set_state(policy_version, kl_coef)
         return time.perf_counter() - start
 
@@ -134,7 +136,7 @@ class RolloutActor(VersionedActor):
         self.engine.receive_weight_transfer(update_info)
 
     def finish_weight_transfer(self) -> None:
-        self.engine.finish_weight_transfer()
+        check_loaded(self.engine.finish_weight_transfer(), f"{self.role}-{self.index}", "the weight transfer")
 
     def probe(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
         """The engine's log-probs of given sequences, to compare with the learner's after a sync."""

@@ -16,9 +16,9 @@ iterations: the weight sync's seconds, and the probe's (with the
 check that every actor holds the new version) as a share of the iteration.
 
 Alone: a fresh process with one OpenMP thread (what Ray gives an actor with less than one CPU) builds the
-engine on the job's policy directory with ``actors.engines.VLLMEngine`` (same dtype, seed, ``max_model_len``,
-KV cache, processed log-probs, eager), and calls its ``vllm.LLM.generate`` directly, as many times as
-the job did, on ``rollout.chunk_size`` training prompts each with tether's ``SamplingParams`` (a seed per request,
+engine on the job's policy directory with ``actors.engines.VLLMEngine`` (same device, dtype, seed,
+``max_model_len``, engine arguments and KV cache or GPU share, processed log-probs), and calls its
+``vllm.LLM.generate`` directly, as many times as the job did, on ``rollout.chunk_size`` training prompts each with tether's ``SamplingParams`` (a seed per request,
 ``logprobs=0``), the prefix cache reset before each call as the service must after a sync. Tokens/s is
 the generated tokens over the summed call times, after one untimed warm-up call.
 
@@ -63,6 +63,15 @@ def in_service(extra: list[str], iterations: int, out: Path) -> tuple[list[float
     return rates, sync, out / "engine"
 
 
+def alone_engine_kwargs(cfg, model_dir: str, max_new_tokens: int) -> dict:
+    """``VLLMEngine``'s arguments for the engine alone: those the job gave its rollout engine 0
+    (``learner.fleet.Fleet``), device and engine arguments included, so that on CUDA both sides take the
+    config's GPU share, not the CPU build's KV cache."""
+    return {"model_dir": model_dir, "seed": cfg.run.seed, "dtype": cfg.learner.dtype, "cpu_core": 0,
+            "max_model_len": cfg.task.max_prompt_tokens + max_new_tokens + 1, "kv_cache_mib": cfg.rollout.kv_cache_mib,
+            "device": cfg.device("rollout"), "engine_args": cfg.rollout.vllm_engine_args()}
+
+
 def alone(run_dir: Path, calls: int) -> dict:
     """Plain vLLM on the job's policy, prompts and settings (runs in its own process: one thread)."""
     import torch
@@ -83,8 +92,7 @@ def alone(run_dir: Path, calls: int) -> dict:
                              cfg.task.max_prompt_tokens, cfg.task.long_prompts, log=lambda _: None)
     max_new = cfg.rollout.max_new_tokens or task.max_new_tokens
     # built as the rollout actor builds it; only the generate call below is plain vLLM
-    llm = VLLMEngine(str(model), cfg.run.seed, cfg.task.max_prompt_tokens + max_new + 1, cfg.rollout.kv_cache_mib,
-                     cfg.learner.dtype).llm
+    llm = VLLMEngine(**alone_engine_kwargs(cfg, str(model), max_new)).llm
     n = cfg.rollout.chunk_size
     seconds, tokens = 0.0, 0
     for call in range(calls + 1):  # call 0: warm-up, untimed

@@ -11,6 +11,8 @@
 #   5. benchmarks/gpu_report.py                 (job rollout tokens/s vs vLLM alone, learner tokens/s, MFU
 #      against the peak of the learner's dtype, weight sync seconds and the probe's error)
 # and a summary. Every step has its own timeout (also bounded by a total budget) and its own log in OUTDIR.
+# A step is "ok" only if it exited 0 and, for pytest, a test ran and passed: a pytest step in which every
+# test skipped (or none was selected) is "skipped", with the reasons pytest gave.
 #
 #   bash benchmarks/gpu.sh OUTDIR
 #
@@ -18,9 +20,12 @@
 # (default ~/.cache/tether), TETHER_PEAK_FLOPS (dense peak FLOP/s of one GPU in the learner's dtype; default:
 # gpu_report's table for H100/H200/A100/L40S), TETHER_GPU_BUDGET_S (default 570: total seconds for all
 # steps), TETHER_GPU_SKIP_CHECK=1 (run the steps even when something is missing: only to exercise this
-# script's plumbing on a machine without a GPU). Without a GPU or a CUDA build of vLLM/torch it writes
-# OUTDIR/missing.txt, prints what is missing and exits 3: nothing ran. Otherwise it exits 1 if any step
-# failed, else 0.
+# script's plumbing on a machine without a GPU), TETHER_GPU_STEPS (the steps to run, by name, separated by
+# spaces or commas: pytest-gpu smollm2-convert job rollout report; default all). Without a GPU or a CUDA
+# build of vLLM/torch it writes OUTDIR/missing.txt, prints what is missing and exits 3: nothing ran.
+# Otherwise it exits 1 if any step failed or timed out, 3 if no step ran anything, 4 if some step ran
+# nothing (skipped: every test skipped, or the budget was spent) and none failed, and 0 only when every
+# step ran and passed.
 set -u -o pipefail
 
 if [ $# -ne 1 ]; then
@@ -85,7 +90,7 @@ try:
     print(f"vllm {vllm.__version__}, platform {type(current_platform).__name__}")
     if not current_platform.is_cuda():
         missing(f"vllm with CUDA: vllm {vllm.__version__} is a {type(current_platform).__name__} build "
-                "(pip install 'vllm>=0.33,<0.34', the project's [gpu] extra)")
+                "(pip install 'vllm==0.32.0', the project's [gpu] extra)")
 except Exception as err:
     missing(f"vllm: cannot import ({err})")
 try:
@@ -137,10 +142,33 @@ sed 's/^/  /' "$OUT/env.txt"
 # -------------------------------------------------------------------------------------------------- steps
 names=(); statuses=(); durations=()
 
-# step NAME CAP_SECONDS COMMAND...: runs COMMAND with a timeout of min(CAP, what the budget has left)
+# pytest_status JUNIT_XML EXIT_CODE: the status of a pytest step (gpu_report.py reads its report: pytest
+# exits 0 also when every test skipped); the lines after the first (a test that did not pass, and why) go
+# to $OUT/$name.status
+pytest_status() {
+    local verdict
+    if ! verdict=$("$PY" benchmarks/gpu_report.py --pytest-junit "$1" --pytest-exit "$2" 2>&1); then
+        echo "FAILED (pytest exit $2; its report $1 could not be read: $(tail -n 1 <<<"$verdict"))"
+        return
+    fi
+    head -n 1 <<<"$verdict"
+    tail -n +2 <<<"$verdict" >"$OUT/$name.status"
+}
+
+# selected NAME: whether TETHER_GPU_STEPS (default: every step) names the step
+selected() {
+    [ -z "${TETHER_GPU_STEPS:-}" ] || [[ " ${TETHER_GPU_STEPS//,/ } " == *" $1 "* ]]
+}
+
+# [STEP_JUNIT=REPORT.xml] step NAME CAP_SECONDS COMMAND...: runs COMMAND with a timeout of min(CAP, what the
+# budget has left); with STEP_JUNIT (a pytest step writing that JUnit report) its status comes from the report
 step() {
     local name="$1" cap="$2"
     shift 2
+    if ! selected "$name"; then
+        echo "[gpu.sh] $name: not selected (TETHER_GPU_STEPS=$TETHER_GPU_STEPS)"
+        return
+    fi
     local left=$((BUDGET_S - (SECONDS - START) - 10))
     local limit=$((cap < left ? cap : left))
     names+=("$name")
@@ -151,18 +179,22 @@ step() {
     fi
     echo "[gpu.sh] $name (timeout ${limit}s, log $OUT/$name.log)"
     local t0=$SECONDS
+    rm -f "$OUT/$name.status" ${STEP_JUNIT:+"$STEP_JUNIT"}
     timeout -k 15 "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     durations+=($((SECONDS - t0)))
-    if [ $rc -eq 0 ]; then statuses+=("ok")
-    elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then statuses+=("TIMEOUT after ${limit}s")
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then statuses+=("TIMEOUT after ${limit}s")
+    elif [ -n "${STEP_JUNIT:-}" ]; then statuses+=("$(pytest_status "$STEP_JUNIT" $rc)")
+    elif [ $rc -eq 0 ]; then statuses+=("ok")
     else statuses+=("FAILED (exit $rc)")
     fi
     echo "[gpu.sh] $name: ${statuses[-1]} in $((SECONDS - t0))s"
+    [ -s "$OUT/$name.status" ] && sed 's/^/    /' "$OUT/$name.status"
     [ $rc -eq 0 ] || tail -n 15 "$OUT/$name.log" | sed 's/^/    /'
 }
 
-step pytest-gpu 120 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider
+STEP_JUNIT="$OUT/pytest-gpu.xml" step pytest-gpu 120 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider \
+    --junitxml="$OUT/pytest-gpu.xml"
 
 step smollm2-convert 150 "$PY" -c "
 from services.smollm2 import smollm2_dir
@@ -184,13 +216,16 @@ step job 270 "$PY" -m learner.main --config "$PRESET" --run.iterations 3 --learn
     --run.output_dir "$OUT/runs" --model.cache_dir "$CACHE" --run.overwrite
 
 # vLLM alone with the job's settings: its dtype, one generate call per chunk, its max_new_tokens
-"$PY" -c "
+CHUNK=; MAX_NEW=
+if selected rollout; then
+    "$PY" -c "
 from learner.config import load_config
 from services.tasks import get_task
 cfg = load_config('$PRESET')
 print(cfg.rollout.chunk_size, cfg.rollout.max_new_tokens or get_task(cfg.task.name).max_new_tokens)" \
-    >"$OUT/job-settings.txt" 2>"$OUT/job-settings.log" || echo "[gpu.sh] cannot read $PRESET (see $OUT/job-settings.log)"
-read -r CHUNK MAX_NEW <"$OUT/job-settings.txt"  # empty on failure: the rollout step then fails and says so
+        >"$OUT/job-settings.txt" 2>"$OUT/job-settings.log" || echo "[gpu.sh] cannot read $PRESET (see $OUT/job-settings.log)"
+    read -r CHUNK MAX_NEW <"$OUT/job-settings.txt"  # empty on failure: the rollout step then fails and says so
+fi
 step rollout 180 "$PY" benchmarks/rollout.py --device cuda --model smollm2 --cache-dir "$CACHE" --engines vllm \
     --dtype bfloat16 --batches "$CHUNK" --max-new-tokens "$MAX_NEW" --repeats 3 --out "$OUT/rollout"
 
@@ -198,17 +233,24 @@ step report 60 "$PY" benchmarks/gpu_report.py --run-dir "$OUT/runs/smollm2-senti
     --rollout-json "$OUT/rollout/rollout-cuda.json" --out "$OUT"
 
 # ------------------------------------------------------------------------------------------------ summary
-failed=0
-for status in "${statuses[@]}"; do [ "$status" = ok ] || failed=1; done
-ran=0
-for status in "${statuses[@]}"; do [ "${status#skipped}" = "$status" ] && ran=1; done
+failed=0; ran=0; ran_nothing=0
+for status in "${statuses[@]}"; do
+    case "$status" in
+        ok*) ran=1 ;;
+        skipped*) ran_nothing=1 ;;
+        *) failed=1; ran=1 ;;
+    esac
+done
 {
     echo "tether GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), $((SECONDS - START))s in all"
     echo
-    printf '%-18s %-26s %6s  %s\n' step status seconds log
+    printf '%-18s %-36s %6s  %s\n' step status seconds log
     for i in "${!names[@]}"; do
-        printf '%-18s %-26s %6s  %s\n' "${names[$i]}" "${statuses[$i]}" "${durations[$i]}" "$OUT/${names[$i]}.log"
+        printf '%-18s %-36s %6s  %s\n' "${names[$i]}" "${statuses[$i]}" "${durations[$i]}" "$OUT/${names[$i]}.log"
     done
+    if [ -s "$OUT/pytest-gpu.status" ]; then
+        echo; echo "pytest -m gpu, the tests that did not pass:"; sed 's/^/  /' "$OUT/pytest-gpu.status"
+    fi
     if [ -f "$OUT/pytest-gpu.log" ]; then
         echo; echo "pytest -m gpu:"; grep -E '^(SKIPPED|FAILED|ERROR|PASSED)|passed|failed|skipped|deselected' \
             "$OUT/pytest-gpu.log" | tail -n 10 | sed 's/^/  /'
@@ -220,8 +262,14 @@ for status in "${statuses[@]}"; do [ "${status#skipped}" = "$status" ] && ran=1;
         if [ -f "$md" ]; then echo; echo "$md:"; sed 's/^/  /' "$md"; fi
     done
 } | tee "$OUT/summary.txt"
-if [ $ran -eq 0 ]; then
-    echo "[gpu.sh] no step ran (budget ${BUDGET_S}s)"
+if [ $failed -eq 1 ]; then
+    echo "[gpu.sh] a step failed"
+    exit 1
+elif [ $ran -eq 0 ]; then
+    echo "[gpu.sh] nothing ran: every step skipped or none was selected"
     exit 3
+elif [ $ran_nothing -eq 1 ]; then
+    echo "[gpu.sh] no step failed, but a step ran nothing (skipped): not a pass"
+    exit 4
 fi
-exit $failed
+exit 0

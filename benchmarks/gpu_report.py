@@ -19,6 +19,11 @@ From the run's config.yaml and metrics.jsonl:
 - the weight transfer (``learner.weight_sync``) with its median seconds, and the probe's largest error.
 
 Writes ``<out>/gpu_report.json`` and ``gpu_report.md`` (out defaults to the run directory).
+
+    .venv/bin/python benchmarks/gpu_report.py --pytest-junit REPORT.xml --pytest-exit CODE
+
+prints gpu.sh's status of its ``pytest -m gpu`` step (``pytest_step_status``) on the first line, then one line
+per skipped or failed test with its reason.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import count_params, stamp, write_results
@@ -50,14 +56,55 @@ def peak_flops(gpu_name: str | None, dtype: str) -> tuple[float, str]:
     return float("nan"), f"unknown for GPU {gpu_name!r} in {dtype}: pass --peak-flops or TETHER_PEAK_FLOPS"
 
 
+def pytest_step_status(junit_xml: Path, exit_code: int) -> tuple[str, list[str]]:
+    """(status, one line per test that did not pass) of a pytest run from its JUnit XML report and exit code.
+
+    The status is ``ok (...)`` only when a test ran and passed and none failed; ``skipped (...)`` when nothing
+    ran (every selected test skipped, or none was selected: pytest exits 0 or 5 then); else ``FAILED (...)``.
+    A skip's line carries the reason pytest gave."""
+    if exit_code not in (0, 1, 5):  # 2 interrupted, 3 internal error, 4 usage error: the report says little
+        return f"FAILED (pytest exit {exit_code}: interrupted, internal or usage error; see its log)", []
+    try:
+        root = ElementTree.parse(junit_xml).getroot()
+    except (OSError, ElementTree.ParseError) as err:
+        return f"FAILED (pytest exit {exit_code}, no readable report {junit_xml}: {err})", []
+    counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    lines = []
+    for case in root.iter("testcase"):
+        name = "::".join(part for part in (case.get("classname", ""), case.get("name", "")) if part)
+        outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+        tag = outcome.tag if outcome is not None else None
+        kind = {None: "passed", "failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+        counts[kind] += 1
+        if outcome is not None:
+            reason = (outcome.get("message") or (outcome.text or "").strip() or "no reason given").splitlines()[0]
+            lines.append(f"{kind.upper()} {name}: {reason}")
+    tally = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
+    if counts["failed"] or counts["error"] or exit_code == 1:
+        return f"FAILED (pytest exit {exit_code}: {tally or 'no test in the report'})", lines
+    if not counts["passed"]:
+        return f"skipped (nothing ran: {tally or 'no test selected'})", lines
+    return f"ok ({tally})", lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--run-dir", default=None, help="the run to report on (required unless --pytest-junit)")
+    parser.add_argument("--pytest-junit", default=None, help="instead: the status of gpu.sh's pytest step")
+    parser.add_argument("--pytest-exit", type=int, default=None, help="with --pytest-junit: pytest's exit code")
     parser.add_argument("--rollout-json", default=None)
     parser.add_argument("--peak-flops", type=float, default=None, help="one GPU, in the learner's dtype")
     parser.add_argument("--gpu-name", default=None, help="default: torch.cuda.get_device_name(0)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.pytest_junit is not None:
+        if args.pytest_exit is None:
+            parser.error("--pytest-junit needs --pytest-exit (pytest's exit code)")
+        status, lines = pytest_step_status(Path(args.pytest_junit), args.pytest_exit)
+        print("\n".join([status, *lines]))
+        return
+    if args.run_dir is None:
+        parser.error("--run-dir is required (or --pytest-junit with --pytest-exit)")
     run_dir = Path(args.run_dir)
 
     import yaml

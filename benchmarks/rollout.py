@@ -95,6 +95,17 @@ def _time_calls(fn, batches: list[int], repeats: int, device: str) -> dict:
     return out
 
 
+def vllm_engine_kwargs(spec: dict) -> dict:
+    """``VLLMEngine``'s arguments, as the service builds a rollout engine: on ``--device``, with the default
+    rollout settings' engine arguments (``RolloutConfig.vllm_engine_args``), so on CUDA the engine takes
+    ``rollout.gpu_memory_utilization`` of the GPU, not the CPU build's ``--kv-cache-mib``."""
+    from learner.config import RolloutConfig
+
+    return {"model_dir": spec["model_dir"], "seed": spec["seed"], "max_model_len": spec["max_model_len"],
+            "kv_cache_mib": spec["kv_cache_mib"], "dtype": spec["dtype"], "device": spec["device"],
+            "engine_args": RolloutConfig().vllm_engine_args()}
+
+
 def worker_vllm(spec: dict) -> dict:
     _pin(spec)
     from vllm import SamplingParams, TokensPrompt
@@ -102,7 +113,7 @@ def worker_vllm(spec: dict) -> dict:
     from actors.engines import VLLMEngine
 
     start = time.perf_counter()
-    engine = VLLMEngine(spec["model_dir"], spec["seed"], spec["max_model_len"], spec["kv_cache_mib"], spec["dtype"])
+    engine = VLLMEngine(**vllm_engine_kwargs(spec))
     startup = time.perf_counter() - start
     prompts, n_new = spec["prompts"], spec["max_new_tokens"]
 
@@ -141,7 +152,7 @@ def worker_hf(spec: dict) -> dict:
     from services.experience import make_batch, pad_left, response_forward
 
     start = time.perf_counter()
-    engine = HFEngine(spec["model_dir"], spec["seed"], spec["dtype"])
+    engine = HFEngine(spec["model_dir"], spec["seed"], spec["dtype"], device=spec["device"])
     startup = time.perf_counter() - start
     prompts, n_new = spec["prompts"], spec["max_new_tokens"]
 
@@ -233,7 +244,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default 32")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per batch size (default 3)")
     parser.add_argument("--dtype", default="float32", help="both engines (the service's rollouts run float32)")
-    parser.add_argument("--kv-cache-mib", type=int, default=512)
+    parser.add_argument("--kv-cache-mib", type=int, default=512, help="vLLM's KV cache on CPU (on CUDA: "
+                        "rollout.gpu_memory_utilization's default share of the GPU)")
     parser.add_argument("--cores", type=int, nargs="+", default=None, help="CPU cores for both engines (default: the first core this process may use)")
     parser.add_argument("--engines", nargs="+", choices=("vllm", "hf"), default=["vllm", "hf"])
     parser.add_argument("--seed", type=int, default=0)

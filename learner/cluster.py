@@ -175,16 +175,20 @@ class Placement:
         remove_placement_group(self.group)
 
 
+def role_bundle(res: RoleResources) -> dict[str, float]:
+    """One actor's bundle: all its CPUs and GPUs together. A tensor-parallel engine's actor holds its
+    tensor_parallel_size GPUs in it and runs vLLM's workers itself (executor 'mp'), one process per GPU."""
+    bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {}), **res.resources}
+    return {k: v for k, v in bundle.items() if v} or {"CPU": 0.01}
+
+
 def reserve(cfg: JobConfig) -> Placement:
     """Reserve a bundle for every actor of every role, or fail naming the wait."""
     check_role_resources(cfg)
     bundles, index = [], {}
     for role, count in role_counts(cfg).items():
-        res = getattr(cfg.cluster, role)
-        bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {}), **res.resources}
-        bundle = {k: v for k, v in bundle.items() if v}
         index[role] = list(range(len(bundles), len(bundles) + count))
-        bundles += [bundle or {"CPU": 0.01}] * count
+        bundles += [role_bundle(getattr(cfg.cluster, role))] * count
     group = placement_group(bundles, strategy="PACK", name=f"tether-{cfg.run.name}")
     try:
         ray.get(group.ready(), timeout=cfg.cluster.placement_timeout_s)
@@ -214,8 +218,13 @@ def roles(cfg: JobConfig) -> list[tuple[str, int]]:
     return [(role, i) for role, n in role_counts(cfg).items() for i in range(n)]
 
 
+# a connection that takes longer than this is blocked (dropped by a firewall); one refused fails at once
+PREFLIGHT_CONNECT_TIMEOUT_S = 10.0
+
+
 class RendezvousStandIn:
-    """Listens where learner rank 0 will serve the ranks' rendezvous, so pre-flight can try to reach it."""
+    """Listens on learner rank 0's node, where rank 0 will serve the ranks' rendezvous and (learner.weight_sync
+    nccl) vLLM's weight-transfer store, each on a free port it picks then; pre-flight tries to reach this one."""
 
     def __init__(self) -> None:
         import threading
@@ -234,20 +243,24 @@ class RendezvousStandIn:
         return ray.util.get_node_ip_address(), self.sock.getsockname()[1]
 
 
-def _check_node(models: list, storage, probe: str, rendezvous: tuple[str, int] | None = None) -> dict:
+def _check_node(models: list, storage, probe: str, rendezvous: tuple[str, int] | None = None,
+                weight_transfer: tuple[str, int] | None = None) -> dict:
     """Runs on the node of one role's bundle: do the models resolve here, is the run storage the
-    driver's (the probe file the driver wrote is visible) and writable from here, and (a learner rank)
-    can it reach rank 0's node?"""
+    driver's (the probe file the driver wrote is visible) and writable from here, and can it reach rank 0's
+    node: for the ranks' rendezvous (a learner rank) and for vLLM's weight transfer (a rollout engine)?"""
     from learner.storage import StorageError
     from services.model_source import ModelNotFoundError, node_name
 
     found = {"node": node_name(), "ship": False, "problems": []}
-    if rendezvous is not None:
+    transfer = "vLLM's weight transfer (learner.weight_sync='nccl'), whose store waits 300 s for an engine"
+    for address, purpose in ((rendezvous, "the ranks' rendezvous"), (weight_transfer, transfer)):
+        if address is None:
+            continue
         try:
-            socket.create_connection(rendezvous, timeout=10).close()
+            socket.create_connection(address, timeout=PREFLIGHT_CONNECT_TIMEOUT_S).close()
         except OSError as err:
-            found["problems"].append(f"cannot reach learner rank 0's node at {rendezvous[0]}:{rendezvous[1]} for "
-                                     f"the ranks' rendezvous: {err}")
+            found["problems"].append(f"cannot reach learner rank 0's node at {address[0]} port {address[1]} (opened "
+                                     f"by pre-flight) for {purpose}: {err}")
     for model in models:
         try:
             found["ship"] |= model.check() == "ship"
@@ -262,32 +275,43 @@ def _check_node(models: list, storage, probe: str, rendezvous: tuple[str, int] |
     return found
 
 
+def rank0_reach(cfg: JobConfig, actors_on: dict[str, list[tuple[str, int]]],
+                rank0_node: str) -> dict[str, set[str]]:
+    """What each node (``actors_on``: node -> its (role, index)) must reach on learner rank 0's node:
+    'rendezvous' where learner ranks run away from it (ranks on its node meet it on loopback), and
+    'weight_transfer' where rollout engines run with learner.weight_sync nccl: every engine worker joins vLLM's
+    store at rank 0's node address, from rank 0's node too (ipc stays within a GPU; the object store is Ray's)."""
+    transfer = cfg.learner.weight_sync == "nccl"
+    return {node: {purpose for purpose, needed in (
+                ("rendezvous", node != rank0_node and any(role == "learner" for role, _ in actors)),
+                ("weight_transfer", transfer and any(role == "rollout" for role, _ in actors))) if needed}
+            for node, actors in actors_on.items()}
+
+
 def preflight(cfg: JobConfig, placement: Placement, models: list, storage, log=print) -> None:
     """Before any model loads, check every node that holds a role: the models resolve there, the run
-    storage (a ``RunStorage``) is shared and writable from there, and a node with learner ranks reaches
-    rank 0's node. One check per node, not per actor: what is checked belongs to the node (its files, its
-    mounts, its network), and each check costs a fresh worker process. Driver-made model files go to the
+    storage (a ``RunStorage``) is shared and writable from there, and a node reaches learner rank 0's node
+    where it must (``rank0_reach``). One check per node, not per actor: what is checked belongs to the node
+    (its files, its mounts, its network), and each check costs a fresh worker process. Driver-made model files go to the
     object store only when some node lacks them. Raises ClusterError naming each actor, node and what is
     missing."""
     node_of = placement.bundle_nodes()
     actors_on: dict[str, list[tuple[str, int]]] = {}
     for role, i in roles(cfg):
         actors_on.setdefault(node_of[placement.bundles[role][i]], []).append((role, i))
-    rank0_node = node_of[placement.bundles["learner"][0]]
-    # ranks on rank 0's node meet it on loopback; a node with other ranks must reach rank 0's node
-    away = {node for node, actors in actors_on.items()
-            if node != rank0_node and any(role == "learner" for role, _ in actors)}
+    reach = rank0_reach(cfg, actors_on, node_of[placement.bundles["learner"][0]])
     probe = storage.write_probe()
     check = ray.remote(num_cpus=0, max_retries=0)(_check_node)
     stand_in = None
-    if away:
+    if any(reach.values()):
         stand_in = ray.remote(RendezvousStandIn).options(
             num_cpus=0, scheduling_strategy=placement.strategy("learner", 0)).remote()
     names = {node: ", ".join(f"{role}-{i}" for role, i in actors) for node, actors in actors_on.items()}
     try:
         rendezvous = ray.get(stand_in.address.remote(), timeout=cfg.cluster.placement_timeout_s) if stand_in else None
         calls = {node: check.options(scheduling_strategy=placement.strategy(*actors[0])).remote(
-                     models, storage, probe, rendezvous if node in away else None)
+                     models, storage, probe, rendezvous if "rendezvous" in reach[node] else None,
+                     rendezvous if "weight_transfer" in reach[node] else None)
                  for node, actors in actors_on.items()}
         try:
             found = dict(zip(calls, ray.get(list(calls.values()), timeout=cfg.cluster.placement_timeout_s),

@@ -141,7 +141,9 @@ class RolloutConfig(Section):
     enforce_eager: bool = Field(True, description="vLLM without CUDA graphs / compilation: fast starts")
     tensor_parallel_size: PositiveInt = Field(1, description="GPUs per vLLM engine (tensor parallel)")
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
-        None, description="vLLM executor for tensor_parallel_size > 1; none = vLLM's choice")
+        None, description="vLLM executor: none = 'uni' (the engine in the actor's process) for "
+        "tensor_parallel_size 1, 'mp' (a worker process per GPU of the actor's one bundle) for more; 'ray' is "
+        "refused")
     eval_samples_per_prompt: PositiveInt = Field(8, description="samples per eval prompt")
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync: generate a batch, then train on it; async: the engines generate the next "
@@ -162,12 +164,30 @@ class RolloutConfig(Section):
                                     "job fails naming the last one")
 
     def vllm_engine_args(self) -> dict[str, Any]:
-        """The vLLM ``LLM(...)`` arguments these settings map to."""
-        args = {"enforce_eager": self.enforce_eager, "tensor_parallel_size": self.tensor_parallel_size,
-                "gpu_memory_utilization": self.gpu_memory_utilization}
-        if self.distributed_executor_backend:
-            args["distributed_executor_backend"] = self.distributed_executor_backend
-        return args
+        """The vLLM ``LLM(...)`` arguments these settings map to. The executor is always named: left to vLLM,
+        an engine inside a Ray placement group gets the 'ray' executor (vllm/config/parallel.py), which
+        takes its workers' GPUs from that group (``_executor_runs_in_one_bundle``)."""
+        return {"enforce_eager": self.enforce_eager, "tensor_parallel_size": self.tensor_parallel_size,
+                "gpu_memory_utilization": self.gpu_memory_utilization,
+                "distributed_executor_backend": self.distributed_executor_backend
+                or ("mp" if self.tensor_parallel_size > 1 else "uni")}
+
+    @model_validator(mode="after")
+    def _executor_runs_in_one_bundle(self) -> RolloutConfig:
+        """Each engine is one actor holding one bundle with all its GPUs. vLLM 0.32's 'ray' executor reuses
+        the actor's placement group: it refuses any bundle with more than one GPU and would place its workers
+        on bundles that other roles hold (vllm/v1/executor/ray_utils.py, initialize_ray_cluster). 'uni' runs
+        one worker: one GPU."""
+        backend, tp = self.distributed_executor_backend, self.tensor_parallel_size
+        if backend == "ray":
+            raise ValueError("rollout.distributed_executor_backend='ray' is refused: vLLM's ray executor places its "
+                             "workers in the engine actor's placement group, tether's, whose bundles belong to the "
+                             "other actors, and refuses a bundle with more than one GPU; use 'mp' (or none: 'uni' "
+                             "for rollout.tensor_parallel_size 1, 'mp' for more)")
+        if backend == "uni" and tp > 1:
+            raise ValueError(f"rollout.distributed_executor_backend='uni' runs one worker on one GPU, but "
+                             f"rollout.tensor_parallel_size={tp} needs a worker per GPU; use 'mp' (or none)")
+        return self
 
     @model_validator(mode="after")
     def _no_truncated_sampling(self) -> RolloutConfig:
@@ -186,12 +206,18 @@ class ReferenceConfig(Section):
         None, description="CPU threads of each reference actor's torch (backend hf); none = Ray's default (one "
         "per whole CPU of the actor). On a CPU-only node it runs below the engines' priority, so it can use "
         "their cores while they idle")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="backend vllm on CUDA: vLLM's share of its GPU (weights and KV cache); "
+        "none = 0.9 of the role's share, cluster.reference.num_gpus (at most 1)")
 
     @model_validator(mode="after")
     def _threads_of_the_hf_backend(self) -> ReferenceConfig:
         if self.torch_threads is not None and self.backend != "hf":
             raise ValueError(f"reference.torch_threads={self.torch_threads} sets the threads of backend 'hf'; "
                              f"backend {self.backend!r} runs vLLM's CPU worker, which sets its own")
+        if self.gpu_memory_utilization is not None and self.backend != "vllm":
+            raise ValueError(f"reference.gpu_memory_utilization={self.gpu_memory_utilization} sizes backend 'vllm' "
+                             f"on a GPU, but reference.backend={self.backend!r}; set it to null")
         return self
 
 
@@ -322,7 +348,8 @@ class LearnerConfig(Section):
     weight_sync: Literal["object_store", "nccl", "ipc"] = Field(
         "object_store", description="weights to the engines: Ray object store (CPU or GPU), or vLLM's weight "
         "transfer over NCCL (learner and engines on separate GPUs) or CUDA IPC (engines on the learner's GPUs)")
-    sync_bucket_mib: PositiveInt = Field(64, description="packed buffer of vLLM's NCCL/IPC weight transfer, MiB")
+    sync_bucket_mib: PositiveInt = Field(64, description="packed buffer of vLLM's NCCL/IPC weight transfer, MiB; "
+                                         "raised to the largest parameter's size when that is larger (logged)")
     collective_timeout_s: PositiveFloat = Field(
         1800.0, description="longest wait for the learner ranks in one call (rendezvous, collect, update, "
         "weight sync) before the job fails naming the ranks that did not answer")
@@ -441,9 +468,30 @@ class JobConfig(BaseSettings):
             raise ValueError(f"learner.weight_sync={sync!r} is vLLM's GPU weight transfer: it needs rollout.engine="
                              "'vllm' and GPUs for the rollout engines and the learner (cluster.rollout.num_gpus, "
                              "cluster.learner.num_gpus); on CPU use 'object_store'")
-        if self.rollout.tensor_parallel_size > 1 and self.cluster.rollout.num_gpus < self.rollout.tensor_parallel_size:
-            raise ValueError(f"rollout.tensor_parallel_size={self.rollout.tensor_parallel_size} needs that many GPUs "
-                             f"per engine: cluster.rollout.num_gpus={self.cluster.rollout.num_gpus}")
+        tp, engine_gpus = self.rollout.tensor_parallel_size, self.cluster.rollout.num_gpus
+        if tp > 1 and engine_gpus < tp:
+            raise ValueError(f"rollout.tensor_parallel_size={tp} needs that many GPUs "
+                             f"per engine: cluster.rollout.num_gpus={engine_gpus}")
+        if tp > 1 and engine_gpus != tp:
+            # the engine's actor holds its bundle's GPUs and vLLM's mp executor runs a worker on each of the
+            # first tp it sees: any more would sit idle, a fraction would be shared with another actor
+            raise ValueError(f"rollout.tensor_parallel_size={tp} runs one vLLM worker per GPU of the engine's "
+                             f"bundle: cluster.rollout.num_gpus must be {tp}, got {engine_gpus}")
+        reference_share, reference_memory = self.cluster.reference.num_gpus, self.reference.gpu_memory_utilization
+        if reference_memory is not None and not reference_share:
+            raise ValueError(f"reference.gpu_memory_utilization={reference_memory} sizes vLLM on a GPU, but "
+                             "cluster.reference.num_gpus=0 runs the reference on CPU; set it to null")
+        if reference_memory is not None and reference_memory > reference_share:
+            raise ValueError(f"reference.gpu_memory_utilization={reference_memory} exceeds the GPU share the "
+                             f"reference reserves, cluster.reference.num_gpus={reference_share}: the actors that "
+                             "share its GPU would run out of memory")
+        learner_gpus = self.cluster.learner.num_gpus
+        if w > 1 and learner_gpus and not float(learner_gpus).is_integer():
+            # Ray may give two ranks' fractions of one GPU to both, and each rank computes on its first visible
+            # GPU: NCCL cannot run two ranks of one group on one device
+            raise ValueError(f"cluster.learner.num_gpus={learner_gpus} with learner.world_size={w}: a fraction of a "
+                             "GPU per rank lets Ray place two ranks on one GPU, where NCCL cannot run them; give each "
+                             "rank whole GPUs (cluster.learner.num_gpus=1) or use learner.world_size=1")
         if self.run.resume and self.run.overwrite:
             raise ValueError("run.resume and run.overwrite exclude each other: resuming keeps the run directory")
         if self.kl.controller == "adaptive" and r.batch_size > self.kl.horizon:
@@ -495,6 +543,16 @@ class JobConfig(BaseSettings):
     def device(self, role: str) -> str:
         """'cuda' exactly when the role asks for GPUs; never a GPU it did not reserve."""
         return "cuda" if getattr(self.cluster, role).num_gpus > 0 else "cpu"
+
+    def reference_vllm_engine_args(self) -> dict[str, Any]:
+        """The ``LLM(...)`` arguments of a reference with backend vllm. It only scores (prompt log-probs), so it
+        starts eager; on a GPU it takes reference.gpu_memory_utilization, or else 0.9 of the GPU share its role
+        reserved: vLLM's own default (0.92 of the whole GPU) fails where the GPU is shared, and on a GPU of its
+        own holds a KV cache no scoring call fills."""
+        args: dict[str, Any] = {"enforce_eager": True, "distributed_executor_backend": "uni"}
+        if share := min(1.0, self.cluster.reference.num_gpus):
+            args["gpu_memory_utilization"] = self.reference.gpu_memory_utilization or round(0.9 * share, 4)
+        return args
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]

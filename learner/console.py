@@ -41,6 +41,10 @@ HARMLESS_VLLM = {
                          "Inductor compilation was disabled by user settings",
                          "Model Runner V2 requires Triton"),
     "vllm.platforms.cpu": ("Triton is not installed", "Reset SSM cache type to float32"),
+    # a layer with a buffer and no weights (the rotary embedding's cos/sin cache, computed at start) counts as
+    # "not loaded" in vLLM's layerwise reload, which puts the buffer back; the engine checks at every sync that
+    # each of its parameters was loaded (actors/vllm_extension.py), so a real miss fails the sync instead
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
 }
 HARMLESS_PYTHON_WARNINGS = (
     # vLLM's triton dispatcher touches a deprecated torch alias at import

@@ -68,7 +68,8 @@ class Fleet:
         self.references = [
             cluster.start_actor(ReferenceActor, "reference", i, c.reference, placement, i, model,
                                 cfg.reference.backend, dtype, max_model_len, 128, cfg.rollout.temperature,
-                                cfg.device("reference"), cfg.reference.torch_threads, max_restarts=restarts)
+                                cfg.device("reference"), cfg.reference.torch_threads,
+                                cfg.reference_vllm_engine_args(), max_restarts=restarts)
             for i in range(cfg.reference.num_actors)
         ]
         # reward.kind remote: the driver's token goes to the reward actors whose environment lacks it

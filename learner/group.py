@@ -128,6 +128,10 @@ class LearnerGroup:
         rank 0 writes it (every rank takes part in the gather under ZeRO-3)."""
         self._get([r.export_hf.remote(storage_url) for r in self.ranks], "Hugging Face export")
 
+    def weight_metadata(self) -> list[tuple[str, str, list[int]]]:
+        """``[(name, dtype, full HF shape)]`` of what the engines receive (rank 0's announcement, no collective)."""
+        return self._get([self.ranks[0].weight_metadata.remote()], "weight metadata")[0]
+
     def connect_engines(self, rollouts: list, backend: str, buffer_bytes: int, workers_per_engine: int = 1) -> None:
         """GPU weight transfer through vLLM's API (``learner.weight_transfer``): every rank builds its
         trainer engine; rank 0 also sets up the engines' side (``nccl``: one group of rank 0 and every

@@ -350,7 +350,7 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     kl_ctl = (AdaptiveKLController(cfg.kl.init_kl_coef, cfg.kl.target, cfg.kl.horizon)
               if cfg.kl.controller == "adaptive" else FixedKLController(cfg.kl.init_kl_coef))
     sampler = PromptSampler(len(prompts), cfg.run.seed)
-    weights = WeightSync(cfg, learner, fleet, probe_set, kl_ctl.value)
+    weights = WeightSync(cfg, learner, fleet, probe_set, kl_ctl.value, log=log)
     policy_version, first_iteration = 0, 1
     if resume_state is not None:
         learner.load(resume_from.url, checkpoint.read_manifest(resume_from),

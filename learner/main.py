@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_libraries(cfg.metrics.log_level)
     with starting_up():  # the loop's imports (learner.loop), with the actor classes the driver starts
+        from actors.engines import WeightLoadError
         from actors.reward import RewardError
         from learner.checkpoint import CheckpointError
         from learner.fleet import ProbeError
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = run(cfg)
     except (ClusterError, RunDirectoryError, RewardError, CheckpointError, ProbeError, StorageError, LoopError,
-            EnvironmentFailure, FileNotFoundError, ValueError) as err:
+            EnvironmentFailure, WeightLoadError, FileNotFoundError, ValueError) as err:
         print(f"[tether] error: {err}", file=sys.stderr, flush=True)
         return 1
     if summary["stopped_early"]:

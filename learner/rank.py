@@ -70,6 +70,21 @@ class PolicyWithValueHead(nn.Module):
         return logits, self.value_head(hidden).squeeze(-1).float()
 
 
+def local_gpu_index(assigned: list[str], visible: str | None, actor: str) -> int:
+    """The first GPU Ray ``assigned`` this actor, as CUDA numbers it in this process: its position among
+    ``visible`` (CUDA_VISIBLE_DEVICES). Ray sets that to the assigned ids, so it is 0; where Ray leaves it
+    unset (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES) every GPU is visible and it is the id itself."""
+    if not assigned:
+        raise RuntimeError(f"{actor}: the config gives it GPUs, but Ray assigned it none")
+    if visible is None:
+        return int(assigned[0])
+    order = [device.strip() for device in visible.split(",")]
+    if assigned[0] not in order:
+        raise RuntimeError(f"{actor}: Ray assigned it GPU {assigned[0]}, but CUDA_VISIBLE_DEVICES={visible!r} "
+                           "does not show it")
+    return order.index(assigned[0])
+
+
 class LearnerRank:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
@@ -94,8 +109,16 @@ class LearnerRank:
             self._set_up_again(learner_cfg)
         else:
             self.collective_timeout_s = learner_cfg.collective_timeout_s
+        # LOCAL_RANK is the GPU DeepSpeed and NCCL take, as CUDA numbers them in this process: Ray shows each rank
+        # only its own GPUs (CUDA_VISIBLE_DEVICES), so it is 0 unless every GPU stays visible here
+        self.local_gpu = 0
+        if device == "cuda":
+            import ray
+
+            self.local_gpu = local_gpu_index(ray.get_runtime_context().get_accelerator_ids().get("GPU", []),
+                                             os.environ.get("CUDA_VISIBLE_DEVICES"), f"learner-rank-{self.rank}")
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_gpu))
         import deepspeed
 
         from actors.engines import check_device
@@ -127,7 +150,7 @@ class LearnerRank:
         # rendezvous and every later collective give up after this, instead of hanging
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False,
                                    timeout=timedelta(seconds=learner_cfg.collective_timeout_s))
-        self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+        self.device = torch.device("cuda", self.local_gpu) if on_gpu else torch.device("cpu")
 
         from services.models import load_causal_lm
 

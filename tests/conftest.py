@@ -22,7 +22,12 @@ import pytest
 # Actors with less than one CPU get one thread from Ray anyway; a test that wants more sets torch_threads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import learner.cluster  # noqa: F401  its THREAD_ENV (OpenMP) for these processes and the test heads' workers
+try:
+    import learner.cluster  # noqa: F401  its THREAD_ENV (OpenMP) for these processes and the test heads' workers
+except ModuleNotFoundError as missing:  # a GPU machine with torch alone: `pytest -m gpu` needs none of it
+    CLUSTER_MISSING: str | None = f"learner.cluster is not importable ({missing}): the tests that need Ray fail"
+else:
+    CLUSTER_MISSING = None
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_ENV = {
@@ -32,6 +37,22 @@ RAY_ENV = {
     "RAY_metrics_report_interval_ms": "1000",
 }
 os.environ.update(RAY_ENV)
+
+
+def pytest_report_header(config) -> str | None:
+    return CLUSTER_MISSING
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """Under ``-m gpu`` exactly, a test module without a GPU mark (no ``mark.gpu`` in its text) is not
+    imported: none of its tests would be selected, and on a GPU machine with torch alone (no Ray, vLLM or
+    DeepSpeed) most of them cannot even be imported. The GPU modules import with torch alone, and each GPU
+    test skips with its reason where something it needs is missing."""
+    if config.getoption("markexpr", "").strip() != "gpu" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return "mark.gpu" not in collection_path.read_text(encoding="utf-8", errors="replace") or None
 
 
 def free_port() -> int:

@@ -123,3 +123,130 @@ def test_vllm_settings_are_config_fields():
         load_config(None, {"rollout": {"tensor_parallel_size": 2}})
     assert load_config(None, {"learner": {"dtype": "bfloat16"}}).probe_tolerance > \
         load_config(None, {}).probe_tolerance == 1e-4
+
+
+def _executor_vllm_runs(engine_args: dict) -> str:
+    """The executor vLLM's own ParallelConfig settles on for these engine arguments, where it is built."""
+    from vllm.config import ParallelConfig
+
+    return ParallelConfig(**{key: engine_args[key] for key in ("tensor_parallel_size", "distributed_executor_backend")
+                             if key in engine_args}).distributed_executor_backend
+
+
+def test_a_tensor_parallel_engine_in_a_placement_group_gets_the_executor_the_config_names(ray_client):
+    """Inside a placement group, as every tether actor is, vLLM left to choose takes its ray executor, which
+    would take its workers' GPUs from tether's bundles; the config names 'mp' for tensor_parallel_size > 1."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from learner.config import load_config
+
+    cfg = load_config(None, {"rollout": {"tensor_parallel_size": 2}, "cluster": {"rollout": {"num_gpus": 2}}})
+    group = ray_client.util.placement_group([{"CPU": 0.01}])
+    try:
+        ray_client.get(group.ready())
+        in_group = ray_client.remote(num_cpus=0, max_retries=0)(_executor_vllm_runs).options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group))
+        left_to_vllm = {"tensor_parallel_size": 2}
+        assert ray_client.get(in_group.remote(left_to_vllm)) == "ray"
+        assert ray_client.get(in_group.remote(cfg.rollout.vllm_engine_args())) == "mp"
+    finally:
+        ray_client.util.remove_placement_group(group)
+
+
+class TensorParallelProbe:
+    """A tensor-parallel vLLM engine built as a rollout actor builds it, inside this actor."""
+
+    def run(self, model_dir: str, engine_args: dict) -> dict:
+        import torch
+
+        from actors.engines import SamplingSettings, VLLMEngine
+        from services.models import load_causal_lm
+
+        engine = VLLMEngine(model_dir, 0, 32, 64, "float32", None, "cpu", engine_args)
+        sequence = [1, 2, 3, 4, 5, 6]
+        generated = engine.generate([[1, 2, 3]] * 2, SamplingSettings(max_new_tokens=4), [1, 2])
+        torch.manual_seed(0)
+        policy = load_causal_lm(model_dir)
+        with torch.no_grad():  # new weights, as after a PPO step
+            for parameter in policy.parameters():
+                parameter.add_(0.05 * torch.randn_like(parameter))
+            logprobs = torch.log_softmax(policy(input_ids=torch.tensor([sequence])).logits[0, :-1], -1)
+        weights = policy.state_dict()
+        # every worker's sync check: one tensor left out is named, the whole weights leave nothing unloaded
+        partial = engine.load_weights({k: v for k, v in weights.items() if k != "transformer.ln_f.weight"})
+        missing = engine.load_weights(weights)
+        return {"executor": type(engine.llm.llm_engine.engine_core.engine_core.model_executor).__name__,
+                "partial": partial, "missing": missing,
+                "generated": [len(g.response_ids) for g in generated],
+                "engine": engine.score([sequence], [2])[0],
+                "learner": [logprobs[i - 1, sequence[i]].item() for i in range(2, len(sequence))]}
+
+
+def test_a_tensor_parallel_engine_runs_its_workers_from_its_actor_in_a_placement_group(ray_client, tiny_model_dir):
+    """tensor_parallel_size 2 with the executor the config names ('mp'), in an actor placed in a placement
+    group as every tether engine is: vLLM's CPU build runs its two workers as processes of the actor, they
+    generate, and new weights loaded through them give the learner's log-probs (a sync that leaves a
+    parameter out is named by the workers' check)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from learner.config import RolloutConfig
+
+    group = ray_client.util.placement_group([{"CPU": 0.01}])
+    try:
+        ray_client.get(group.ready())
+        # the CPU build binds each worker's OpenMP threads: one core per tensor-parallel rank
+        probe = ray_client.remote(TensorParallelProbe).options(
+            num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
+            runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "CUDA_VISIBLE_DEVICES": ""}}).remote()
+        engine_args = RolloutConfig(tensor_parallel_size=2).vllm_engine_args()
+        found = ray_client.get(probe.run.remote(tiny_model_dir, engine_args))
+        ray_client.kill(probe)
+    finally:
+        ray_client.util.remove_placement_group(group)
+    assert found["executor"] == "MultiprocExecutor" and all(n > 0 for n in found["generated"])
+    assert found["partial"] == ["transformer.ln_f.weight"] and found["missing"] == []
+    assert max(abs(a - b) for a, b in zip(found["engine"], found["learner"], strict=True)) < 1e-4
+
+
+def test_preflight_names_the_node_and_port_an_engine_cannot_reach_for_the_weight_transfer(ray_client, tmp_path):
+    from learner.cluster import Placement, RendezvousStandIn, _check_node, preflight, rank0_reach
+    from learner.config import load_config
+    from learner.storage import RunStorage
+    from tests.conftest import free_port
+
+    nccl = load_config(None, {"learner": {"weight_sync": "nccl"},
+                              "cluster": {"rollout": {"num_gpus": 1}, "learner": {"num_gpus": 1}}})
+    # who reaches rank 0's node for what: with nccl every engine's node, rank 0's own too; ranks away from it
+    actors_on = {"a": [("rollout", 0), ("learner", 0)], "b": [("rollout", 1), ("reward", 0)], "c": [("learner", 1)]}
+    assert rank0_reach(nccl, actors_on, "a") == {"a": {"weight_transfer"}, "b": {"weight_transfer"},
+                                                 "c": {"rendezvous"}}
+    assert rank0_reach(load_config(None, {}), actors_on, "a") == {"a": set(), "b": set(), "c": {"rendezvous"}}
+
+    storage = RunStorage(str(tmp_path)).child("run")
+    storage.makedirs()
+    # the whole pre-flight of an nccl job on this head (CPU bundles stand in for the GPU ones): it passes
+    group = ray_client.util.placement_group([{"CPU": 0.01}] * 4)
+    try:
+        ray_client.get(group.ready())
+        logged = []
+        preflight(nccl, Placement(group, {"rollout": [0], "reference": [1], "reward": [2], "learner": [3]}), [],
+                  storage, log=logged.append)
+        assert logged and logged[-1].startswith("pre-flight: models and run storage ok on")
+    finally:
+        ray_client.util.remove_placement_group(group)
+
+    # an engine's node check against a port nothing listens on, and against one that listens
+    probe = storage.write_probe()
+    check = ray_client.remote(num_cpus=0, max_retries=0)(_check_node)
+    closed = ("127.0.0.1", free_port())
+    found = ray_client.get(check.remote([], storage, probe, None, closed))
+    assert found["node"] and found["problems"] == [
+        (f"cannot reach learner rank 0's node at 127.0.0.1 port {closed[1]} (opened by pre-flight) for vLLM's weight "
+        f"transfer (learner.weight_sync='nccl'), whose store waits 300 s for an engine: "
+        f"[Errno 111] Connection refused")]
+    stand_in = ray_client.remote(RendezvousStandIn).options(num_cpus=0).remote()
+    try:
+        listening = ray_client.get(stand_in.address.remote())
+        assert ray_client.get(check.remote([], storage, probe, None, listening))["problems"] == []
+    finally:
+        ray_client.kill(stand_in)

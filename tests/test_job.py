@@ -106,6 +106,8 @@ def check_broadcast_and_controller(records: list[dict], target: float, horizon: 
         (["--learner.world_size", "3", "--learner.zero_stage", "3"], "cannot be split over learner.world_size=3"),
         (["--rollout.batch_size", "0"], "rollout.batch_size"),
         (["--rollout.top_p", "0.9"], "rollout.top_p=0.9 is refused"),
+        (["--learner.world_size", "2", "--cluster.learner.num_gpus", "0.5"],
+         "cluster.learner.num_gpus=0.5 with learner.world_size=2: a fraction of a GPU per rank"),
         (["--kl.horizon", "100"], "rollout.batch_size=128 exceeds kl.horizon=100"),
         (["--task.name", "nope"], "unknown task 'nope'"),
         (["--model.path", "/nonexistent/model"], "model.path '/nonexistent/model' is not a directory on this node"),

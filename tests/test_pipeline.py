@@ -108,6 +108,29 @@ def test_one_iteration_syncs_weights_and_keeps_exact_kl_books(roles, tiny_model_
         assert torch.allclose(new_chunk.kl_coef, torch.tensor([0.2, 0.2]))
 
 
+def test_a_sync_that_leaves_a_parameter_unloaded_fails_naming_it(roles):
+    """One tensor of the learner's weights not sent: vLLM's layerwise reload would keep (or garble) that
+    layer and only log a warning, and in bf16 the probe could not tell. Each engine names the parameter and
+    the sync fails, in either engine, before the version is taken; the whole weights then load."""
+    from actors.engines import WeightLoadError
+    from services.weights import HostWeights
+
+    weights = ray.get(roles["learner"].policy_weights()).tensors()
+    dropped = "transformer.h.0.mlp.c_fc.weight"
+    partial = ray.put(HostWeights({k: v for k, v in weights.items() if k != dropped}, torch.float32))
+    for name in ("vllm", "hf"):
+        engine = roles[name]
+        state = ray.get(engine.get_state.remote())
+        version, kl_coef = state["policy_version"], state["kl_coef"]
+        with pytest.raises(WeightLoadError) as failure:
+            ray.get(engine.update_weights.remote(partial, version + 1, kl_coef))
+        message = str(failure.value)
+        assert "the sync of version" in message and "did not load 1 of the engine's parameters" in message, name
+        assert dropped in message, name
+        assert ray.get(engine.get_state.remote())["policy_version"] == version, name  # the version was not taken
+        ray.get(engine.update_weights.remote(ray.put(HostWeights(weights, torch.float32)), version, kl_coef))
+
+
 def test_reward_errors_name_task_chunk_and_sample(roles):
     from services.experience import make_batch
 
@@ -155,7 +178,8 @@ def test_vllm_reference_backend_matches_hf(ray_client, tiny_model_dir, roles):
     from learner.cluster import start_actor
 
     vllm_reference = start_actor(ReferenceActor, "reference", 1, small_config().cluster.reference, None, 1,
-                                 tiny_model_dir, "vllm", "float32", 32, 64)
+                                 tiny_model_dir, "vllm", "float32", 32, 64,
+                                 engine_args=small_config().reference_vllm_engine_args())  # as Fleet starts it
     try:
         chunk = roles["vllm"].generate.remote([[3], [4, 5], [9]], [0, 1, 2], [1, 2, 3], SamplingSettings(1.0, 1.0, 9), 22)
         hf_scores, vllm_scores = ray.get([roles["reference"].score.remote(chunk), vllm_reference.score.remote(chunk)])

@@ -400,6 +400,59 @@ def test_invalid_http_is_answered_as_json(server):
     assert "Content-Length" in json.loads(body)["error"]
 
 
+def test_rejected_request_ends_with_its_answer_not_a_reset(server):
+    """A request the HTTP parser rejects while its body is still arriving gets its 400 and then a clean end
+    of the connection. The server used to close at once with the body unread, which makes the kernel send a
+    TCP reset: the client got ConnectionResetError instead (test_missing_or_invalid_content_length under
+    load, when the body landed after the server's read). A body larger than one read of the server (asyncio
+    reads 256 KiB at most) leaves bytes unread at the answer every time."""
+    import socket
+
+    request = (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5_0\r\n\r\n"
+               + b"x" * (512 << 10))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+        sock.sendall(request)
+        answer = _read_until_closed(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and f"content-length: {len(body)}".encode() in head.lower(), answer
+    assert "Content-Length" in json.loads(body)["error"]
+    assert raw(server, "GET", "/health") == (200, {"ok": True})
+
+
+def _connections(srv) -> int:
+    return len(srv._server.server_state.connections)
+
+
+def _wait_for_no_connections(srv) -> None:
+    """Polls until the server holds no connection (the test's timeout is the bound)."""
+    while _connections(srv):
+        time.sleep(0.05)
+
+
+def test_draining_a_rejected_request_is_bounded(make_server, task):
+    """After a rejected request the server reads and drops what the client still sends, but not for ever:
+    a client that keeps the connection open is let go after drain_s (here the 2 s request deadline), and
+    one that keeps sending is cut after drain_max_bytes (max_request_bytes + 1 MiB: a few MiB with what the
+    socket buffers hold, where 2 s on loopback would carry far more than the 64 MiB the client offers)."""
+    import socket
+
+    srv = make_server(task.reward, port=0, timeout_s=2.0, max_request_bytes=1024)
+    bad = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 5_0\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as sock:
+        sock.sendall(bad + b"x" * 1000)
+        assert _read_until_closed(sock).startswith(b"HTTP/1.1 400")  # the answer, then the server's FIN
+        _wait_for_no_connections(srv)  # the client never closes its side: let go after drain_s
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as sock:
+        sock.sendall(bad)
+        assert _read_until_closed(sock).startswith(b"HTTP/1.1 400")
+        sent = 0
+        with pytest.raises((ConnectionResetError, BrokenPipeError)):  # the server closed a socket being fed
+            while sent < (64 << 20):
+                sent += sock.send(b"x" * (64 << 10))
+    assert sent < (64 << 20)
+    _wait_for_no_connections(srv)
+
+
 def test_reward_fn_exception_text_is_logged_not_answered(make_server, caplog):
     def leaks(prompts, completions):
         raise RuntimeError("secret-path /srv/models/rm-v3 and key sk-123")

@@ -52,11 +52,6 @@ def tiny_gpt2(tmp_path_factory) -> str:
     return build_tiny_gpt2(tmp_path_factory.mktemp("gpt2") / "gpt2")
 
 
-def source_metadata(source) -> list:
-    """vLLM 0.32 declares metadata with a method, 0.33 with a cached property."""
-    return source.metadata() if callable(source.metadata) else source.metadata
-
-
 # ------------------------------------------------------------------------------------------- CPU
 
 
@@ -91,7 +86,7 @@ def test_vllm_packs_the_source_into_the_chunks_a_worker_plans_from_the_announcem
 
     model = perturbed_model(tiny_gpt2)
     source = parameter_source(model, zero3=False)
-    meta = source_metadata(source)
+    meta = source.metadata()
     assert [(m.name, str(m.dtype).removeprefix("torch."), list(m.shape)) for m in meta] == announced_parameters(model)
     # vLLM's own check that iteration agrees with the metadata, name by name (what its NCCL sender runs)
     checked = list(NCCLTrainerWeightTransferEngine._checked_iter(source, meta))
@@ -117,6 +112,42 @@ def test_vllm_packs_the_source_into_the_chunks_a_worker_plans_from_the_announcem
         for name, tensor in unpack_tensor(chunk.packed_tensor, chunk.names, chunk.shapes, chunk.dtypes,
                                           chunk.tensor_sizes):
             assert torch.equal(tensor, state[name].detach()), name
+
+
+def embedding_model() -> torch.nn.Module:
+    """A model whose embedding (512 x 64: 128 KiB in fp32, 64 KiB in bf16) is its largest parameter."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(512, 64), torch.nn.Linear(64, 16))
+
+
+def test_packed_buffer_holds_the_largest_parameter_where_the_bucket_does_not():
+    """SmolLM2-135M's embedding is 108 MiB in fp32, above the 64 MiB learner.sync_bucket_mib: vLLM's IPC packer
+    refuses it ("exceeds buffer_size_bytes", ``packed_ipc_producer``) and its NCCL packer warns with the same
+    test (``pack_tensors``, run here on CPU). In small: a 128 KiB embedding against a 64 KiB bucket."""
+    import warnings
+
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    from learner.weight_transfer import largest_parameter, packed_buffer_bytes, parameter_source
+
+    model, bucket = embedding_model(), 64 << 10
+    assert largest_parameter(announced_parameters(model)) == ("0.weight", 128 << 10)
+    assert packed_buffer_bytes(announced_parameters(model), bucket) == 128 << 10
+    assert packed_buffer_bytes(announced_parameters(model, torch.bfloat16), bucket) == bucket  # 64 KiB fits exactly
+    assert packed_buffer_bytes(announced_parameters(model), 1 << 20) == 1 << 20  # a bucket that holds every tensor
+    assert packed_buffer_bytes(announced_parameters(torch.nn.Linear(1 << 20, 1, bias=False)), bucket) == 4 << 20
+
+    def pack_all(buffer_bytes: int) -> list[str]:
+        stream, names = iter(parameter_source(model, zero3=False)), []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # vLLM's "exceeds buffer_size_bytes" warning fails the pack
+            while (chunk := pack_tensors(stream, lambda item: item[1], buffer_bytes)) is not None:
+                names += chunk.names
+        return names
+
+    with pytest.raises(UserWarning, match=r"Tensor '0\.weight' has size 131072 bytes, which exceeds buffer_size_bytes"):
+        pack_all(bucket)
+    assert pack_all(packed_buffer_bytes(announced_parameters(model), bucket)) == ["0.weight", "1.weight", "1.bias"]
 
 
 def test_every_engine_worker_gets_its_own_nccl_rank():
@@ -168,9 +199,12 @@ def test_config_refuses_gpu_weight_transfer_without_gpus(backend):
 def test_rollout_actor_runs_the_engine_side_of_vllms_protocol_on_cpu(ray_head, tiny_model_dir):
     """A rollout actor built with vLLM's weight transfer (here IPC, whose setup needs no GPU) takes the
     calls ``EngineClient`` makes: init, start and finish, through the real ``LLM`` methods. An update
-    with nothing received keeps the weights (the probe does not move). The receive itself needs CUDA."""
+    with nothing received fails at finish naming the parameters it did not load (vLLM itself would keep the
+    old weights with a warning), and the weights stay (the probe does not move). The receive itself needs
+    CUDA."""
     import ray
 
+    from actors.engines import WeightLoadError
     from actors.rollout import RolloutActor
     from learner.cluster import start_actor
     from learner.config import RoleResources
@@ -185,7 +219,9 @@ def test_rollout_actor_runs_the_engine_side_of_vllms_protocol_on_cpu(ray_head, t
         client = EngineClient([actor], workers_per_engine=1, timeout_s=120)
         client.init_weight_transfer_engine({"packed": True})
         client.start_weight_update()
-        client.finish_weight_update()
+        with pytest.raises(WeightLoadError, match=r"rollout-0: the weight transfer did not load (\d+) of the "
+                                                  r"engine's parameters \(transformer\.h\.0\."):
+            client.finish_weight_update()
         after = ray.get(actor.probe.remote(sequences, prompt_lengths))
         node, gpus = ray.get(actor.gpu_location.remote())
         ray.kill(actor)
@@ -341,6 +377,27 @@ def require_vllm_cuda(gpus: int) -> None:
 
 def max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.gpu
+def test_ipc_packer_takes_the_largest_parameter_in_the_announced_buffer():
+    """vLLM's IPC packer (a CUDA buffer) refuses the 128 KiB embedding in a 64 KiB bucket and packs the whole
+    model in the buffer ``packed_buffer_bytes`` announces."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    packed_tensor = pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
+    from learner.weight_transfer import packed_buffer_bytes, parameter_source
+
+    model, bucket = embedding_model().to("cuda"), 64 << 10
+
+    def pack_all(buffer_bytes: int) -> list[str]:
+        chunks = packed_tensor.packed_ipc_producer(iter(parameter_source(model, zero3=False)), "gpu-0",
+                                                   lambda item: item[1], buffer_bytes)
+        return [name for chunk in chunks for name in chunk.names]
+
+    with pytest.raises(ValueError, match=r"Tensor '0\.weight' has size 131072 bytes, which exceeds buffer_size_bytes"):
+        pack_all(bucket)
+    assert pack_all(packed_buffer_bytes(announced_parameters(model), bucket)) == ["0.weight", "1.weight", "1.bias"]
 
 
 @pytest.mark.gpu
