@@ -30,7 +30,7 @@ from learner.storage import RunStorage
 from learner.weight_sync import WeightSync
 from services.metrics import DriverMetrics, iteration_record
 from services.model_source import ModelSource
-from services.models import load_tokenizer, model_positions, policy_source, sft_tokenizer
+from services.models import load_tokenizer, model_positions, parameter_count, policy_source, sft_tokenizer
 from services.prompts import PromptSampler, encode_prompts
 from services.tasks import get_task
 
@@ -326,7 +326,10 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
                   for j, p in enumerate(probe_prompts)], [len(p) for p in probe_prompts])
     response_width = cfg.rollout.max_trajectory_tokens if episodic else sampling.max_new_tokens
     max_model_len = cfg.task.max_prompt_tokens + response_width + 1
-    positions = model_positions(model.resolve("driver"))
+    model_dir = model.resolve("driver")
+    if notice := cfg.tiny_model_settings_notice(parameter_count(model_dir)):
+        log(notice)
+    positions = model_positions(model_dir)
     if positions is not None and max_model_len > positions:  # the engines would refuse it at start-up
         raise ValueError(f"task.max_prompt_tokens={cfg.task.max_prompt_tokens} + "
                          f"{'rollout.max_trajectory_tokens' if episodic else 'rollout.max_new_tokens'}="

@@ -38,7 +38,8 @@ def parse_cli(argv: list[str]) -> JobConfig | None:
     known, _ = pre.parse_known_args(argv)
     from_yaml = read_yaml(known.config) if known.config else {}
     cli = CliApp.run(JobCli, cli_args=[a for a in argv if a != "--print-config"], **from_yaml)
-    cfg = JobConfig.model_validate(cli.model_dump(exclude={"config", "log_level"}))
+    # only what the file and the command line set: the defaults stay unset in the config (model_fields_set)
+    cfg = JobConfig.model_validate(cli.model_dump(exclude={"config", "log_level"}, exclude_unset=True))
     if cli.log_level:
         cfg.metrics.log_level = cli.log_level
     if known.print_config:

@@ -188,6 +188,20 @@ def model_positions(path: str | Path) -> int | None:
     return int(positions) if isinstance(positions, int) else None
 
 
+def parameter_count(path: str | Path) -> int | None:
+    """Parameters in a model directory's safetensors files, summed from their headers (no tensor is read);
+    None when the directory has none (a hub id, or a path only the cluster's nodes see)."""
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(int(np.prod(entry["shape"])) for name, entry in header.items() if name != "__metadata__")
+    return total
+
+
 def load_causal_lm(path: str | Path, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 

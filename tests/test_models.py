@@ -78,3 +78,47 @@ def test_response_logits_are_the_full_forwards_response_positions():
         assert logits.shape == (3, 5, 29) and hidden.shape == (3, 5, 32)
         torch.testing.assert_close(logits, full.logits[:, 3:8], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(hidden, full.hidden_states[-1][:, 3:8])
+
+
+def test_parameter_count_reads_the_safetensors_headers(tmp_path):
+    """The driver counts a model's parameters without loading it: every shard's header, tied weights once
+    (transformers saves them once), nothing for a directory without safetensors files."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from services.models import parameter_count
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=50, n_positions=32))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, vocab_size=50, tie_word_embeddings=False))
+    llama.to(torch.bfloat16).save_pretrained(tmp_path / "llama", max_shard_size="100KB")  # several shards
+    assert len(list((tmp_path / "llama").glob("*.safetensors"))) > 1
+    assert parameter_count(tmp_path / "gpt2") == sum(p.numel() for p in gpt2.parameters())
+    assert parameter_count(tmp_path / "llama") == sum(p.numel() for p in llama.parameters())
+    assert parameter_count(tmp_path) is None and parameter_count(tmp_path / "nowhere") is None
+
+
+def test_a_pretrained_policy_on_the_tiny_models_lr_is_told_at_start():
+    """ppo.lr's default is sized for the embedded randomwalks model trained from scratch: a job whose policy
+    is a pretrained model (20M parameters or more) says so at start, with the reason, unless ppo.lr was set
+    (by the config file or the command line); a small policy, or one whose size the driver cannot see, is
+    not told."""
+    from learner.config import load_config
+
+    default = load_config(None, {})
+    notice = default.tiny_model_settings_notice(134_515_008)
+    assert notice.startswith("note: ppo.lr=0.0003 is the default for the embedded randomwalks model")
+    assert "this policy has 135M" in notice and "Set ppo.lr" in notice
+    assert default.tiny_model_settings_notice(1_200_000) is None
+    assert default.tiny_model_settings_notice(None) is None
+    assert load_config(None, {"ppo": {"lr": 3e-4}}).tiny_model_settings_notice(134_515_008) is None
+    preset = load_config(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml")
+    assert preset.tiny_model_settings_notice(134_515_008) is None
+    # the command line keeps what it was not given unset
+    from learner.main import parse_cli
+
+    assert parse_cli(["--task.max_prompt_tokens", "8"]).tiny_model_settings_notice(134_515_008) == notice
+    assert parse_cli(["--ppo.lr", "3e-4"]).tiny_model_settings_notice(134_515_008) is None
+    assert parse_cli(["--config", str(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml")]
+                     ).tiny_model_settings_notice(134_515_008) is None
