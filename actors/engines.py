@@ -115,7 +115,7 @@ class VLLMEngine:
         if device == "cpu":
             # 'auto' pins every engine to core 0; pin each engine to its own core instead
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cpu_core if cpu_core is not None else 0))
-        from learner.console import quiet_vllm, verbose
+        from services.console import quiet_vllm, verbose
 
         quiet_vllm()  # before vLLM loads: the warnings tether knows to be harmless stay out of the console
         from vllm import LLM

@@ -14,7 +14,7 @@ from actors.base import VersionedActor, starting_up, yield_cpu_to_engines
 from services.model_source import ModelSource, as_source
 
 if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
-    from learner.config import RewardConfig
+    from services.config import RewardConfig
     from services.experience import RolloutBatch
     from services.reward_service import RewardClient
 

@@ -78,7 +78,7 @@ def alone(run_dir: Path, calls: int) -> dict:
     from vllm import SamplingParams, TokensPrompt
 
     from actors.engines import VLLMEngine
-    from learner.config import JobConfig
+    from services.config import JobConfig
     from services.models import load_tokenizer, policy_dir
     from services.prompts import encode_prompts
     from services.tasks import get_task

@@ -219,7 +219,7 @@ step job 270 "$PY" -m learner.main --config "$PRESET" --run.iterations 3 --learn
 CHUNK=; MAX_NEW=
 if selected rollout; then
     "$PY" -c "
-from learner.config import load_config
+from services.config import load_config
 from services.tasks import get_task
 cfg = load_config('$PRESET')
 print(cfg.rollout.chunk_size, cfg.rollout.max_new_tokens or get_task(cfg.task.name).max_new_tokens)" \

@@ -109,7 +109,7 @@ def main() -> None:
 
     import yaml
 
-    from learner.config import JobConfig
+    from services.config import JobConfig
     from services.models import load_tokenizer, policy_dir
     from services.prompts import encode_prompts
     from services.tasks import get_task

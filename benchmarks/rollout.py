@@ -99,7 +99,7 @@ def vllm_engine_kwargs(spec: dict) -> dict:
     """``VLLMEngine``'s arguments, as the service builds a rollout engine: on ``--device``, with the default
     rollout settings' engine arguments (``RolloutConfig.vllm_engine_args``), so on CUDA the engine takes
     ``rollout.gpu_memory_utilization`` of the GPU, not the CPU build's ``--kv-cache-mib``."""
-    from learner.config import RolloutConfig
+    from services.config import RolloutConfig
 
     return {"model_dir": spec["model_dir"], "seed": spec["seed"], "max_model_len": spec["max_model_len"],
             "kv_cache_mib": spec["kv_cache_mib"], "dtype": spec["dtype"], "device": spec["device"],

@@ -64,7 +64,7 @@ def trl_python(cache_dir: Path, extra: tuple[str, ...] = ()) -> Path:
 
 def sft_start() -> Path:
     """The default job's SFT warm start (built and cached on a miss, outside both timings)."""
-    from learner.config import JobConfig
+    from services.config import JobConfig
     from services.models import policy_dir
     from services.tasks import get_task
 

@@ -57,7 +57,7 @@ def matmul_gflops(dtype: str, threads: int = 2) -> float:
 
 
 def smollm2_model() -> Path:
-    from learner.config import JobConfig
+    from services.config import JobConfig
     from services.tasks import get_task
 
     return get_task("smollm2-sentiment").model_dir(JobConfig().model.cache_dir)

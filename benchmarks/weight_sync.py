@@ -58,8 +58,8 @@ def worker(spec: dict) -> dict:
     import ray
     import torch
 
-    from learner.config import JobConfig
     from learner.rank import LearnerRank
+    from services.config import JobConfig
 
     stage, repeats = spec["stage"], spec["repeats"]
     ray.init(address=spec["ray_address"], namespace="bench-weight-sync", log_to_driver=False)

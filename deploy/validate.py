@@ -20,7 +20,7 @@ Not covered: the CRDs' CEL rules (``x-kubernetes-validations``), ``x-kubernetes-
 uniqueness, ``format`` strings (date-time), and everything the operator's webhook/controller checks.
 
 For a RayJob whose entrypoint passes ``--config PATH``, PATH (relative to the repository root) must exist
-and validate as tether's JobConfig (``learner.config.load_config``); the Ray cluster the RayJob creates
+and validate as tether's JobConfig (``services.config.load_config``); the Ray cluster the RayJob creates
 must then have room for every actor the config places (CPU, GPU and custom Ray resources per pod).
 
 Core kinds that tether ships (a ``PersistentVolumeClaim``) are checked against a small schema of the fields
@@ -405,10 +405,10 @@ def entrypoint_overrides(entrypoint: str) -> dict[str, Any]:
 
 
 def load_job_config(path: Path, overrides: dict[str, Any] | None = None):
-    """``learner.config.load_config(path, overrides)``, importing the project from ``REPO_ROOT`` if need be."""
+    """``services.config.load_config(path, overrides)``, importing the project from ``REPO_ROOT`` if need be."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    from learner.config import load_config
+    from services.config import load_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -432,7 +432,7 @@ def check_job_config(
     try:
         cfg = load_job_config(full, overrides)
     except ImportError as err:
-        return [f"{where}: cannot import learner.config to check --config {config}: {err}"], None
+        return [f"{where}: cannot import services.config to check --config {config}: {err}"], None
     except Exception as err:  # noqa: BLE001 (pydantic ValidationError, ValueError, YAML errors)
         text = str(err).replace("\n", "\n    ")
         return [f"{where}: --config {config} is not a valid JobConfig: {text}"], None

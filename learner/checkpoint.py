@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 
-from learner.config import JobConfig
-from learner.storage import RunStorage
+from services.config import JobConfig
+from services.storage import RunStorage
 
 # settings a resumed run may change; anything else must match the checkpoint's config
 # run.output_dir: a run directory moved elsewhere (another mount point, another bucket) resumes there

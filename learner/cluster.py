@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from learner.config import JobConfig, RoleResources
+from services.config import JobConfig, RoleResources
 
 # Defaults for every Ray process of tether: stay on loopback and send nothing home (PLATFORM.md). Only
 # where the environment does not set them: a cluster with token auth or several nodes sets its own.
@@ -75,10 +75,10 @@ def in_submitted_job() -> bool:
 
 
 def actor_env(cfg: JobConfig) -> dict[str, str]:
-    """tether's environment variables for its actors: the libraries' log level (``learner.console``), the
+    """tether's environment variables for its actors: the libraries' log level (``services.console``), the
     run's name, and settings every actor needs. A value the driver's environment has wins: inside a job
     that is the job's runtime env, which actors inherit, so the variable is left out here."""
-    from learner.console import library_env
+    from services.console import library_env
 
     defaults = {"TOKENIZERS_PARALLELISM": "false", **THREAD_ENV, **library_env(cfg.metrics.log_level)}
     if in_submitted_job():
@@ -248,8 +248,8 @@ def _check_node(models: list, storage, probe: str, rendezvous: tuple[str, int] |
     """Runs on the node of one role's bundle: do the models resolve here, is the run storage the
     driver's (the probe file the driver wrote is visible) and writable from here, and can it reach rank 0's
     node: for the ranks' rendezvous (a learner rank) and for vLLM's weight transfer (a rollout engine)?"""
-    from learner.storage import StorageError
     from services.model_source import ModelNotFoundError, node_name
+    from services.storage import StorageError
 
     found = {"node": node_name(), "ship": False, "problems": []}
     transfer = "vLLM's weight transfer (learner.weight_sync='nccl'), whose store waits 300 s for an engine"

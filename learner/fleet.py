@@ -21,7 +21,7 @@ from actors.reward import RewardActor
 from actors.rollout import RolloutActor
 from learner import cluster
 from learner.cluster import ClusterError
-from learner.config import JobConfig, RoleResources
+from services.config import JobConfig, RoleResources
 from services.model_source import ModelSource
 
 

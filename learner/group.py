@@ -7,9 +7,9 @@ import time
 import ray
 
 from learner.cluster import ClusterError, Placement, start_actor
-from learner.config import JobConfig
 from learner.rank import LearnerRank
 from learner.results import UpdateResult
+from services.config import JobConfig
 from services.model_source import ModelSource
 
 

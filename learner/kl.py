@@ -31,8 +31,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from learner.choices import GRPO_TOKEN_K3_WARNING, LossForm
 from learner.ppo import Aggregation, masked_mean
+from services.choices import GRPO_TOKEN_K3_WARNING, LossForm
 
 Estimator = Literal["k1", "k2", "k3"]
 Scope = Literal["response_sum", "token_mean"]

@@ -15,27 +15,42 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from actors.engines import SamplingSettings
 from actors.reward import check_reward_label, check_reward_service
 from learner import checkpoint, cluster, rundir
 from learner.cluster import Placement
-from learner.config import JobConfig
 from learner.fleet import Fleet
 from learner.group import LearnerGroup
 from learner.kl import AdaptiveKLController, FixedKLController, controller_statistic
 from learner.results import UpdateResult
-from learner.storage import RunStorage
 from learner.weight_sync import WeightSync
+from services.config import JobConfig
 from services.metrics import DriverMetrics, iteration_record
 from services.model_source import ModelSource
 from services.models import load_tokenizer, model_positions, parameter_count, policy_source, sft_tokenizer
 from services.prompts import PromptSampler, encode_prompts
+from services.storage import RunStorage
 from services.tasks import get_task
 
-if TYPE_CHECKING:
-    from learner.main import GracefulStop
+
+class GracefulStop:
+    """SIGTERM (``ray job stop``, preemption) or SIGINT: finish the current iteration, checkpoint, exit."""
+
+    def __init__(self) -> None:
+        import signal
+
+        self.requested, self.signal_name = False, ""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        import signal
+
+        if self.requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.requested, self.signal_name = True, signal.Signals(signum).name
+        print(f"[tether] {self.signal_name}: finishing the current iteration, then checkpointing", flush=True)
 
 
 class LoopError(RuntimeError):

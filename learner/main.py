@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError
 
-from learner.config import JobConfig, config_to_yaml, read_yaml
+from services.config import JobConfig, config_to_yaml, read_yaml
 
 # ====================================================================== scaffolding: CLI, logging
 
@@ -115,7 +115,7 @@ class Progress:
 
 def run(cfg: JobConfig) -> dict:
     """The job: setup, then one iteration after another of named steps (``learner/loop.py``)."""
-    from learner.loop import setup
+    from learner.loop import GracefulStop, setup
 
     job = setup(cfg, log)  # inputs checked, actors up, weights and beta synced, resumed if asked, first eval
     progress, stop = Progress(cfg, job.run_path), GracefulStop()
@@ -139,25 +139,6 @@ def run(cfg: JobConfig) -> dict:
         job.placement.remove()
 
 
-class GracefulStop:
-    """SIGTERM (``ray job stop``, preemption) or SIGINT: finish the current iteration, checkpoint, exit."""
-
-    def __init__(self) -> None:
-        import signal
-
-        self.requested, self.signal_name = False, ""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        import signal
-
-        if self.requested:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.requested, self.signal_name = True, signal.Signals(signum).name
-        print(f"[tether] {self.signal_name}: finishing the current iteration, then checkpointing", flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -173,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     # learner.cluster before torch loads: it sets the OpenMP environment (THREAD_ENV)
     from actors.base import starting_up
     from learner.cluster import ClusterError
-    from learner.console import quiet_libraries
+    from services.console import quiet_libraries
 
     quiet_libraries(cfg.metrics.log_level)
     with starting_up():  # the loop's imports (learner.loop), with the actor classes the driver starts
@@ -183,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         from learner.fleet import ProbeError
         from learner.loop import LoopError
         from learner.rundir import RunDirectoryError
-        from learner.storage import StorageError
         from services.environments.base import EnvironmentFailure
+        from services.storage import StorageError
 
     try:
         summary = run(cfg)

@@ -18,8 +18,6 @@ from torch import Tensor, nn
 
 from actors.base import starting_up, yield_cpu_to_engines
 from learner.advantages import check_whole_groups, compute_advantages, uses_critic
-from learner.choices import GROUP_ESTIMATORS
-from learner.config import KLConfig, LearnerConfig, PPOConfig
 from learner.kl import check_finite, grpo_token_k3_loss, kl_penalized_rewards, kl_sums, response_kl_loss
 from learner.ppo import (
     entropy_from_logits,
@@ -30,11 +28,13 @@ from learner.ppo import (
     policy_loss,
     ppo_stats_from_sums,
     scheduled_lr,
-    token_logprobs,
     truncated_importance_weights,
     value_loss,
 )
 from learner.results import RankUpdate
+from services.choices import GROUP_ESTIMATORS
+from services.config import KLConfig, LearnerConfig, PPOConfig
+from services.logprobs import token_logprobs
 from services.model_source import ModelSource, as_source
 
 if TYPE_CHECKING:  # the batch's module loads in the rank, not in the driver (services/experience.py)
@@ -480,7 +480,7 @@ class LearnerRank:
         import shutil
         from pathlib import Path
 
-        from learner.storage import RunStorage, scratch_dir, sha256_file
+        from services.storage import RunStorage, scratch_dir, sha256_file
 
         ckpt = RunStorage(storage_url)
         scratch = scratch_dir(f"tether-save-rank{self.rank}-")
@@ -504,7 +504,7 @@ class LearnerRank:
         import shutil
 
         from learner.checkpoint import CheckpointError
-        from learner.storage import RunStorage, scratch_dir, sha256_file
+        from services.storage import RunStorage, scratch_dir, sha256_file
 
         ckpt = RunStorage(storage_url)
         # ZeRO 1-3 and bf16 split the optimizer state into per-rank files; fp32 ZeRO-0 keeps it whole
@@ -548,8 +548,8 @@ class LearnerRank:
 
         import deepspeed
 
-        from learner.storage import RunStorage, scratch_dir
         from services.models import load_tokenizer
+        from services.storage import RunStorage, scratch_dir
 
         lm = self.engine.module.lm
         with deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None,

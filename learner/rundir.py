@@ -1,6 +1,6 @@
 """The run directory: config.yaml, metrics.jsonl, summary.json, curves.png and samples/.
 
-It lives in the run's storage (``learner.storage.RunStorage``): ``run.output_dir`` is a local directory
+It lives in the run's storage (``services.storage.RunStorage``): ``run.output_dir`` is a local directory
 or a URI (file://, s3://, gs://), and the run directory is ``output_dir/name`` there.
 """
 
@@ -10,8 +10,8 @@ import json
 import os
 import tempfile
 
-from learner.config import JobConfig, config_to_yaml
-from learner.storage import RunStorage
+from services.config import JobConfig, config_to_yaml
+from services.storage import RunStorage
 
 
 class RunDirectoryError(RuntimeError):

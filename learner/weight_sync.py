@@ -19,7 +19,7 @@ import time
 import ray
 
 from learner.cluster import ClusterError
-from learner.config import JobConfig
+from services.config import JobConfig
 
 
 class WeightSync:

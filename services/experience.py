@@ -26,6 +26,8 @@ import torch
 from tensordict import tensorclass
 from torch import Tensor
 
+from services.logprobs import token_logprobs
+
 FINISH_STOP, FINISH_LENGTH = 0, 1  # finish_reason codes: EOS (or a stop) vs the max_new_tokens cap
 
 
@@ -202,8 +204,6 @@ def response_forward(model, batch: RolloutBatch, temperature: float = 1.0, hidde
     Returns (logprobs [B, T] of the sampled response tokens under ``softmax(logits / temperature)``,
     logits [B, T, V] that predict each response token, last hidden states [B, T, H] or None).
     """
-    from learner.ppo import token_logprobs
-
     logits, states = response_logits(model, *model_inputs(batch), batch.prompt_ids.shape[1], hidden)
     logits = logits.float() / temperature
     logprobs = token_logprobs(logits, batch.response_ids)

@@ -13,8 +13,8 @@ import json
 import os
 import tempfile
 
-from learner.config import JobConfig
-from learner.storage import RunStorage
+from services.config import JobConfig
+from services.storage import RunStorage
 
 RUN_ID_FILE = "wandb-run.json"
 SAMPLE_COLUMNS = ["iteration", "prompt", "response", "score"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from learner.config import load_config
+from services.config import load_config
 
 # ---------------------------------------------------------------------------------- section 2: top-p
 

@@ -210,9 +210,9 @@ def test_reinforce_pp_whitening_over_two_gloo_ranks_equals_one_rank(tmp_path):
                                                          (8, 16, 128, 8), (1, 32, 128, 1)])
 def test_with_n_samples_per_prompt_each_group_lands_whole_on_one_rank(n, chunk, batch, world_size):
     """The fleet's chunk layout and the group's slot-to-rank rule, as the job uses them."""
-    from learner.config import load_config
     from learner.fleet import chunk_layout
     from learner.group import rank_slots
+    from services.config import load_config
 
     cfg = load_config(None, {"rollout": {"batch_size": batch, "chunk_size": chunk, "samples_per_prompt": n},
                              "ppo": {"minibatch_size": batch // 2}, "learner": {"world_size": world_size}})
@@ -251,14 +251,14 @@ def test_with_n_samples_per_prompt_each_group_lands_whole_on_one_rank(n, chunk, 
 def test_config_refuses_what_the_estimators_cannot_use(overrides, message):
     from pydantic import ValidationError
 
-    from learner.config import load_config
+    from services.config import load_config
 
     with pytest.raises(ValidationError, match=message.replace("(", "\\(").replace(")", "\\)")):
         load_config(None, overrides)
 
 
 def test_config_accepts_the_benchmark_settings():
-    from learner.config import load_config
+    from services.config import load_config
 
     for estimator in ESTIMATORS:
         n = 8 if estimator in ("grpo", "rloo", "reinforce_pp_baseline") else 1

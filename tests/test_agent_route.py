@@ -85,7 +85,7 @@ ENV = {"name": "environment", "environment": "services.environments.randomwalks:
 def test_episode_settings_are_refused_where_they_mean_nothing(config, message):
     from pydantic import ValidationError
 
-    from learner.config import JobConfig
+    from services.config import JobConfig
 
     with pytest.raises(ValidationError, match=message):
         JobConfig.model_validate(config)

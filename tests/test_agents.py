@@ -77,7 +77,7 @@ def agents(ray_client, policy, tmp_path_factory):
     from actors.environment import EnvironmentWorker
     from actors.rollout import RolloutActor
     from learner.cluster import start_actor
-    from learner.config import RoleResources
+    from services.config import RoleResources
     from services.models import load_tokenizer
 
     root = tmp_path_factory.mktemp("episodes")

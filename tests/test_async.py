@@ -78,8 +78,8 @@ def test_a_stale_row_is_never_trained_on(ray_client, tiny_model_dir):
     regeneration, chunks of versions 2 and 3 are trained on; the importance weights are logged."""
     import ray
 
-    from learner.config import load_config
     from learner.group import LearnerGroup
+    from services.config import load_config
 
     cfg = load_config(None, {
         "rollout": {"batch_size": 16, "chunk_size": 8, "max_new_tokens": 6, "mode": "async", "max_staleness": 1},

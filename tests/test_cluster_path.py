@@ -75,7 +75,7 @@ class EnvironmentProbe:
 
 def test_a_role_without_gpus_sees_none(ray_client):
     from learner.cluster import start_actor
-    from learner.config import RoleResources
+    from services.config import RoleResources
 
     actor = start_actor(EnvironmentProbe, "probe", 0, RoleResources(num_cpus=0.01, num_gpus=0), None)
     try:
@@ -111,7 +111,7 @@ def test_ray_settings_reach_actors_only_where_the_environment_does_not_set_them(
 
 
 def test_vllm_settings_are_config_fields():
-    from learner.config import load_config
+    from services.config import load_config
 
     cfg = load_config(None, {"rollout": {"enforce_eager": False, "gpu_memory_utilization": 0.8,
                                          "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
@@ -138,7 +138,7 @@ def test_a_tensor_parallel_engine_in_a_placement_group_gets_the_executor_the_con
     would take its workers' GPUs from tether's bundles; the config names 'mp' for tensor_parallel_size > 1."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from learner.config import load_config
+    from services.config import load_config
 
     cfg = load_config(None, {"rollout": {"tensor_parallel_size": 2}, "cluster": {"rollout": {"num_gpus": 2}}})
     group = ray_client.util.placement_group([{"CPU": 0.01}])
@@ -189,7 +189,7 @@ def test_a_tensor_parallel_engine_runs_its_workers_from_its_actor_in_a_placement
     parameter out is named by the workers' check)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from learner.config import RolloutConfig
+    from services.config import RolloutConfig
 
     group = ray_client.util.placement_group([{"CPU": 0.01}])
     try:
@@ -210,8 +210,8 @@ def test_a_tensor_parallel_engine_runs_its_workers_from_its_actor_in_a_placement
 
 def test_preflight_names_the_node_and_port_an_engine_cannot_reach_for_the_weight_transfer(ray_client, tmp_path):
     from learner.cluster import Placement, RendezvousStandIn, _check_node, preflight, rank0_reach
-    from learner.config import load_config
-    from learner.storage import RunStorage
+    from services.config import load_config
+    from services.storage import RunStorage
     from tests.conftest import free_port
 
     nccl = load_config(None, {"learner": {"weight_sync": "nccl"},

@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 
 
 def group_config(world_size: int, zero_stage: int, **overrides):
-    from learner.config import load_config
+    from services.config import load_config
 
     learner = {"world_size": world_size, "zero_stage": zero_stage, "collective_timeout_s": 300}
     base = {

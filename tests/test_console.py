@@ -16,7 +16,7 @@ MAX_LINES = 60
 
 
 def test_library_env_by_level():
-    from learner.console import library_env
+    from services.console import library_env
 
     quiet = library_env("warning")
     assert quiet["VLLM_LOGGING_LEVEL"] == "WARNING" and quiet["TRANSFORMERS_VERBOSITY"] == "warning"
@@ -28,7 +28,7 @@ def test_library_env_by_level():
 
 def test_harmless_vllm_warning_is_dropped_below_debug_only(monkeypatch):
     """The filter drops exactly the known harmless lines, on the logger vLLM emits them from."""
-    from learner.console import DropHarmless, quiet_vllm
+    from services.console import DropHarmless, quiet_vllm
 
     logger = logging.getLogger("vllm.v1.worker.cpu_worker")
     monkeypatch.setattr(logger, "filters", [])

@@ -29,7 +29,7 @@ def dataset_task(path, **options):
 
 
 def dataset_config(path, **task):
-    from learner.config import load_config
+    from services.config import load_config
 
     return load_config(None, {"model": {"path": "/models/policy"},
                               "task": {"name": "dataset", "path": str(path), "reward_function": REWARD,
@@ -203,7 +203,7 @@ def test_long_prompts_are_named_by_file_row_and_field_or_truncated(tmp_path):
 def test_config_refuses_dataset_settings_that_cannot_work(tmp_path):
     from pydantic import ValidationError
 
-    from learner.config import load_config
+    from services.config import load_config
 
     path = _write("jsonl", tmp_path)
     assert dataset_config(path).task.options()["reward_fields"] == ["answer"]

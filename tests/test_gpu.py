@@ -23,8 +23,8 @@ from learner.ppo import (
     global_whiten,
     loss_denominator,
     masked_whiten,
-    token_logprobs,
 )
+from services.logprobs import token_logprobs
 
 try:
     import pytest

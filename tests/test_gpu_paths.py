@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from learner.config import load_config
+from services.config import load_config
 from tests.conftest import ROOT
 
 

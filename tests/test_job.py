@@ -43,7 +43,7 @@ def test_default_job_learns(default_run):
 def test_bfloat16_job_starts_at_zero_kl_passes_its_probes_and_learns(ray_head, cache_dir, tmp_path):
     """learner.dtype bfloat16 end to end: DeepSpeed bf16 (fp32 master weights), engines and reference in
     bf16, weights synced in bf16, the probe's tolerance set by the dtype."""
-    from learner.config import PROBE_TOLERANCE
+    from services.config import PROBE_TOLERANCE
 
     proc = run_job(job_args(ray_head, cache_dir, tmp_path, "bf16", "--run.seed", "1", "--model.sft_steps", "60",
                             "--model.sft_batch_size", "50", "--learner.dtype", "bfloat16", "--run.iterations", "4",
@@ -158,7 +158,7 @@ def test_help_lists_every_field_with_default_and_help():
 def test_print_config_prints_resolved_yaml(tmp_path):
     import yaml
 
-    from learner.config import JobConfig
+    from services.config import JobConfig
 
     config = tmp_path / "job.yaml"
     config.write_text("kl:\n  target: 3.0\nrun:\n  iterations: 7\n")

@@ -11,7 +11,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from learner.config import KLConfig, load_config
 from learner.kl import (
     EXACT_LOSS_FORMS,
     grpo_token_k3_loss,
@@ -21,6 +20,7 @@ from learner.kl import (
     sequence_kl,
 )
 from learner.ppo import gae_advantages
+from services.config import KLConfig, load_config
 
 VOCAB, EOS, MAX_LEN = 3, 2, 3
 PREFIXES = [(), (0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)]  # the contexts a response can continue from

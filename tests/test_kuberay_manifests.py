@@ -227,7 +227,7 @@ def test_entrypoint_config_exists_and_validates(rayjob):
     config = validate.entrypoint_config(entrypoint)
     assert config == "deploy/configs/gpu-cluster.yaml"
     assert (ROOT / config).is_file()
-    from learner.config import load_config
+    from services.config import load_config
 
     cfg = load_config(ROOT / config)
     assert cfg.rollout.engine == "vllm" and cfg.learner.dtype == "bfloat16"

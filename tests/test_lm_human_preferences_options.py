@@ -124,7 +124,7 @@ def test_missing_eos_penalty_replaces_the_scores_of_responses_cut_at_the_cap():
 def test_options_default_to_tethers_behaviour_and_validate():
     from pydantic import ValidationError
 
-    from learner.config import JobConfig, load_config
+    from services.config import JobConfig, load_config
 
     cfg = JobConfig()
     assert (cfg.ppo.whiten_rewards, cfg.ppo.lr_schedule, cfg.reward.missing_eos_penalty) == (False, "constant", None)
@@ -152,10 +152,10 @@ def test_rank_penalises_whitens_and_anneals_the_lr_across_a_resume(ray_client, t
     score_sum and the KL books still close; the optimizer steps at lr * (1 - k/N) at iteration k + 1, and
     a rank resumed from a checkpoint of iteration 2 steps at the same lr as the one that kept going."""
     from learner import checkpoint
-    from learner.config import load_config
     from learner.group import LearnerGroup
-    from learner.storage import RunStorage
+    from services.config import load_config
     from services.experience import make_batch
+    from services.storage import RunStorage
 
     ray = ray_client
     lr, iterations, penalty, beta = 1e-3, 4, -1.0, 0.05

@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 
 
 def small_config(**overrides):
-    from learner.config import load_config
+    from services.config import load_config
 
     base = {
         "rollout": {"batch_size": 16, "chunk_size": 8, "max_new_tokens": 9},

@@ -158,7 +158,7 @@ def test_global_whiten_without_a_group_is_masked_whiten_and_moments_add_over_sha
 def test_token_logprobs_and_entropy_match_a_full_log_softmax(temperature, chunk_rows):
     """The chunked logsumexp form gives log_softmax(logits / temperature) at the ids, and its gradient,
     within float32 tolerance; entropy too. 3 x 7 rows do not divide into chunks of 5: a partial last one."""
-    from learner.ppo import token_logprobs
+    from services.logprobs import token_logprobs
 
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(3, 7, 50, generator=g) * 4).requires_grad_(True)
@@ -178,7 +178,7 @@ def test_token_logprobs_and_entropy_match_a_full_log_softmax(temperature, chunk_
 
 
 def test_token_logprobs_of_bfloat16_logits_run_in_float32_and_take_an_empty_batch():
-    from learner.ppo import token_logprobs
+    from services.logprobs import token_logprobs
 
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(2, 4, 1000, generator=g).to(torch.bfloat16)

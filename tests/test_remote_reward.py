@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from actors.reward import RewardError, check_reward_service, remote_scores
-from learner.config import RewardConfig, load_config
+from services.config import RewardConfig, load_config
 from services.reward_service import RewardClient, serve
 from services.tasks import get_task
 from tests.conftest import SMALL, run_job

@@ -84,7 +84,7 @@ def test_base_task_has_no_model_recipe(tmp_path):
 
 
 def test_config_validates():
-    from learner.config import load_config
+    from services.config import load_config
 
     cfg = load_config(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml")
     assert cfg.task.name == "smollm2-sentiment" and cfg.rollout.max_new_tokens == 32
@@ -152,7 +152,7 @@ def test_smollm2_converts_once_then_reuses_cache(converted, monkeypatch):
 def test_smollm2_generates_and_prompts_fit(converted, task):
     import torch
 
-    from learner.config import load_config
+    from services.config import load_config
     from services.models import load_causal_lm, load_tokenizer
 
     _, path, _ = converted

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from learner import checkpoint
-from learner.storage import RunStorage
+from services.storage import RunStorage
 
 ray = pytest.importorskip("ray")
 
@@ -71,7 +71,7 @@ def test_commit_refuses_a_missing_or_different_shard_naming_it(tmp_path):
 
 
 def test_old_checkpoint_missing_a_new_key_at_its_default_is_compatible(tmp_path):
-    from learner.config import load_config
+    from services.config import load_config
 
     cfg = load_config(None, {})
     saved = cfg.model_dump(mode="json")
@@ -86,7 +86,7 @@ def test_old_checkpoint_missing_a_new_key_at_its_default_is_compatible(tmp_path)
 
 
 def _group_config(world_size: int, zero_stage: int, dtype: str = "float32"):
-    from learner.config import load_config
+    from services.config import load_config
 
     return load_config(None, {
         "rollout": {"batch_size": 16, "chunk_size": 8, "max_new_tokens": 6},

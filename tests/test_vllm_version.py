@@ -128,7 +128,7 @@ def test_vllm_engine_calls_match_the_installed_signatures():
     from vllm.config.parallel import DistributedExecutorBackend
     from vllm.engine.arg_utils import EngineArgs
 
-    from learner.config import load_config
+    from services.config import load_config
 
     gpus = {"cluster": {"rollout": {"num_gpus": 2}, "reference": {"num_gpus": 0.5}, "learner": {"num_gpus": 1}},
             "rollout": {"tensor_parallel_size": 2}, "reference": {"backend": "vllm"}}

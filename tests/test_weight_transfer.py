@@ -185,7 +185,7 @@ def test_ipc_needs_every_engine_on_a_learner_gpu():
 def test_config_refuses_gpu_weight_transfer_without_gpus(backend):
     from pydantic import ValidationError
 
-    from learner.config import load_config
+    from services.config import load_config
 
     with pytest.raises(ValidationError, match=f"weight_sync='{backend}' is vLLM's GPU weight transfer"):
         load_config(None, {"learner": {"weight_sync": backend}})
@@ -207,8 +207,8 @@ def test_rollout_actor_runs_the_engine_side_of_vllms_protocol_on_cpu(ray_head, t
     from actors.engines import WeightLoadError
     from actors.rollout import RolloutActor
     from learner.cluster import start_actor
-    from learner.config import RoleResources
     from learner.weight_transfer import EngineClient
+    from services.config import RoleResources
 
     ray.init(address=ray_head.address, log_to_driver=False)
     try:

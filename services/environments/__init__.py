@@ -13,11 +13,10 @@ from services.environments.base import (
     check_reset_result,
     check_step_result,
     encode_observation,
-    load_environment_factory,
-    make_environment,
     observation_problem,
 )
 from services.environments.calculator import CalculatorEnvironment, calculator
+from services.environments.factory import load_environment_factory, make_environment
 from services.environments.randomwalks import InteractiveRandomWalks, interactive_randomwalks
 
 __all__ = [

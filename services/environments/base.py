@@ -9,11 +9,9 @@ appended to the trajectory after the model's tokens.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import numbers
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,47 +131,6 @@ def check_reset_result(observation: Any, env_name: str, *, row: int | None = Non
     if isinstance(observation, list) and _is_token_id(observation[0]):
         observation = [int(x) for x in observation]
     return observation
-
-
-def load_environment_factory(spec: str) -> Callable[..., Environment]:
-    """The callable ``spec`` names as ``package.module:factory`` (a class or a function)."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"environment {spec!r} must be given as 'package.module:factory'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"environment {spec!r}: module {module_name!r} cannot be imported: {err}") from err
-    factory = module
-    for name in attribute.split("."):
-        if not hasattr(factory, name):
-            raise ValueError(f"environment {spec!r}: module {module_name!r} has no attribute {attribute!r}")
-        factory = getattr(factory, name)
-    if not callable(factory):
-        raise ValueError(  # noqa: TRY004 - main reports ValueError as bad config
-            f"environment {spec!r} is of type {type(factory).__name__}, not a class or function")
-    return factory
-
-
-def make_environment(factory: Callable[..., Any], kwargs: dict, spec: str) -> Environment:
-    """``factory(**kwargs)`` as an environment: a gymnasium.Env is wrapped, anything with callable ``reset``
-    and ``step`` is taken as it is."""
-    try:
-        env = factory(**kwargs)
-    except Exception as err:
-        raise ValueError(f"environment {spec!r} with kwargs {kwargs} raised "
-                         f"{type(err).__name__}: {err}") from err
-    # an object can be a gymnasium.Env only once gymnasium is imported
-    gymnasium = sys.modules.get("gymnasium")
-    if gymnasium is not None and isinstance(env, gymnasium.Env):
-        from services.environments.gym import GymnasiumEnvironment
-
-        return GymnasiumEnvironment(env)
-    missing = [name for name in ("reset", "step") if not callable(getattr(env, name, None))]
-    if missing:
-        raise ValueError(f"environment {spec!r} returned a {type(env).__name__} without callable "
-                         f"{' and '.join(missing)}; an environment needs reset(row, seed) and step(action)")
-    return env
 
 
 async def call_maybe_async(fn: Callable[..., Any], *args: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The config's enumerated choices (KL loss forms, advantage estimators) as plain data: ``learner.config``
+"""The config's enumerated choices (KL loss forms, advantage estimators) as plain data: ``services.config``
 reads them from here, so that loading the config (the driver, the pre-flight checks) never imports torch
 through ``learner.kl`` or ``learner.advantages``."""
 

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
-from learner.choices import GROUP_ESTIMATORS, GRPO_TOKEN_K3_WARNING, Estimator, LossForm
+from services.choices import GROUP_ESTIMATORS, GRPO_TOKEN_K3_WARNING, Estimator, LossForm
 
 # The probe's default bound on max |engine - learner| log-prob, per dtype. fp32 engines match the learner
 # to ~1e-6. In bf16 the engine's and the learner's kernels round differently: measured 0.02 on randomwalks
