@@ -83,9 +83,10 @@ class VersionedActor:
         self.kl_coef = 0.0
         self.busy_seconds = 0.0  # time spent on requests since the driver last asked
 
-    def take_busy_seconds(self) -> float:
+    def take_counts(self) -> dict[str, float]:
+        """What this actor counts since the driver last asked (then zero): its busy seconds, and a role's own."""
         busy, self.busy_seconds = self.busy_seconds, 0.0
-        return busy
+        return {"busy_seconds": busy}
 
     def set_state(self, policy_version: int, kl_coef: float) -> dict:
         self.policy_version, self.kl_coef = int(policy_version), float(kl_coef)

@@ -8,8 +8,6 @@ interface; ``RolloutActor`` uses nothing else.
 
 from __future__ import annotations
 
-import gc
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
@@ -86,24 +84,6 @@ def check_device(device: str, role: str) -> str:
     return device
 
 
-def vllm_device_args(device: str, max_model_len: int, kv_cache_mib: int, engine_args: dict | None = None) -> dict:
-    """The ``LLM(...)`` arguments of an engine on ``device``, from the config's ``engine_args``
-    (``RolloutConfig.vllm_engine_args``, ``JobConfig.reference_vllm_engine_args``)."""
-    args = {"enforce_eager": True, **(engine_args or {})}
-    if device == "cpu":  # the KV cache is sized in bytes here; vLLM's CPU build has no GPU share
-        args.pop("gpu_memory_utilization", None)
-        args["kv_cache_memory_bytes"] = kv_cache_mib << 20
-        # a prompt prefilled in parts fails a seeded request on CPU ("CPU Generator does not use offset"):
-        # a multi-turn chunk's trajectories pass the 4096 tokens of one step; whole prompts per step instead
-        args.setdefault("enable_chunked_prefill", False)
-        args.setdefault("max_num_batched_tokens", max(4096, max_model_len))
-    elif "gpu_memory_utilization" not in args:
-        # vLLM's default takes 0.92 of the GPU: more than a shared GPU has free, so the engine fails to start
-        raise ValueError(f"a vLLM engine on {device} needs gpu_memory_utilization from the config (its share "
-                         "of the GPU); vLLM's default of 0.92 does not fit a GPU shared with other actors")
-    return args
-
-
 class VLLMEngine:
     """vLLM in the actor's own process (single-process mode: 2-5 s starts, tensors pass directly); with
     tensor parallelism (executor 'mp') its workers run in a process per GPU of the actor."""
@@ -111,37 +91,23 @@ class VLLMEngine:
     def __init__(self, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int, dtype: str = "float32",
                  cpu_core: int | None = None, device: str = "cpu", engine_args: dict | None = None,
                  weight_transfer: str | None = None) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if device == "cpu":
-            # 'auto' pins every engine to core 0; pin each engine to its own core instead
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cpu_core if cpu_core is not None else 0))
-        from services.console import quiet_vllm, verbose
+        from services.devices import build_llm
 
-        quiet_vllm()  # before vLLM loads: the warnings tether knows to be harmless stay out of the console
-        from vllm import LLM
-
-        # vLLM's build runs five full collections of its own (model load, heap freeze): frozen first, the
-        # modules just imported are not scanned by them (about 1 CPU s of a 7.5 s build here)
-        gc.freeze()
-        # the checkpoint-loading bar only at metrics.log_level debug or info
-        args = {"use_tqdm_on_load": verbose(), **vllm_device_args(device, max_model_len, kv_cache_mib, engine_args)}
+        weight_transfer_args = {}
         if weight_transfer is not None:  # vLLM's trainer-to-engine transfer: "nccl" or "ipc" (GPU)
             from vllm.config import WeightTransferConfig
 
-            args["weight_transfer_config"] = WeightTransferConfig(backend=weight_transfer)
+            weight_transfer_args["weight_transfer_config"] = WeightTransferConfig(backend=weight_transfer)
         # An eager engine on CPU still meets torch.compile: vLLM compiles its sampler's log-prob rank helper
         # with inductor on the first call that returns log-probs (measured: 1.2 s of the first generate with a
         # warm inductor cache, a C++ build without one; steady calls and log-probs unchanged when eager)
-        self.eager = device == "cpu" and bool(args.get("enforce_eager"))
-        self.llm = LLM(
-            model=model_dir,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
+        self.eager = device == "cpu" and bool((engine_args or {}).get("enforce_eager", True))
+        self.llm = build_llm(
+            model_dir, seed, max_model_len, kv_cache_mib, dtype, device, engine_args, cpu_core,
             # log-probs of the distribution actually sampled from (after temperature)
             logprobs_mode="processed_logprobs",
             worker_extension_cls="actors.vllm_extension.WeightSyncExtension",
-            **args,
+            **weight_transfer_args,
         )
         self.eos_id = self.llm.get_tokenizer().eos_token_id
 

@@ -1,5 +1,5 @@
-"""RewardActor: scores a chunk with the task's reward function, a sequence-classification model, or a
-remote reward service over HTTP (services/reward_service.py)."""
+"""RewardActor: scores a chunk with the task's reward function, a sequence-classification model, a
+remote reward service over HTTP (services/reward_service.py), or an LLM judge (services/judge.py)."""
 
 from __future__ import annotations
 
@@ -12,35 +12,16 @@ import torch
 
 from actors.base import VersionedActor, starting_up, yield_cpu_to_engines
 from services.model_source import ModelSource, as_source
+from services.reward_models import reward_label_index
 
 if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
-    from services.config import RewardConfig
+    from services.config import JudgeConfig, RewardConfig
     from services.experience import RolloutBatch
     from services.reward_service import RewardClient
 
 
 class RewardError(RuntimeError):
     pass
-
-
-def reward_label_index(label: int | str | None, id2label: dict, where: str) -> int:
-    """The classifier output a score is read from: ``reward.label`` as an index or a name of
-    ``id2label`` ({index: name}, as in a transformers config). Required when there is more than one
-    label: an SST-2 classifier's label 0 is NEGATIVE. Raises ValueError naming the labels."""
-    labels = {int(i): str(name) for i, name in id2label.items()}
-    listed = ", ".join(f"{i}={name!r}" for i, name in sorted(labels.items()))
-    if label is None:
-        if len(labels) == 1:
-            return next(iter(labels))
-        raise ValueError(f"{where} has {len(labels)} labels ({listed}): set reward.label to the index or the name "
-                         "of the one whose logit is the reward")
-    by_name = [i for i, name in labels.items() if name == label]
-    if by_name:
-        return by_name[0]
-    index = label if isinstance(label, int) else int(label) if label.isdigit() else None  # CLI values are text
-    if index is not None and index in labels:
-        return index
-    raise ValueError(f"reward.label={label!r} is not a label of {where}; its labels are {listed}")
 
 
 def service_token(token_env: str, forwarded: str | None = None) -> str | None:
@@ -104,7 +85,8 @@ class RewardActor(VersionedActor):
     def __init__(self, index: int, task_name: str, task_options: dict, policy: ModelSource | str,
                  kind: str = "function", model_path: ModelSource | str | None = None,
                  score_clip: float | None = None, device: str = "cpu", label: int | str | None = None,
-                 remote: RewardConfig | None = None, forwarded_token: str | None = None) -> None:
+                 remote: RewardConfig | None = None, forwarded_token: str | None = None,
+                 judge: JudgeConfig | None = None, judge_engine_args: dict | None = None) -> None:
         from actors.engines import check_device
 
         super().__init__(index)
@@ -118,24 +100,22 @@ class RewardActor(VersionedActor):
         self.tokenizer = load_tokenizer(as_source(policy).resolve(f"reward-{index}"))
         self.kind = kind
         self.score_clip = score_clip
+        self.judge = None
         if kind == "model":
-            from transformers import AutoModelForSequenceClassification
+            from services.reward_models import SequenceClassifierReward
 
             model_path = as_source(model_path).resolve(f"reward-{index}")
-            self.model = AutoModelForSequenceClassification.from_pretrained(model_path).eval().to(self.device)
-            self.label_index = reward_label_index(label, self.model.config.id2label,
-                                                  f"reward model {model_path} on reward-{index}")
-            self.model_tokenizer = load_tokenizer(model_path)
-            # HF classifiers score the last token that is not config.pad_token_id: pad with a real token
-            # (eos for GPT-2-style tokenizers that have none) and make the model look for that one
-            if self.model_tokenizer.pad_token is None:
-                self.model_tokenizer.pad_token = self.model_tokenizer.eos_token
-            self.model.config.pad_token_id = self.model_tokenizer.pad_token_id
+            self.reward_model = SequenceClassifierReward(model_path, label, self.device,
+                                                         f"reward model {model_path} on reward-{index}")
         elif kind == "remote":
             from services.reward_service import RewardClient
 
             self.client = RewardClient(remote.url, service_token(remote.token_env, forwarded_token),
                                        remote.timeout_s, remote.max_retries)
+        elif kind == "judge":
+            from services.judge import Judge
+
+            self.judge = Judge(judge, as_source(model_path).resolve(f"reward-{index}"), self.device, judge_engine_args)
 
     def decode(self, batch: RolloutBatch) -> tuple[list[str], list[str]]:
         prompts, completions = [], []
@@ -164,9 +144,14 @@ class RewardActor(VersionedActor):
                split: str) -> torch.Tensor:
         """[B] scores of samples of prompt rows ``rows`` of the task's "train" or "eval" prompts."""
         if self.kind == "model":
-            scores = self.model_scores(prompts, completions)
+            scores = self.reward_model(prompts, completions)
         elif self.kind == "remote":  # the service gets each row's task.reward_fields too (a dataset's answer)
             scores = remote_scores(self.client, prompts, completions, self.task.row_fields(rows, split), where)
+        elif self.kind == "judge":  # the template may name the row's task.reward_fields too
+            try:
+                scores = self.judge(prompts, completions, self.task.row_fields(rows, split))
+            except ValueError as err:
+                raise RewardError(f"reward judge of {where}: {err}") from None
         else:
             try:
                 scores = list(self.task.reward_rows(prompts, completions, rows, split))
@@ -181,14 +166,9 @@ class RewardActor(VersionedActor):
         out = torch.tensor(scores, dtype=torch.float32)
         return out.clamp(-self.score_clip, self.score_clip) if self.score_clip else out
 
-    @torch.no_grad()
-    def model_scores(self, prompts: list[str], completions: list[str]) -> list[float]:
-        """The classifier's logit of label ``reward.label`` at each sequence's last real token (right padding)."""
-        tok = self.model_tokenizer
-        enc = tok([p + c for p, c in zip(prompts, completions, strict=True)], return_tensors="pt", padding=True,
-                  padding_side="right").to(self.device)
-        logits = self.model(**enc).logits[:, self.label_index]
-        return [float(x) for x in logits]
+    def take_counts(self) -> dict[str, float]:
+        """Busy seconds, and a judge's answers and unparseable answers, since the driver last asked."""
+        return {**super().take_counts(), **(self.judge.take_counts() if self.judge is not None else {})}
 
     def evaluate(self, batch: RolloutBatch, chunk_index: int = -1, keep_samples: int = 0) -> dict:
         """The task's eval metrics over a chunk, as sums weighted by its size (so chunks merge), and

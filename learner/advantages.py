@@ -12,6 +12,7 @@ Every estimator reads the same per-token ``rewards`` [B, T]: ``-beta * kl_t`` on
 sequence return is ``R = sum_t rewards_t``: the score minus
 ``beta * KL_b`` with the KL in the reward, the score alone with it in the loss. A sequence-level
 advantage is given to every token of its response. ``returns`` (the critic's targets) exist only for GAE.
+GRPO alone also reads the penalty apart (``kl_rewards``): by default it normalises the score, not the return.
 """
 
 from __future__ import annotations
@@ -99,6 +100,30 @@ def grpo_sequence_advantages(returns: Tensor, group_index: Tensor, eps: float = 
     return advantages.masked_fill(_group_all_equal(returns, group_index), 0.0).to(returns.dtype)
 
 
+def grpo_advantages(rewards: Tensor, mask: Tensor, group_index: Tensor, kl_rewards: Tensor | None = None,
+                    normalize: str = "score") -> Tensor:
+    """GRPO's [B, T] advantages with the KL in the reward (``ppo.grpo_normalize``).
+
+    ``score`` (DeepSeekMath, OpenRLHF, TRL): the score is normalised in its group and the KL stays outside,
+    ``A_t = (s - mean_group s) / (std_group s + eps) - beta * sum_{t' >= t} kl_t'``, the score ``s`` being the
+    rewards' sum less the penalty's. ``return`` (verl's GRPO with use_kl_in_reward): the whole return
+    ``R = s - beta * KL_b`` normalised, so in a group whose scores tie the KL's noise becomes advantages of
+    unit size. Without ``kl_rewards`` (the KL in the loss) both are the normalised score.
+
+    Args: rewards, mask: [B, T]; group_index: [B]; kl_rewards: [B, T] the penalty's share of ``rewards``
+        (``-beta * kl_t``) or None. Returns: [B, T] advantages, 0 where ``mask`` is 0.
+    """
+    if normalize not in ("score", "return"):
+        raise ValueError(f"unknown ppo.grpo_normalize {normalize!r}; expected 'score' or 'return'")
+    if normalize == "return" or kl_rewards is None:
+        return grpo_sequence_advantages(sequence_returns(rewards, mask), group_index).unsqueeze(-1) * mask
+    if kl_rewards.shape != rewards.shape:
+        raise ValueError(f"kl_rewards {tuple(kl_rewards.shape)} and rewards {tuple(rewards.shape)} must share one "
+                         "[B, T] shape")
+    scores = sequence_returns(rewards - kl_rewards, mask)
+    return grpo_sequence_advantages(scores, group_index).unsqueeze(-1) * mask + reward_to_go(kl_rewards, mask)
+
+
 def rloo_sequence_advantages(returns: Tensor, group_index: Tensor) -> Tensor:
     """RLOO: ``A_i = R_i - mean_{j != i} R_j``, the mean of the other samples of the prompt.
 
@@ -139,11 +164,17 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0,
 def reinforce_pp_baseline_advantages(rewards: Tensor, mask: Tensor, group_index: Tensor, gamma: float = 1.0,
                                      device: torch.device | str = "cpu") -> Tensor:
     """REINFORCE++-baseline: the group mean of the sequence return R is subtracted first (from the reward
-    at the last token, so with gamma 1 the return-to-go of the first token is ``R - mean_group R``), then
+    at the last token, so the return-to-go of every token is its own minus ``mean_group R``), then
     REINFORCE++'s reward-to-go and global whitening.
 
+    Only at gamma 1 (as OpenRLHF forces it): discounted, the baseline subtracted at the last token reaches
+    token t as ``-gamma^(L-1-t) * b``, which depends on the row's own length L (a length-shaping bias).
     Args: rewards, mask: [B, T]; group_index: [B], groups of size >= 2. Returns: [B, T] advantages.
     """
+    if gamma != 1.0:
+        raise ValueError(f"reinforce_pp_baseline needs ppo.gamma = 1, got {gamma}: the group baseline subtracted "
+                         "at the last token and discounted would reach token t as -gamma^(L-1-t) * baseline, a "
+                         "bias by the response's length L")
     returns = sequence_returns(rewards, mask)
     count, total, _ = _group_moments(returns, group_index)
     _check_group_sizes(count, "REINFORCE++-baseline")
@@ -160,20 +191,24 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, mask: Tensor, group_index:
 @dataclass(frozen=True)
 class Settings:
     """What the estimators read besides the batch: ``ppo.gamma``, ``ppo.lam``, GAE's optional whitening
-    (``ppo.whiten_advantages``, ``ppo.whiten_rewards``) and the device of the global whitening's all-reduce."""
+    (``ppo.whiten_advantages``, ``ppo.whiten_rewards``), what GRPO normalises (``ppo.grpo_normalize``) and the
+    device of the global whitening's all-reduce."""
 
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True
     whiten_rewards: bool = False
     device: torch.device | str = "cpu"
+    grpo_normalize: str = "score"
 
 
-# (rewards [B, T], mask [B, T], values [B, T] | None, group_index [B] | None, settings) -> (advantages, returns)
-EstimatorFn = Callable[[Tensor, Tensor, "Tensor | None", "Tensor | None", Settings], tuple[Tensor, "Tensor | None"]]
+# (rewards [B, T], mask [B, T], values [B, T] | None, group_index [B] | None, kl_rewards [B, T] | None, settings)
+# -> (advantages, returns)
+EstimatorFn = Callable[[Tensor, Tensor, "Tensor | None", "Tensor | None", "Tensor | None", Settings],
+                       tuple[Tensor, "Tensor | None"]]
 
 
-def _gae(rewards: Tensor, mask: Tensor, values: Tensor | None, _groups: Tensor | None,
+def _gae(rewards: Tensor, mask: Tensor, values: Tensor | None, _groups: Tensor | None, _kl: Tensor | None,
          s: Settings) -> tuple[Tensor, Tensor]:
     if values is None:
         raise ValueError("ppo.advantage='gae' needs the critic's values")
@@ -188,17 +223,22 @@ def _gae(rewards: Tensor, mask: Tensor, values: Tensor | None, _groups: Tensor |
 
 def _per_sequence(fn: Callable[[Tensor, Tensor], Tensor]) -> EstimatorFn:
     """An estimator of [B] sequence advantages from [B] returns and groups, given to every response token."""
-    def estimator(rewards: Tensor, mask: Tensor, _values, group_index: Tensor | None, _s: Settings):
+    def estimator(rewards: Tensor, mask: Tensor, _values, group_index: Tensor | None, _kl, _s: Settings):
         advantages = fn(sequence_returns(rewards, mask), _checked_groups(group_index, rewards))
         return advantages.unsqueeze(-1) * mask, None
     return estimator
 
 
-def _reinforce_pp(rewards: Tensor, mask: Tensor, _values, _groups, s: Settings) -> tuple[Tensor, None]:
+def _grpo(rewards: Tensor, mask: Tensor, _values, group_index: Tensor | None, kl_rewards: Tensor | None,
+          s: Settings) -> tuple[Tensor, None]:
+    return grpo_advantages(rewards, mask, _checked_groups(group_index, rewards), kl_rewards, s.grpo_normalize), None
+
+
+def _reinforce_pp(rewards: Tensor, mask: Tensor, _values, _groups, _kl, s: Settings) -> tuple[Tensor, None]:
     return reinforce_pp_advantages(rewards, mask, s.gamma, s.device), None
 
 
-def _reinforce_pp_baseline(rewards: Tensor, mask: Tensor, _values, group_index: Tensor | None,
+def _reinforce_pp_baseline(rewards: Tensor, mask: Tensor, _values, group_index: Tensor | None, _kl,
                            s: Settings) -> tuple[Tensor, None]:
     groups = _checked_groups(group_index, rewards)
     return reinforce_pp_baseline_advantages(rewards, mask, groups, s.gamma, s.device), None
@@ -214,7 +254,7 @@ def _checked_groups(group_index: Tensor | None, rewards: Tensor) -> Tensor:
 
 ESTIMATORS: dict[str, EstimatorFn] = {
     "gae": _gae,
-    "grpo": _per_sequence(grpo_sequence_advantages),
+    "grpo": _grpo,
     "rloo": _per_sequence(rloo_sequence_advantages),
     "reinforce_pp": _reinforce_pp,
     "reinforce_pp_baseline": _reinforce_pp_baseline,
@@ -224,7 +264,8 @@ ESTIMATORS: dict[str, EstimatorFn] = {
 def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values: Tensor | None = None,
                        group_index: Tensor | None = None, gamma: float = 1.0, lam: float = 0.95,
                        whiten_advantages: bool = True, whiten_rewards: bool = False,
-                       device: torch.device | str = "cpu") -> tuple[Tensor, Tensor | None]:
+                       device: torch.device | str = "cpu", kl_rewards: Tensor | None = None,
+                       grpo_normalize: str = "score") -> tuple[Tensor, Tensor | None]:
     """Advantages of ``estimator`` (``ppo.advantage``) for a batch.
 
     Args:
@@ -234,6 +275,8 @@ def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values:
         whiten_advantages, whiten_rewards: GAE's optional global whitening (``ppo.whiten_*``); the other
             estimators normalise as their definitions say and ignore both.
         device: where the global whitening all-reduces its moments (NCCL: CUDA only).
+        kl_rewards: [B, T] the KL penalty's share of ``rewards`` (``-beta * kl_t``), None when the KL is in
+            the loss; read by ``grpo`` alone, which normalises the score without it (``grpo_normalize``).
     Returns:
         (advantages [B, T], returns [B, T] for the critic or None), 0 where ``mask`` is 0.
     """
@@ -241,5 +284,5 @@ def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values:
         raise ValueError(f"unknown ppo.advantage {estimator!r}; expected one of {sorted(ESTIMATORS)}")
     if rewards.shape != mask.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must share one [B, T] shape")
-    settings = Settings(gamma, lam, whiten_advantages, whiten_rewards, device)
-    return ESTIMATORS[estimator](rewards, mask, values, group_index, settings)
+    settings = Settings(gamma, lam, whiten_advantages, whiten_rewards, device, grpo_normalize)
+    return ESTIMATORS[estimator](rewards, mask, values, group_index, kl_rewards, settings)

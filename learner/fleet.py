@@ -75,11 +75,13 @@ class Fleet:
         # reward.kind remote: the driver's token goes to the reward actors whose environment lacks it
         remote = ({"remote": cfg.reward, "forwarded_token": os.environ.get(cfg.reward.token_env)}
                   if cfg.reward.kind == "remote" else {})
+        judge = ({"judge": cfg.reward.judge, "judge_engine_args": cfg.reward.judge.engine_args(c.reward.num_gpus)}
+                 if cfg.reward.kind == "judge" else {})
         self.rewards = [
             cluster.start_actor(RewardActor, "reward", i, c.reward, placement, i, cfg.task.name,
                                 task_options or cfg.task.options(), model, cfg.reward.kind, reward_model,
                                 cfg.reward.score_clip, cfg.device("reward"), cfg.reward.label, max_restarts=restarts,
-                                **remote)
+                                **remote, **judge)
             for i in range(cfg.reward.num_actors)
         ]
         self.all = self.rollouts + self.references + self.rewards
@@ -213,13 +215,18 @@ class Fleet:
             worst = max(worst, error)
         return worst
 
-    def take_busy_seconds(self) -> dict[str, float]:
-        busy = []
-        for call in [a.take_busy_seconds.remote() for a in self.all]:
+    def take_counts(self) -> dict[str, float]:
+        """Per role since the last call: busy seconds (generate_seconds, reference_seconds, reward_seconds) and a
+        judge's answers (reward_judge_answers, reward_judge_unparseable)."""
+        totals: dict[str, float] = {}
+        roles = ["generate"] * len(self.rollouts) + ["reference"] * len(self.references) + ["reward"] * len(self.rewards)
+        for role, call in zip(roles, [a.take_counts.remote() for a in self.all], strict=True):
             try:
-                busy.append(ray.get(call))
+                counts = ray.get(call)
             except ray.exceptions.RayActorError:
-                busy.append(0.0)  # died since: its busy time went with it
-        r, f = len(self.rollouts), len(self.references)
-        return {"generate_seconds": sum(busy[:r]), "reference_seconds": sum(busy[r:r + f]),
-                "reward_seconds": sum(busy[r + f:])}
+                counts = {}  # died since: its counts went with it
+            totals.setdefault(f"{role}_seconds", 0.0)
+            for name, value in counts.items():
+                key = f"{role}_seconds" if name == "busy_seconds" else f"{role}_{name}"
+                totals[key] = totals.get(key, 0) + value
+        return totals

@@ -16,8 +16,9 @@ With ``r = logprobs - ref_logprobs``:
 
 The controller is fed ``response_mean = mean_b sum_t kl[b, t]``: the same nats the reward penalised.
 
-With ``kl.placement: loss`` the KL is a loss term instead, aggregated per response like the controller's
-statistic (``response_kl_loss``). Its expected gradient is that of the response KL
+With ``kl.placement: loss`` the KL is a loss term instead, summed per response like the controller's
+statistic (``response_kl_loss``), its gradient over the policy term's tokens (``kl_loss_aggregation``) so beta
+weighs it as it does in the reward. Its expected gradient is that of the response KL
 ``E_{y~pi}[sum_t r_t]``, which no per-token ``k(r_t)`` gives: k1's is 0, k3's is the reverse KL's, and
 per-token k2 misses the later tokens' log-ratios. ``grpo_token_k3_loss`` keeps GRPO's form to reproduce it.
 """
@@ -194,7 +195,40 @@ def kl_penalized_rewards(
     return rewards, kl
 
 
+def kl_logprob_roles(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, off_policy: bool) -> tuple[Tensor, Tensor]:
+    """Which sampled-token log-probs each KL role takes (DESIGN.md section 6): ``(penalised, sampler)``.
+
+    - ``penalised``: the penalty in the reward and the controller's statistic. The policy gradient of
+      ``E[score] - beta * KL(pi || pi_ref)`` needs the log-probs of the policy being optimised, which the learner
+      holds for these rows at the start of the update: ``proximal_logprobs`` (its own forward at collection), in
+      both modes. The engine's are an older version's in async mode (biased: tests/test_kl_loss.py enumerates).
+    - ``sampler``: the old policy of the KL loss term's prefix importance weights (``response_kl_loss``), exact
+      only against the policy that sampled the rows: async (``off_policy``), the engine's ``behaviour_logprobs``;
+      sync, the learner's own of that same version (their numeric difference is left to the probe).
+
+    Args: proximal_logprobs, behaviour_logprobs: [B, T]; off_policy: rollout.mode async.
+    Returns: two [B, T] tensors, each one of the inputs.
+    """
+    if proximal_logprobs.shape != behaviour_logprobs.shape:
+        raise ValueError(f"proximal_logprobs {tuple(proximal_logprobs.shape)} and behaviour_logprobs "
+                         f"{tuple(behaviour_logprobs.shape)} must share one [B, T] shape")
+    return proximal_logprobs, behaviour_logprobs if off_policy else proximal_logprobs
+
+
 # ---------------------------------------------------------------- the KL as a loss term (kl.placement: loss)
+
+
+def kl_loss_aggregation(aggregation: Aggregation) -> Aggregation:
+    """The count ``response_kl_loss``'s gradient divides by (its ``denominator``) under the policy term's
+    ``ppo.loss_aggregation``: that policy term's tokens, so that beta weighs the KL against it as the KL in the
+    reward does (with GAE at gamma = lambda = 1, unwhitened, both placements give one gradient).
+
+    ``token_mean``: the tokens; ``seq_mean_token_sum_norm``: B * T; ``sequence_mean``: the tokens too, its rows
+    times their mean length (per row, the 1 / length weights would make the KL's gradient length-biased; the
+    reward's KL takes them, so the placements differ by them where lengths differ)."""
+    if aggregation not in ("token_mean", "sequence_mean", "seq_mean_token_sum_norm"):
+        raise ValueError(f"unknown loss aggregation {aggregation!r}")
+    return "seq_mean_token_sum_norm" if aggregation == "seq_mean_token_sum_norm" else "token_mean"
 
 
 def response_kl_loss(
@@ -204,9 +238,10 @@ def response_kl_loss(
     mask: Tensor,
     form: LossForm = "kl_to_go",
     num_responses: Tensor | float | None = None,
+    denominator: Tensor | float | None = None,
 ) -> Tensor:
     """KL term for the loss whose expected gradient is that of the current policy's response KL
-    ``KL(theta) = E_{y~pi_theta}[sum_t r_t]``, summed per response and averaged over responses.
+    ``KL(theta) = E_{y~pi_theta}[sum_t r_t]``, summed per response, over a count of responses or tokens.
 
     The rows were sampled by the behaviour policy (``old_logprobs``), the current policy is ``logprobs``
     (a PPO epoch after the first step is off-policy). Each token is weighted by the detached prefix
@@ -221,16 +256,20 @@ def response_kl_loss(
 
     Args:
         logprobs: [B, T] current policy log-probs of the sampled tokens (with grad).
-        old_logprobs: [B, T] log-probs of the policy that sampled the rows (PPO's old log-probs).
+        old_logprobs: [B, T] log-probs of the policy that sampled the rows: in async mode the engine's, not
+            the proximal policy's (``kl_logprob_roles``).
         ref_logprobs: [B, T] frozen reference log-probs of the same tokens.
         mask: [B, T] action mask (bool or 0/1); the environment's tokens (0) carry no log-ratio and no
             importance weight: their probability is the environment's, the same under both policies.
         form: "kl_to_go" or "response_k2".
         num_responses: divide the sum over responses by this: a rank's share of the global count of
             responses, empty ones included, as the controller's mean counts them; default B.
+        denominator: divide the gradient's sum over responses by this count instead of ``num_responses``:
+            in the job the policy term's tokens (``kl_loss_aggregation``), so that beta weighs the KL against
+            the policy term as it does in the reward; default ``num_responses``.
     Returns:
         Scalar. Its value is the mean over responses of ``sum_t W_t r_t``, unbiased for the current
-        policy's response KL in nats; its gradient is the form's.
+        policy's response KL in nats; its gradient is the form's over ``denominator``.
     """
     if form not in EXACT_LOSS_FORMS:
         raise ValueError(f"response_kl_loss form must be one of {EXACT_LOSS_FORMS}, got {form!r}")
@@ -251,7 +290,9 @@ def response_kl_loss(
         surrogate = half_square - half_square.detach()
     if num_responses is None:
         num_responses = float(logprobs.shape[0])
-    return (value + surrogate).sum() / num_responses
+    if denominator is None:
+        denominator = num_responses
+    return value.sum() / num_responses + surrogate.sum() / denominator
 
 
 def grpo_token_k3_loss(

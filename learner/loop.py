@@ -226,7 +226,7 @@ class Job:
             rundir.write_samples(self.run_path, iteration, samples)
             self.eval_samples = samples
         record["iteration_seconds"] = time.perf_counter() - collected.started
-        record.update(self.fleet.take_busy_seconds())  # busy time per role, evaluation included
+        record.update(self.fleet.take_counts())  # busy time per role and a judge's answers, evaluation included
         self.records.append(record)
         rundir.append_metrics(self.run_path, record)
         self.job_metrics.record(record)
@@ -328,6 +328,8 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     reward_model = ModelSource.configured(cfg.reward.model_path) if cfg.reward.kind == "model" else None
     if reward_model is not None:
         check_reward_label(cfg.reward.model_path, cfg.reward.label)  # a local dir: its labels, before any actor
+    if cfg.reward.kind == "judge":  # the judge's model reaches the reward actors as the policy's does
+        reward_model = ModelSource.configured(cfg.reward.judge.model_path)
     tokenizer = load_tokenizer(model.resolve("driver"))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts, eval_prompts = encoded_prompts(tokenizer)
@@ -389,7 +391,7 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
         start_eval, samples = fleet.evaluate(eval_prompts, 0)
         rundir.write_samples(run_path, 0, samples)
     log("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in start_eval.items()))
-    fleet.take_busy_seconds()
+    fleet.take_counts()
     return Job(cfg, run_path, prompts, eval_prompts, placement, fleet, learner, weights, kl_ctl, sampler,
                first_iteration, start_eval, dict(start_eval), records, job_metrics, wall_start, log,
                eval_samples=samples)

@@ -18,7 +18,15 @@ from torch import Tensor, nn
 
 from actors.base import starting_up, yield_cpu_to_engines
 from learner.advantages import check_whole_groups, compute_advantages, uses_critic
-from learner.kl import check_finite, grpo_token_k3_loss, kl_penalized_rewards, kl_sums, response_kl_loss
+from learner.kl import (
+    check_finite,
+    grpo_token_k3_loss,
+    kl_logprob_roles,
+    kl_loss_aggregation,
+    kl_penalized_rewards,
+    kl_sums,
+    response_kl_loss,
+)
 from learner.ppo import (
     entropy_from_logits,
     explained_variance_moments,
@@ -182,6 +190,7 @@ class LearnerRank:
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.updates = 0
         self.collected: dict[int, RolloutBatch] = {}  # slot -> chunk with its old_logprobs, old_values, ref_logprobs, scores
+        self.forward_version: int | None = None  # the version of the last collect's forwards, when the driver said
         self.timings: dict[str, float] = {}
         return self.rank
 
@@ -221,6 +230,7 @@ class LearnerRank:
 
         failed, wait, start = [], 0.0, time.perf_counter()
         ran = 0
+        self.forward_version = expected_state[0] if expected_state is not None else None  # this round's weights
         for slot, chunk_ref, ref_ref, score_ref in zip(slots, chunk_refs, ref_logprob_refs, score_refs, strict=True):
             t0 = time.perf_counter()
             try:
@@ -269,11 +279,11 @@ class LearnerRank:
             check_finite(f"rank {self.rank} values", batch.old_values)
         batch.scores, missing_eos = penalize_missing_eos(batch.scores, batch.finish_reason, self.missing_eos_penalty)
 
-        # the KL penalised: of the policy that generated the rows, against the reference. Sync: the learner's
-        # own log-probs of that same version; async: the engine's, since the learner has moved on since
-        behaviour = batch.rollout_logprobs * mask if self.off_policy else batch.old_logprobs
+        # the KL penalised (and fed to the controller): of the policy being optimised, the learner's own log-probs
+        # at the start of the update, in both modes (async: not the engine's, an older version's)
+        penalised, _ = kl_logprob_roles(batch.old_logprobs, batch.rollout_logprobs * mask, self.off_policy)
         in_reward = self.kl.placement == "reward"
-        rewards, _ = kl_penalized_rewards(batch.scores, behaviour, batch.ref_logprobs, mask,
+        rewards, kl = kl_penalized_rewards(batch.scores, penalised, batch.ref_logprobs, mask,
                                            kl_coef if in_reward else 0.0, self.kl.estimator, batch.turn_rewards)
         estimator = self.ppo.advantage
         if estimator in GROUP_ESTIMATORS:  # whole chunks go to a rank, and a chunk holds whole groups
@@ -282,7 +292,8 @@ class LearnerRank:
         batch.advantages, batch.returns = compute_advantages(
             estimator, rewards, mask, values=batch.old_values, group_index=batch.group_index, gamma=self.ppo.gamma,
             lam=self.ppo.lam, whiten_advantages=self.ppo.whiten_advantages,
-            whiten_rewards=self.ppo.whiten_rewards, device=self.device)
+            whiten_rewards=self.ppo.whiten_rewards, device=self.device,
+            kl_rewards=-kl_coef * kl if in_reward else None, grpo_normalize=self.ppo.grpo_normalize)
 
         lr = scheduled_lr(self.ppo.lr, self.ppo.lr_schedule, iteration, self.run_iterations)
         for group in self.engine.optimizer.param_groups:  # after any checkpoint load: the schedule decides
@@ -296,15 +307,21 @@ class LearnerRank:
 
         lengths = mask.sum(-1)
         mismatch = (batch.old_logprobs - batch.rollout_logprobs).abs() * mask
-        sums = kl_sums(behaviour, batch.ref_logprobs, mask, self.kl.estimator)  # exactly the penalty applied
+        # rows an older version generated (async): their mismatch is mostly the policy's move since, reported
+        # apart from the engine-learner numeric difference, which only rows of the learner's version measure
+        version = self.forward_version
+        stale = torch.zeros_like(mask) if version is None else mask * (batch.policy_version != version).unsqueeze(-1)
+        sums = kl_sums(penalised, batch.ref_logprobs, mask, self.kl.estimator)  # exactly the penalty applied
         sums.update({
             "score_sum": float(batch.scores.sum()),
             "reward_sum": float((rewards * mask).sum()),  # penalty plus score, per episode summed
             "length_sum": float(lengths.sum()),
             "truncated": float((batch.finish_reason == 1).sum()),
             "missing_eos_penalized": float(missing_eos.sum()),
-            "mismatch_abs_sum": float(mismatch.sum()),
-            "mismatch_max": float(mismatch.max()) if mask.any() else 0.0,
+            "mismatch_abs_sum": float(mismatch.sum()),  # all rows: the stale rows' share is apart below
+            "mismatch_max": float((mismatch * (1 - stale)).max()) if mask.any() else 0.0,  # same-version rows
+            "stale_tokens": float(stale.sum()),
+            "stale_mismatch_abs_sum": float((mismatch * stale).sum()),
             # no critic: no values and no returns (the driver's value_mean is nan)
             "value_sum": float((batch.old_values * mask).sum()) if self.has_critic else float("nan"),
             "return_sum": float((batch.returns * mask).sum()) if batch.returns is not None else float("nan"),
@@ -383,8 +400,13 @@ class LearnerRank:
                         kl_term = grpo_token_k3_loss(logprobs, ref_mb, mask, aggregation, denominator)
                     else:  # per response over all ranks' responses, empty ones too, as the controller's mean
                         responses = global_loss_denominator(torch.ones_like(mask[:, :1]), "sequence_mean", self.device)
-                        kl_term = response_kl_loss(logprobs, old_logprobs, ref_mb, mask,
-                                                   self.kl.loss_form, responses)
+                        # its gradient over the policy term's tokens: beta weighs it as in the reward
+                        kl_count = global_loss_denominator(mask, kl_loss_aggregation(aggregation), self.device)
+                        # importance weights against the policy that sampled the rows (async: the engine)
+                        _, sampler = kl_logprob_roles(old_logprobs, mb.rollout_logprobs.to(self.device) * mask,
+                                                      self.off_policy)
+                        kl_term = response_kl_loss(logprobs, sampler, ref_mb, mask, self.kl.loss_form, responses,
+                                                   kl_count)
                     loss = loss + kl_coef * kl_term
                 self.engine.backward(loss)
                 self.engine.step()

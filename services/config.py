@@ -221,9 +221,79 @@ class ReferenceConfig(Section):
         return self
 
 
+class JudgeConfig(Section):
+    """An LLM judge (services/judge.py): reward.kind judge in the reward actors, or --judge FILE in the service."""
+
+    model_path: str = Field(description="the judge model (a Hugging Face dir or hub id) run by vLLM")
+    template: str = Field(description="the judge's prompt, a Python format string with {prompt}, {response} and "
+                          "the row's fields (task.reward_fields); a literal brace is {{ or }}")
+    parse: Literal["number", "labels"] = Field(
+        "number", description="number: the first number of the answer is the score; labels: the first of "
+        "reward.judge.labels found in it (a whole word, any case) gives its score")
+    pattern: str | None = Field(None, description="a regular expression searched in the answer; its first group "
+                                "(else the whole match) is the number or label read; none = the first number, "
+                                "or the first label")
+    score_range: tuple[float, float] | None = Field(
+        None, description="parse number: [low, high]; a number outside it is unparseable")
+    labels: dict[str, float] | None = Field(None, description="parse labels: each label's score")
+    unparseable_score: float = Field(description="the score of an answer the rule cannot read (no default: "
+                                     "choose it); such answers are counted, reward_judge_unparseable")
+    chat: bool = Field(True, description="send the template as a user message through the judge's chat template "
+                       "(when its tokenizer has one)")
+    max_new_tokens: PositiveInt = Field(16, description="the answer's length limit, tokens")
+    temperature: float = Field(0.0, ge=0, description="0: greedy, the same response gets the same score")
+    seed: int = Field(0, description="the judge's sampling seed")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="the judge's dtype")
+    max_model_len: PositiveInt = Field(2048, description="longest judge prompt plus answer, tokens")
+    kv_cache_mib: PositiveInt = Field(256, description="the judge's KV cache on CPU, MiB")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="on CUDA: the judge's share of its GPU; none = 0.9 of the reward role's "
+        "share (cluster.reward.num_gpus, at most 1)")
+
+    @model_validator(mode="after")
+    def _a_rule_that_can_read(self) -> JudgeConfig:
+        import math
+        import re
+
+        from services.judge_template import template_fields
+
+        template_fields(self.template)  # names only, and {response} among them
+        if self.parse == "labels":
+            if not self.labels:
+                raise ValueError("reward.judge.parse='labels' needs reward.judge.labels, e.g. {yes: 1.0, no: 0.0}")
+            if any(not label.strip() for label in self.labels):
+                raise ValueError("reward.judge.labels has an empty label")
+            if self.score_range is not None:
+                raise ValueError("reward.judge.score_range bounds parse 'number'; with parse 'labels' set it to null")
+        elif self.labels is not None:
+            raise ValueError("reward.judge.labels is set but reward.judge.parse='number'; set parse: labels")
+        if self.score_range is not None and not self.score_range[0] < self.score_range[1]:
+            raise ValueError(f"reward.judge.score_range={list(self.score_range)} must be [low, high] with low < high")
+        if self.pattern is not None:
+            try:
+                groups = re.compile(self.pattern).groups
+            except re.error as err:
+                raise ValueError(f"reward.judge.pattern={self.pattern!r} is not a regular expression: {err}") from None
+            if groups > 1:
+                raise ValueError(f"reward.judge.pattern={self.pattern!r} has {groups} groups; the first is read, so "
+                                 "make the others non-capturing, (?:...)")
+        values = [self.unparseable_score, *(self.labels or {}).values(), *(self.score_range or ())]
+        if not all(math.isfinite(v) for v in values):
+            raise ValueError("reward.judge: unparseable_score, labels and score_range must be finite numbers")
+        return self
+
+    def engine_args(self, reward_gpus: float) -> dict[str, Any]:
+        """The judge's ``LLM(...)`` arguments: eager, one process; on a GPU its share (see gpu_memory_utilization)."""
+        args: dict[str, Any] = {"enforce_eager": True, "distributed_executor_backend": "uni"}
+        if share := min(1.0, reward_gpus):
+            args["gpu_memory_utilization"] = self.gpu_memory_utilization or round(0.9 * share, 4)
+        return args
+
+
 class RewardConfig(Section):
-    kind: Literal["function", "model", "remote"] = Field(
-        "function", description="the task's function, a classifier model, or a reward service over HTTP (remote)")
+    kind: Literal["function", "model", "remote", "judge"] = Field(
+        "function", description="the task's function, a classifier model, a reward service over HTTP (remote), "
+        "or an LLM judge run by vLLM (reward.judge)")
     model_path: str | None = Field(None, description="sequence-classification reward model dir (kind=model)")
     label: int | str | None = Field(None, description="the classifier output that is the reward: an index or a "
                                     "name from its config.id2label; required when it has more than one label")
@@ -239,6 +309,7 @@ class RewardConfig(Section):
     timeout_s: PositiveFloat = Field(30.0, description="longest wait for one answer of the reward service")
     max_retries: int = Field(3, ge=0, description="retries of a reward request that timed out or got a 5xx, "
                              "with exponential backoff; a 4xx or a malformed answer ends the job")
+    judge: JudgeConfig | None = Field(None, description="the LLM judge (kind=judge)")
 
     @model_validator(mode="after")
     def _remote_needs_url(self) -> RewardConfig:
@@ -256,6 +327,11 @@ class RewardConfig(Section):
         elif self.url is not None:
             raise ValueError(f"reward.url is set but reward.kind={self.kind!r} ignores it; set reward.kind=remote "
                              "or reward.url=null")
+        if (self.kind == "judge") != (self.judge is not None):
+            raise ValueError("reward.kind='judge' needs reward.judge (model_path, template, unparseable_score)"
+                             if self.kind == "judge" else
+                             f"reward.judge is set but reward.kind={self.kind!r}; set reward.kind=judge or "
+                             "reward.judge=null")
         return self
 
 
@@ -279,7 +355,8 @@ class PPOConfig(Section):
     clip_range: PositiveFloat = Field(0.2, description="policy ratio clip epsilon")
     clip_range_value: PositiveFloat = Field(0.2, description="value clip around old values (gae only)")
     vf_coef: float = Field(1.0, ge=0, description="value loss weight (gae only)")
-    gamma: float = Field(1.0, gt=0, le=1, description="discount (gae, reinforce_pp, reinforce_pp_baseline)")
+    gamma: float = Field(1.0, gt=0, le=1, description="discount (gae, reinforce_pp; reinforce_pp_baseline takes "
+                         "only 1)")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
     whiten_advantages: bool = Field(True, description="whiten GAE's advantages over the batch (gae only: the "
                                     "other estimators normalise as defined)")
@@ -291,6 +368,21 @@ class PPOConfig(Section):
     max_grad_norm: PositiveFloat = Field(1.0, description="gradient clipping norm")
     is_cap: PositiveFloat = Field(2.0, description="rollout.mode async: cap of each token's importance weight "
                                   "pi_prox / pi_behav (truncated importance sampling)")
+    grpo_normalize: Literal["score", "return"] = Field(
+        "score", description="grpo with the KL in the reward: score normalises the score in its group and adds the "
+        "KL penalty to go unscaled (DeepSeekMath, OpenRLHF, TRL); return normalises score - beta * KL_b (verl's "
+        "use_kl_in_reward, only to reproduce it: where a group's scores tie, KL noise becomes unit advantages)")
+
+    @model_validator(mode="after")
+    def _estimator_settings(self) -> PPOConfig:
+        if self.advantage == "reinforce_pp_baseline" and self.gamma != 1:
+            raise ValueError(f"ppo.advantage='reinforce_pp_baseline' needs ppo.gamma=1 (got {self.gamma}): the group "
+                             "baseline subtracted at the last token and discounted reaches token t as "
+                             "-gamma^(L-1-t) * baseline, a bias by the response's length L (OpenRLHF forces 1)")
+        if self.grpo_normalize != "score" and self.advantage != "grpo":
+            raise ValueError(f"ppo.grpo_normalize={self.grpo_normalize!r} is set but ppo.advantage="
+                             f"{self.advantage!r} ignores it; set ppo.grpo_normalize='score' or ppo.advantage='grpo'")
+        return self
 
 
 class KLConfig(Section):
@@ -443,6 +535,9 @@ class JobConfig(BaseSettings):
         if p.advantage in GROUP_ESTIMATORS and n < 2:
             raise ValueError(f"ppo.advantage={p.advantage!r} takes its baseline over the samples of one prompt: it "
                              f"needs rollout.samples_per_prompt >= 2 (got {n})")
+        if p.grpo_normalize == "return" and self.kl.placement == "loss":
+            raise ValueError("ppo.grpo_normalize='return' normalises score - beta * KL_b, but kl.placement='loss' puts "
+                             "no KL in the return; set ppo.grpo_normalize='score'")
         if self.learner.critic == "separate" and p.advantage != "gae":
             raise ValueError(f"learner.critic='separate' builds a critic, but ppo.advantage={p.advantage!r} uses "
                              "none (only 'gae' does); set learner.critic='value_head' (ignored without GAE)")
@@ -505,6 +600,18 @@ class JobConfig(BaseSettings):
                              "its horizon (beta could flip sign); raise kl.horizon or lower rollout.batch_size")
         if self.reward.kind == "model" and not self.reward.model_path:
             raise ValueError("reward.kind='model' needs reward.model_path")
+        if self.reward.judge is not None:
+            from services.judge_template import check_template_fields
+
+            check_template_fields(self.reward.judge.template, self.task.reward_fields,
+                                  f"task {self.task.name!r} (task.reward_fields={self.task.reward_fields})")
+            judge_memory, reward_share = self.reward.judge.gpu_memory_utilization, self.cluster.reward.num_gpus
+            if judge_memory is not None and not reward_share:
+                raise ValueError(f"reward.judge.gpu_memory_utilization={judge_memory} sizes the judge on a GPU, but "
+                                 "cluster.reward.num_gpus=0 runs it on CPU; set it to null")
+            if judge_memory is not None and judge_memory > reward_share:
+                raise ValueError(f"reward.judge.gpu_memory_utilization={judge_memory} exceeds the GPU share of a reward "
+                                 f"actor, cluster.reward.num_gpus={reward_share}")
         if self.task.name == "dataset" and self.reward.kind == "function" and not self.task.reward_function:
             raise ValueError("task.name='dataset' with reward.kind='function' needs task.reward_function "
                              "(package.module:function), or another reward.kind")

@@ -118,6 +118,13 @@ def quiet_libraries(level: str | None = None) -> str:
     return level
 
 
+def quiet_judge_cast() -> None:
+    """A judge at dtype 'auto' (services/judge.py): vLLM runs a float32 checkpoint in 16 bits, as asked, and
+    warns once per weight as it casts it; nothing at debug or info."""
+    if not verbose():
+        _add_filter(logging.getLogger("vllm.model_executor.models.utils"), ("Attempted to load weight",))
+
+
 def quiet_vllm() -> None:
     """Before a vLLM engine starts in this process: drop the known harmless warnings from vLLM's log
     (its level comes from VLLM_LOGGING_LEVEL). Filters sit on the loggers that emit them, which vLLM's

@@ -32,7 +32,11 @@ DRIVER_GAUGES = {
     "learner_step_seconds": ("learner_seconds", "seconds from generate to the end of the PPO update"),
     "weight_sync_seconds": ("weight_sync_seconds", "seconds to load new weights into the engines"),
     "rollout_learner_logprob_mismatch": ("rollout_learner_logprob_mismatch",
-                                         "mean |engine - learner| sampled-token log-prob"),
+                                         "mean |engine - learner| sampled-token log-prob, rows of the learner's "
+                                         "version"),
+    "rollout_stale_logprob_shift": ("rollout_stale_logprob_shift",
+                                    "mean |engine - learner| sampled-token log-prob on rows of an older version "
+                                    "(async): the policy's move since"),
     # multi-turn episodes (task.name environment); unset for single responses
     "turns_per_episode": ("turns_mean", "the model's turns per episode"),
     "tool_calls_per_episode": ("tool_calls_mean", "tool calls the environment executed per episode"),
@@ -42,6 +46,9 @@ DRIVER_GAUGES = {
                                            "tokens the environment added per episode"),
     "environment_failures": ("environment_failures", "episodes regenerated after their environment failed"),
     "truncated_fraction": ("truncated_fraction", "episodes cut at the length or turn limit"),
+    # reward.kind judge; unset for other rewards
+    "reward_judge_unparseable": ("reward_judge_unparseable",
+                                 "judge answers this iteration that its rule could not read (scored unparseable_score)"),
     "iteration": ("iteration", "last finished iteration"),
     "policy_version": ("policy_version", "the learner's policy version"),
 }
@@ -123,8 +130,12 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
         "truncated_fraction": sums["truncated"] / n,
         "missing_eos_penalized_fraction": sums["missing_eos_penalized"] / n,  # reward.missing_eos_penalty
         "lr": lr,
-        "rollout_learner_logprob_mismatch": sums["mismatch_abs_sum"] / max(kl["num_tokens"], 1),
+        # the engine-learner numeric difference, on rows of the learner's own version; on stale rows (async) the
+        # difference is mostly the policy's move since, reported apart
+        "rollout_learner_logprob_mismatch": ((sums["mismatch_abs_sum"] - sums["stale_mismatch_abs_sum"])
+                                             / max(kl["num_tokens"] - sums["stale_tokens"], 1)),
         "rollout_learner_logprob_mismatch_max": sums["mismatch_max"],
+        "rollout_stale_logprob_shift": sums["stale_mismatch_abs_sum"] / max(sums["stale_tokens"], 1),
         "value_mean": sums["value_sum"] / max(kl["num_tokens"], 1),
         "probe_max_abs_error": sync["probe_max_abs_error"],
         "batch_policy_versions": batch_policy_versions,

@@ -10,11 +10,16 @@ with ``.url``, ``.port`` and ``.close()``.
   with a 4xx/5xx status; a reward function's exception text goes to the service's log, never to the client.
 * JSON only, never pickle: a request must say ``Content-Type: application/json`` (else 415).
 * Bounded: the body by ``max_request_bytes`` (413; no Content-Length is 411, an invalid one 400), the batch
-  by ``max_batch`` (413), open connections by ``max_connections`` (503), and each request by one overall
-  deadline of ``timeout_s`` from its arrival: reading its body (408), waiting for a reward slot (503) and
-  the reward call (504). A connection that does not finish sending a request within ``timeout_s`` is
-  closed, so a slow client holds nothing. At most ``max_concurrent`` reward calls run at once, a
-  timed-out one included until it really returns.
+  by ``max_batch`` (413), and each request by one overall deadline of ``timeout_s`` from the end of its
+  headers: reading its body (408), waiting for a reward slot (503) and the reward call (504). A connection
+  that has not sent a request's whole headers within ``header_timeout_s`` (5 s; ``max(timeout_s, 1)`` if
+  shorter) of opening or of its last answer is closed, so a slow client holds nothing for long. Open
+  connections are bounded by ``max_connections_per_client`` per client address (a new one evicts that
+  address's oldest connection still waiting for headers, else it is closed unanswered) and by
+  ``max_connections`` in all: a request whose headers arrive at that limit evicts the connections that have
+  waited longest for their headers (slow clients: a slowloris) and is served; only when every connection
+  is answering a request is it refused (503). A connection answering a request is never evicted. At most
+  ``max_concurrent`` reward calls run at once, a timed-out one included until it really returns.
 * Binds to 127.0.0.1 by default. Binding to anything but a loopback address needs a bearer ``token``
   (ValueError otherwise) of at least ``MIN_TOKEN_CHARS`` characters. With a token, every request must
   carry ``Authorization: Bearer <token>`` (401), compared in constant time. The server speaks plain
@@ -26,9 +31,17 @@ the server's message) otherwise. A timeout, a lost connection or a 5xx is retrie
 with exponential backoff; a 4xx or a malformed answer is not. It never follows redirects, so the token
 goes only to the URL given, and it ignores proxy settings of the environment.
 
-CLI: ``python -m services.reward_service --task randomwalks --port 8000`` serves a task's reward. The token,
-if any, comes from the environment (``--token-env``, default ``TETHER_REWARD_TOKEN``) or a file
-(``--token-file``), never from the command line, where other users could read it.
+CLI: ``python -m services.reward_service`` serves, in one command, one of
+* ``--task randomwalks``: a task's reward;
+* ``--function package.module:function``: ``function(prompt=..., completion=..., **fields)`` per sample, the
+  signature of a dataset job's ``task.reward_function`` (a sample without a field it needs is a 400);
+* ``--model PATH_OR_HUB_ID [--label L]``: a sequence-classification reward model, scored as the reward actors
+  score it (services/reward_models.py);
+* ``--judge judge.yaml``: an LLM judge on vLLM, the ``reward.judge`` section of a job (services/judge.py).
+A model and a judge batch dynamically: requests that arrive together are scored in one forward of at most
+``--max-batch-tokens`` tokens, on ``--device`` (cuda where there is one). The token, if any, comes from the
+environment (``--token-env``, default ``TETHER_REWARD_TOKEN``) or a file (``--token-file``), never from the
+command line, where other users could read it.
 """
 
 from __future__ import annotations
@@ -241,6 +254,8 @@ class _Limiter:
             return await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - loop.time()))
         except TimeoutError:
             raise _HTTPError(504, f"reward function did not return within timeout_s={self.timeout_s}") from None
+        except _HTTPError:  # the reward refused the request itself (a sample without a field it needs)
+            raise
         except Exception as e:
             incident = uuid.uuid4().hex[:12]
             log.error("reward function raised (incident %s)", incident, exc_info=e)
@@ -349,13 +364,64 @@ def build_app(reward_fn: RewardFn, token: str | None = None, max_request_bytes: 
     return app
 
 
-class _Protocol(H11Protocol):
-    """uvicorn's h11 protocol with three changes: a request the HTTP parser rejects is answered as JSON
-    naming what was wrong, and the connection is then closed without a TCP reset (``_close_after_draining``);
-    and a connection that has not sent a whole request within ``request_timeout_s`` of opening (or of its
-    last answer) is closed, so a slow client holds nothing."""
+class _ConnectionTable:
+    """One server's open connections counted per client address, and those waiting for a request's headers
+    in the order they began to wait (oldest first): what the per-client bound and the eviction of slow
+    connections read. Touched only on the server's event loop, so it needs no lock."""
 
-    request_timeout_s = 30.0
+    warn_every_s = 10.0  # evictions and refusals are logged as one summary this often at most: no log flood
+
+    def __init__(self) -> None:
+        self.per_client: dict[str, int] = {}
+        self.waiting: dict[_Protocol, None] = {}  # a dict keeps insertion order: the oldest waiter first
+        self._counts: dict[str, int] = {}
+        self._last_warning = -math.inf
+
+    def add(self, conn: _Protocol) -> None:
+        self.per_client[conn.client_host] = self.per_client.get(conn.client_host, 0) + 1
+
+    def remove(self, conn: _Protocol) -> None:
+        self.waiting.pop(conn, None)
+        left = self.per_client[conn.client_host] - 1
+        if left:
+            self.per_client[conn.client_host] = left
+        else:
+            del self.per_client[conn.client_host]
+
+    def start_waiting(self, conn: _Protocol) -> None:
+        self.waiting.pop(conn, None)  # re-inserted: now the newest waiter
+        self.waiting[conn] = None
+
+    def stop_waiting(self, conn: _Protocol) -> None:
+        self.waiting.pop(conn, None)
+
+    def oldest_waiting(self, host: str | None = None) -> _Protocol | None:
+        """The connection that has waited longest for request headers (of client address ``host`` if given)."""
+        return next((conn for conn in self.waiting if host is None or conn.client_host == host), None)
+
+    def note(self, what: str, n: int, now: float) -> None:
+        """Count ``n`` connections evicted or refused for reason ``what``; log the counts now and then."""
+        self._counts[what] = self._counts.get(what, 0) + n
+        if now - self._last_warning >= self.warn_every_s:
+            self._last_warning = now
+            log.warning("reward service under connection pressure: %s",
+                        "; ".join(f"{count} {reason}" for reason, count in self._counts.items()))
+            self._counts.clear()
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's h11 protocol with these changes: a request the HTTP parser rejects is answered as JSON
+    naming what was wrong, and the connection is then closed without a TCP reset (``_close_after_draining``);
+    a connection that has not sent a request's whole headers within ``header_timeout_s`` of opening (or of its
+    last answer) is closed, so a slow client holds nothing; a client address holds at most
+    ``max_connections_per_client`` connections; and a request whose headers arrive while the server is at
+    ``max_connections`` (uvicorn's ``limit_concurrency``, checked right after the headers) first evicts the
+    connections that have waited longest for their headers, so slow clients cannot lock out whole requests.
+    A connection answering a request is never evicted. ``table`` (a ``_ConnectionTable``) is set per server."""
+
+    header_timeout_s = 5.0
+    max_connections_per_client = 32
+    table: _ConnectionTable
     drain_s = 2.0  # after a rejected request: how long its unread rest is read and dropped before the close
     drain_max_bytes = 2 << 20  # and how many bytes of it at most
 
@@ -364,37 +430,94 @@ class _Protocol(H11Protocol):
         self._protocol_error = ""
         self._draining = False
         self._drained_bytes = 0
+        self._deadline: asyncio.TimerHandle | None = None
+        self._counted = False  # in self.table
+        self.client_host = self.client[0] if self.client else ""
         next_event = self.conn.next_event
 
         def recorded():
             try:
-                return next_event()
+                event = next_event()
             except h11.RemoteProtocolError as e:
                 self._protocol_error = str(e)
                 raise
+            if isinstance(event, h11.Request):  # before uvicorn's limit check, which follows in handle_events
+                self._headers_complete()
+            return event
 
         self.conn.next_event = recorded
-        self._arm_deadline()
+        if self.table.per_client.get(self.client_host, 0) >= self.max_connections_per_client:
+            oldest = self.table.oldest_waiting(self.client_host)
+            if oldest is None:  # all of this address's connections are answering requests: refuse this one
+                self.table.note(f"connection(s) refused: their client address had max_connections_per_client="
+                                f"{self.max_connections_per_client} connections, all answering requests",
+                                1, self.loop.time())
+                self.connections.discard(self)
+                self.transport.close()
+                return
+            oldest._evict()
+            self.table.note(f"connection(s) evicted for a newer one of the same client address (at "
+                            f"max_connections_per_client={self.max_connections_per_client}): they had not sent "
+                            "their request headers", 1, self.loop.time())
+        self._counted = True
+        self.table.add(self)
+        self._wait_for_headers()
 
-    def _arm_deadline(self) -> None:
-        self._deadline = self.loop.call_later(self.request_timeout_s, self._deadline_passed)
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _wait_for_headers(self) -> None:
+        """The next request's headers are due within ``header_timeout_s``; meanwhile the connection may be evicted."""
+        self._cancel_deadline()
+        self._deadline = self.loop.call_later(self.header_timeout_s, self._deadline_passed)
+        self.table.start_waiting(self)
+
+    def _headers_complete(self) -> None:
+        """A request's headers are in: from here the app's deadline (timeout_s) bounds its body and its answer.
+        At the connection limit, the connections that have waited longest for their headers make room for it."""
+        self._cancel_deadline()
+        self.table.stop_waiting(self)
+        limit, evicted = self.limit_concurrency, 0
+        while limit is not None and len(self.connections) >= limit:
+            oldest = self.table.oldest_waiting()
+            if oldest is None:  # all are answering requests: uvicorn's 503 stands
+                break
+            oldest._evict()
+            evicted += 1
+        if evicted:
+            self.table.note(f"connection(s) evicted to make room for whole requests (at max_connections={limit}): "
+                            "they had not sent their request headers", evicted, self.loop.time())
+
+    def _evict(self) -> None:
+        """Close this connection, which waits for request headers, and stop counting it at once: its
+        connection_lost, which would, comes only on a later turn of the event loop."""
+        self._forget()
+        self.connections.discard(self)
+        self._cancel_deadline()
+        self.transport.close()
+
+    def _forget(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.table.remove(self)
 
     def _deadline_passed(self) -> None:
-        busy = self.cycle is not None and not self.cycle.response_complete
-        if busy:  # the app's own deadline bounds the request it is answering
-            self._arm_deadline()
-        elif not self.transport.is_closing():
-            log.debug("reward service: closing a connection that sent no whole request in %.1fs",
-                      self.request_timeout_s)
+        self._deadline = None  # armed only while waiting for headers: a request being answered is never cut here
+        if not self.transport.is_closing():
+            log.debug("reward service: closing a connection that sent no whole request headers in %.1fs",
+                      self.header_timeout_s)
             self.transport.close()
 
     def connection_lost(self, exc) -> None:
-        self._deadline.cancel()
+        self._cancel_deadline()
+        self._forget()
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
-        self._deadline.cancel()
-        self._arm_deadline()
+        if not self.transport.is_closing():
+            self._wait_for_headers()  # before uvicorn's, which may read a pipelined request's headers at once
         super().on_response_complete()
 
     def send_400_response(self, msg: str) -> None:
@@ -417,7 +540,8 @@ class _Protocol(H11Protocol):
         and what the client still sends is read and dropped until it closes its side, for at most ``drain_s``
         and ``drain_max_bytes``; past either the connection is closed anyway."""
         self._draining = True
-        self._deadline.cancel()
+        self.table.stop_waiting(self)  # answered: not evicted, bounded by the drain
+        self._cancel_deadline()
         self._deadline = self.loop.call_later(self.drain_s, self.transport.close)
         self.transport.resume_reading()  # flow control may have paused reading; the drain must read
         if self.transport.can_write_eof():
@@ -497,34 +621,48 @@ def serve(
     *,
     max_concurrent: int = 4,
     max_connections: int = 64,
+    header_timeout_s: float = 5.0,
+    # a job's reward actors each hold one keep-alive connection, and the actors of one node share its address:
+    # 32 is more than a node runs, yet one address (a slowloris) holds at most half of the default max_connections
+    max_connections_per_client: int = 32,
 ) -> RewardServer:
     """Serve ``reward_fn(prompts, completions[, fields]) -> scores`` over HTTP in a background thread.
 
     ``port=0`` picks a free port (read it from the handle). Binding to a non-loopback ``host`` requires
-    a ``token``; a token, when given, is required on every request."""
+    a ``token``; a token, when given, is required on every request. A connection that has not sent a request's
+    whole headers within ``header_timeout_s`` (or ``max(timeout_s, 1)`` if shorter) of opening or of its last
+    answer is closed; a client address holds at most ``max_connections_per_client`` connections."""
     if not callable(reward_fn):
         raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
     check_token(token, host)
     for name, value in (("max_request_bytes", max_request_bytes), ("max_batch", max_batch),
-                        ("max_concurrent", max_concurrent), ("max_connections", max_connections)):
+                        ("max_concurrent", max_concurrent), ("max_connections", max_connections),
+                        ("max_connections_per_client", max_connections_per_client)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    for name, value in (("timeout_s", timeout_s), ("header_timeout_s", header_timeout_s)):
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     app = build_app(reward_fn, token, max_request_bytes, max_batch, float(timeout_s), max_concurrent)
     request_timeout_s = max(float(timeout_s), 1.0)
-    # a rejected request's rest is drained for at most the request deadline, and at most a whole accepted
-    # request plus what socket buffers hold in flight
-    protocol = type("RewardProtocol", (_Protocol,), {"request_timeout_s": request_timeout_s,
+    # the header deadline never exceeds the request deadline: a client that sends nothing whole holds nothing
+    # longer; a rejected request's rest is drained for at most the request deadline, and at most a whole
+    # accepted request plus what socket buffers hold in flight
+    protocol = type("RewardProtocol", (_Protocol,), {"header_timeout_s": min(float(header_timeout_s),
+                                                                             request_timeout_s),
+                                                     "max_connections_per_client": max_connections_per_client,
+                                                     "table": _ConnectionTable(),
                                                      "drain_s": min(_Protocol.drain_s, request_timeout_s),
                                                      "drain_max_bytes": max_request_bytes + (1 << 20)})
     bind_host = host.strip("[]")
     sock = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((bind_host, port))
+    # backlog: a burst of connects (a slowloris opening or reopening hundreds) must not fill the accept queue,
+    # where the kernel drops a real client's SYN and its connect is retried only a second later
     config = uvicorn.Config(app, http=protocol, ws="none", lifespan="off", log_config=None, access_log=False,
                             server_header=False, date_header=False, timeout_keep_alive=5,
-                            limit_concurrency=max_connections, backlog=64)
+                            limit_concurrency=max_connections, backlog=1024)
     server = RewardServer(uvicorn.Server(config), sock, bind_host)
     log.info("reward service listening on %s (token %s)", server.url, "required" if token else "off")
     return server
@@ -650,11 +788,108 @@ def _read_token(args: argparse.Namespace) -> str | None:
     return token or None
 
 
-def main(argv: list[str] | None = None) -> int:
+def per_sample(function: Callable, name: str) -> RewardFn:
+    """``function(prompt=..., completion=..., **row fields) -> score`` (a dataset job's task.reward_function) as
+    the service's batch reward; a sample whose fields the function cannot take is a 400 naming them."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        parameters = None
+    takes_any = parameters is None or any(p.kind is p.VAR_KEYWORD for p in parameters)
+    named = {p.name for p in parameters or () if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if parameters is not None and not ({"prompt", "completion"} <= named or takes_any):
+        raise ValueError(f"--function {name} cannot be called as {name}(prompt=..., completion=..., **fields): "
+                         f"it takes ({', '.join(sorted(named))})")
+    required = sorted(p.name for p in parameters or () if p.default is p.empty
+                      and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in ("prompt", "completion"))
+
+    def reward(prompts: list[str], completions: list[str], fields: list[dict]) -> list:
+        for i, sample in enumerate(fields):
+            missing = [f for f in required if f not in sample]
+            unknown = [] if takes_any else sorted(set(sample) - named)
+            if missing or unknown:
+                problem = f"lacks {missing}" if missing else f"has field(s) {unknown} it does not take"
+                raise _HTTPError(400, f"sample {i}: {name} needs the fields {required}; this sample {problem}")
+        return [function(prompt=p, completion=c, **f) for p, c, f in zip(prompts, completions, fields, strict=True)]
+
+    return reward
+
+
+def _judge_config(path: str):
+    """The judge section of a YAML file: a job config's ``reward.judge``, or the section alone."""
+    from services.config import JudgeConfig, read_yaml
+
+    data = read_yaml(path)
+    section = data.get("reward", {}).get("judge") if isinstance(data.get("reward"), dict) else data
+    if section is None:
+        raise ValueError(f"--judge {path}: the job config there has no reward.judge section")
+    return JudgeConfig.model_validate(section)
+
+
+def build_reward(args: argparse.Namespace) -> tuple[RewardFn, str]:
+    """The reward the command line names, and how to say what is served; ValueError naming a bad option."""
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    if args.task:
+        from services.tasks import get_task
+
+        task = get_task(args.task) if args.task_seed is None else get_task(args.task, seed=args.task_seed)
+        return task.reward, f"task {args.task!r} reward"
+    if args.function:
+        from services.tasks.dataset import import_reward_function
+
+        function = import_reward_function(args.function, "--function")
+        return per_sample(function, args.function), f"function {args.function}"
+    from services.reward_models import ScoreBatcher
+
+    if args.model:
+        from services.reward_models import SequenceClassifierReward
+
+        model = SequenceClassifierReward(args.model, args.label, device, f"reward model {args.model} (--model)")
+        batcher = ScoreBatcher(model.score_batch, model.count_tokens, args.max_batch_tokens)
+        return batcher, f"reward model {args.model} on {device} (batches of up to {args.max_batch_tokens} tokens)"
+    from services.judge import Judge
+
+    cfg = _judge_config(args.judge)
+    judge = Judge(cfg, cfg.model_path, device, cfg.engine_args(1.0 if device == "cuda" else 0.0))
+
+    def judged(prompts: list[str], completions: list[str], fields: list[dict]) -> list[float]:
+        try:
+            return judge(prompts, completions, fields)
+        except ValueError as err:  # a sample without a field the template names
+            raise _HTTPError(400, str(err)) from None
+        finally:
+            judge.take_counts()  # logs the unparseable answers of this call
+
+    batcher = ScoreBatcher(judged, judge.count_tokens, args.max_batch_tokens)
+    return batcher, f"judge {cfg.model_path} on {device} (batches of up to {args.max_batch_tokens} tokens)"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.reward_service",
-                                     description="Serve a task's reward function over HTTP (JSON).")
-    parser.add_argument("--task", required=True, help="task name, e.g. randomwalks")
+                                     description="Serve a reward over HTTP (JSON): a task's, your function, a "
+                                                 "reward model or an LLM judge.")
+    served = parser.add_mutually_exclusive_group(required=True)
+    served.add_argument("--task", help="a task's reward, e.g. randomwalks")
+    served.add_argument("--function", help="package.module:function called as function(prompt=..., completion=..., "
+                                           "**fields) per sample: a dataset job's task.reward_function")
+    served.add_argument("--model", help="a Hugging Face sequence-classification reward model (dir or hub id); "
+                                        "its logit of --label is the score")
+    served.add_argument("--judge", help="a YAML file with an LLM judge's settings: the reward.judge section "
+                                        "(or a job config that has one)")
     parser.add_argument("--task-seed", type=int, default=None, help="the task's seed (task.seed of the job)")
+    parser.add_argument("--label", default=None, help="--model: the label whose logit is the score (index or "
+                                                      "name); required when the model has more than one")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="--model, --judge: where the model runs (default: cuda when there is one)")
+    parser.add_argument("--max-batch-tokens", type=int, default=16384,
+                        help="--model, --judge: requests that arrive together are scored in one forward of up "
+                             "to this many tokens")
     parser.add_argument("--host", default="127.0.0.1",
                         help="bind address (default 127.0.0.1; anything else needs a token)")
     parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
@@ -666,27 +901,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=30.0, help="overall deadline of one request")
     parser.add_argument("--max-concurrent", type=int, default=4, help="reward calls at once")
     parser.add_argument("--max-connections", type=int, default=64, help="open connections at once")
+    parser.add_argument("--max-connections-per-client", type=int, default=32, help="open connections per client "
+                        "address")
+    parser.add_argument("--header-timeout-s", type=float, default=5.0,
+                        help="close a connection that has not sent a request's whole headers in this long")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    for option, value in (("--label", args.label), ("--device", args.device)):
+        if value is not None and not (args.model or (args.judge and option == "--device")):
+            parser.error(f"{option} applies to " + ("--model" if option == "--label" else "--model and --judge"))
+    if args.task_seed is not None and not args.task:
+        parser.error("--task-seed applies to --task")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level.upper() != "DEBUG":  # uvicorn's start and stop lines say nothing the line below does not
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before the URL is printed: whoever reads it may stop us at once
-        signal.signal(sig, lambda *_: stop.set())
-
-    from services.tasks import get_task
-
-    task = get_task(args.task) if args.task_seed is None else get_task(args.task, seed=args.task_seed)
     try:
-        server = serve(task.reward, host=args.host, port=args.port, token=_read_token(args),
-                       max_request_bytes=args.max_request_bytes, max_batch=args.max_batch,
-                       timeout_s=args.timeout_s, max_concurrent=args.max_concurrent,
-                       max_connections=args.max_connections)
+        reward, served_name = build_reward(args)  # a bad option fails here, before the port opens
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"serving task {args.task!r} reward at {server.url} (POST /score, GET /health)", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the URL is printed: whoever reads it may stop us at once
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server = serve(reward, host=args.host, port=args.port, token=_read_token(args),
+                       max_request_bytes=args.max_request_bytes, max_batch=args.max_batch,
+                       timeout_s=args.timeout_s, max_concurrent=args.max_concurrent,
+                       max_connections=args.max_connections,
+                       max_connections_per_client=args.max_connections_per_client,
+                       header_timeout_s=args.header_timeout_s)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"serving {served_name} at {server.url} (POST /score, GET /health)", flush=True)
     try:
         while not stop.wait(0.5):
             pass

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from services.tasks import get_task
 from services.tasks.randomwalks import LETTERS
+
+RANDOMWALKS = get_task("randomwalks")  # the job's default task seed
 
 
 def letter_distance(prompt: str, completion: str, answer: str) -> float:
@@ -17,6 +20,11 @@ def chat_length(prompt: list[dict], completion: str, weight: float) -> float:
     """The row's weight times the completion length: a chat-messages prompt arrives as the messages."""
     assert isinstance(prompt, list) and prompt[-1]["role"] == "user", prompt
     return weight * len(completion)
+
+
+def randomwalks_score(prompt: str, completion: str) -> float:
+    """The randomwalks task's reward as a user writes one: a function of one sample."""
+    return RANDOMWALKS.reward([prompt], [completion])[0]
 
 
 def no_fields(prompt: str, completion: str) -> float:

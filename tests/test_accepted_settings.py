@@ -78,7 +78,7 @@ SST2 = {0: "NEGATIVE", 1: "POSITIVE"}
 
 
 def test_label_index_by_name_or_index():
-    from actors.reward import reward_label_index
+    from services.reward_models import reward_label_index
 
     assert reward_label_index("POSITIVE", SST2, "m") == 1
     assert reward_label_index(1, SST2, "m") == 1
@@ -128,7 +128,7 @@ def test_two_label_classifier_scores_the_chosen_label(tmp_path):
                                 for p, c in zip(prompts, completions, strict=True)])
     for label, column in (("POSITIVE", 1), ("NEGATIVE", 0), (1, 1), ("0", 0)):
         actor = RewardActor(0, "randomwalks", {}, model_dir, kind="model", model_path=model_dir, label=label)
-        scores = actor.model_scores(prompts, completions)
+        scores = actor.reward_model(prompts, completions)
         assert scores == pytest.approx(expected[:, column].tolist(), abs=1e-5), label
     assert not torch.allclose(expected[:, 0], expected[:, 1])  # the two columns differ: the test can tell
 
@@ -154,7 +154,7 @@ def test_single_label_model_needs_no_label(tmp_path):
     model_dir = _classifier_dir(tmp_path / "one", 1)
     assert check_reward_label(model_dir, None) == 0
     actor = RewardActor(0, "randomwalks", {}, model_dir, kind="model", model_path=model_dir)
-    assert actor.label_index == 0
+    assert actor.reward_model.label_index == 0
 
 
 # ------------------------------------------------------------------ section 5: randomwalks on any seed

@@ -131,6 +131,63 @@ def test_the_return_is_the_score_minus_beta_times_the_response_kl():
     assert torch.allclose(advantages[:, 0], torch.tensor([1.0, -1.0, 0.0, 0.0]))
 
 
+def _grpo_groups_with_kl():
+    """Two groups of four 2-token responses, beta 0.01, every token of row b with kl (b % 4 + 1) / 200, so
+    KL_b = [.01, .02, .03, .04] in each group: group 0's scores tie at 1, group 1's are [0, 1, 0, 1]."""
+    kl = torch.tensor([[(b % 4 + 1) / 200] * 2 for b in range(8)], dtype=torch.float64)
+    mask = torch.ones(8, 2, dtype=torch.float64)
+    scores = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    rewards, kl_tokens = kl_penalized_rewards(scores, kl, torch.zeros_like(kl), mask, 0.01)  # logp - ref = kl (k1)
+    return rewards, mask, torch.tensor([0] * 4 + [1] * 4), -0.01 * kl_tokens
+
+
+def test_grpo_normalises_the_score_and_keeps_the_kl_outside():
+    """Issue 23, bias 4 (DeepSeekMath, OpenRLHF, TRL): ``A_t = (s - mean s) / (std s + 1e-6) - beta * kl to go``.
+    Group 0's scores tie: its advantages are the KL penalty to go alone, by hand -0.01 * [2, 1] * kl_token;
+    group 1's normalised scores are +-0.5 / (sqrt(1/3) + 1e-6) (unbiased std of [0, 1, 0, 1])."""
+    rewards, mask, groups, kl_rewards = _grpo_groups_with_kl()
+    advantages, _ = compute_advantages("grpo", rewards, mask, group_index=groups, kl_rewards=kl_rewards)
+    unit = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    to_go = [[-0.01 * 2 * (b + 1) / 200, -0.01 * (b + 1) / 200] for b in range(4)]
+    expected = torch.tensor([[0.0, 0.0]] * 4 + [[-unit] * 2, [unit] * 2, [-unit] * 2, [unit] * 2],
+                            dtype=torch.float64) + torch.tensor(to_go * 2, dtype=torch.float64)
+    assert torch.allclose(advantages, expected, rtol=0, atol=1e-12)
+    assert float(advantages[:4].abs().max()) < 1e-3  # the tied group's KL noise stays the size of beta * KL
+
+
+def test_grpo_normalize_return_keeps_the_present_form_to_reproduce_verl():
+    """``ppo.grpo_normalize: return`` normalises ``R = s - beta * KL_b``: the tied group's R = 1 - 0.01 * KL_b
+    = [.9999, .9998, .9997, .9996] become unit-size advantages (deviations +-1.5e-4, +-0.5e-4 over the unbiased
+    std sqrt(5e-8 / 3) + 1e-6): about [1.15, 0.38, -0.38, -1.15]."""
+    rewards, mask, groups, kl_rewards = _grpo_groups_with_kl()
+    advantages, _ = compute_advantages("grpo", rewards, mask, group_index=groups, kl_rewards=kl_rewards,
+                                       grpo_normalize="return")
+    std = math.sqrt(5e-8 / 3) + 1e-6
+    expected = torch.tensor([1.5e-4, 0.5e-4, -0.5e-4, -1.5e-4], dtype=torch.float64) / std
+    assert torch.allclose(advantages[:4, 0], expected, rtol=1e-6)
+    assert advantages[:4, 0].tolist() == pytest.approx([1.15, 0.38, -0.38, -1.15], abs=0.01)
+    # the KL in the loss: no penalty in the rewards, both forms normalise the score alone
+    in_loss, _ = kl_penalized_rewards(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.zeros(4, 2), torch.zeros(4, 2),
+                                      torch.ones(4, 2), 0.0)
+    for form in ("score", "return"):
+        got, _ = compute_advantages("grpo", in_loss, torch.ones(4, 2), group_index=torch.zeros(4, dtype=torch.long),
+                                    grpo_normalize=form)
+        assert got[:, 0].tolist() == pytest.approx([0.5, 0.5, -1.5, 0.5], abs=1e-5)  # (s - 0.75) / 0.5 (unbiased)
+    with pytest.raises(ValueError, match="unknown ppo.grpo_normalize 'kl'"):
+        compute_advantages("grpo", rewards, mask, group_index=groups, kl_rewards=kl_rewards, grpo_normalize="kl")
+    with pytest.raises(ValueError, match=r"kl_rewards \(8, 3\) and rewards \(8, 2\) must share"):
+        compute_advantages("grpo", rewards, mask, group_index=groups, kl_rewards=torch.zeros(8, 3))
+
+
+def test_reinforce_pp_baseline_refuses_a_discount():
+    """Issue 23, bias 5: discounted, the baseline b subtracted at the last token reaches token t as
+    ``-gamma^(L-1-t) * b``, by the row's own length (gamma 0.5, L = 3: -b/4 at the first token, L = 1: -b)."""
+    with pytest.raises(ValueError, match=r"reinforce_pp_baseline needs ppo.gamma = 1, got 0.9"):
+        reinforce_pp_baseline_advantages(REWARDS, MASK, torch.tensor([3, 3]), gamma=0.9)
+    with pytest.raises(ValueError, match=r"ppo.gamma = 1, got 0.5"):
+        compute_advantages("reinforce_pp_baseline", REWARDS, MASK, group_index=torch.tensor([3, 3]), gamma=0.5)
+
+
 # ---------------------------------------------------------------- group properties
 
 
@@ -177,11 +234,15 @@ def _reinforce_pp_shard_in_gloo_group(rank: int, world_size: int, store_path: st
     try:
         rewards, mask, groups = _contiguous_groups()
         rows = slice(0, 4) if rank == 0 else slice(4, 12)  # unequal shards, whole groups of 2 on each
-        out = {name: compute_advantages(name, rewards[rows], mask[rows], group_index=groups[rows], gamma=0.9)[0]
-               for name in ("reinforce_pp", "reinforce_pp_baseline")}
+        out = {name: compute_advantages(name, rewards[rows], mask[rows], group_index=groups[rows], gamma=gamma)[0]
+               for name, gamma in WHITENED_GAMMAS.items()}
         torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+# the baseline estimator takes gamma 1 only (a discounted baseline would shape by length)
+WHITENED_GAMMAS = {"reinforce_pp": 0.9, "reinforce_pp_baseline": 1.0}
 
 
 def _contiguous_groups():
@@ -193,12 +254,12 @@ def test_reinforce_pp_whitening_over_two_gloo_ranks_equals_one_rank(tmp_path):
     mp.spawn(_reinforce_pp_shard_in_gloo_group, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     rewards, mask, groups = _contiguous_groups()
     shards = [torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1.pt")]
-    for name in ("reinforce_pp", "reinforce_pp_baseline"):
-        one_rank, _ = compute_advantages(name, rewards, mask, group_index=groups, gamma=0.9)
+    for name, gamma in WHITENED_GAMMAS.items():
+        one_rank, _ = compute_advantages(name, rewards, mask, group_index=groups, gamma=gamma)
         two_ranks = torch.cat([shards[0][name], shards[1][name]])
         assert torch.allclose(two_ranks, one_rank, atol=1e-9), name
         # whitening each shard on its own would differ: the all-reduce is what makes them equal
-        alone = torch.cat([compute_advantages(name, rewards[s], mask[s], group_index=groups[s], gamma=0.9)[0]
+        alone = torch.cat([compute_advantages(name, rewards[s], mask[s], group_index=groups[s], gamma=gamma)[0]
                            for s in (slice(0, 4), slice(4, 12))])
         assert not torch.allclose(alone, one_rank, atol=1e-3), name
 
@@ -247,6 +308,12 @@ def test_with_n_samples_per_prompt_each_group_lands_whole_on_one_rank(n, chunk, 
     ({"ppo": {"advantage": "grpo"}, "rollout": {"samples_per_prompt": 4}, "learner": {"critic": "separate"}},
      "learner.critic='separate' builds a critic"),
     ({"ppo": {"advantage": "ppo"}}, "ppo.advantage"),
+    ({"ppo": {"advantage": "reinforce_pp_baseline", "gamma": 0.9}, "rollout": {"samples_per_prompt": 8}},
+     "ppo.advantage='reinforce_pp_baseline' needs ppo.gamma=1 (got 0.9)"),
+    ({"ppo": {"advantage": "rloo", "grpo_normalize": "return"}, "rollout": {"samples_per_prompt": 8}},
+     "ppo.grpo_normalize='return' is set but ppo.advantage='rloo' ignores it"),
+    ({"ppo": {"advantage": "grpo", "grpo_normalize": "return"}, "rollout": {"samples_per_prompt": 8},
+      "kl": {"placement": "loss", "loss_form": "kl_to_go"}}, "but kl.placement='loss' puts no KL in the return"),
 ])
 def test_config_refuses_what_the_estimators_cannot_use(overrides, message):
     from pydantic import ValidationError
@@ -264,6 +331,11 @@ def test_config_accepts_the_benchmark_settings():
         n = 8 if estimator in ("grpo", "rloo", "reinforce_pp_baseline") else 1
         cfg = load_config(None, {"ppo": {"advantage": estimator}, "rollout": {"samples_per_prompt": n}})
         assert cfg.rollout.batch_size == 128 and cfg.ppo.advantage == estimator
+    assert cfg.ppo.grpo_normalize == "score" and cfg.ppo.gamma == 1.0
+    cfg = load_config(None, {"ppo": {"advantage": "grpo", "grpo_normalize": "return"},
+                             "rollout": {"samples_per_prompt": 8}})
+    assert cfg.ppo.grpo_normalize == "return"
+    assert load_config(None, {"ppo": {"advantage": "reinforce_pp", "gamma": 0.9}}).ppo.gamma == 0.9
 
 
 def test_only_gae_builds_a_value_head():

@@ -106,9 +106,15 @@ def test_a_stale_row_is_never_trained_on(ray_client, tiny_model_dir):
     # slot 0's weights pi_prox / pi_behav are huge and capped; slot 1's are below 1
     assert result.ppo["is_capped_fraction"] == pytest.approx(0.5)
     assert 1.0 < result.ppo["is_weight_mean"] < 1.5
-    # the penalty is the engine's log-probs against the reference: slot 0's -20 - (-2) per token, slot 1's 0 - (-2)
-    tokens = result.sums["num_tokens"]
-    assert result.sums["response_sum"] == pytest.approx((-18.0 + 2.0) * tokens / 2, rel=1e-6)
+    # the penalty is the learner's own log-probs p (pi_prox, in (-20, 0)) against the reference (-2), not the
+    # engine's: sum(p) + 2 * tokens. The mismatch |p - behaviour| is slot 0's sum(p) + 20 per token on the stale
+    # rows (version 2, against the learner's 3) and slot 1's -sum(p) on the rows of its own version, apart
+    tokens, sums = result.sums["num_tokens"], result.sums
+    assert sums["stale_tokens"] == tokens / 2
+    stale_p = sums["stale_mismatch_abs_sum"] - 20.0 * tokens / 2
+    fresh_p = -(sums["mismatch_abs_sum"] - sums["stale_mismatch_abs_sum"])
+    assert sums["response_sum"] == pytest.approx(stale_p + fresh_p + 2.0 * tokens, rel=1e-5, abs=1e-3)
+    assert sums["response_sum"] != pytest.approx((-18.0 + 2.0) * tokens / 2, rel=1e-2)  # the engine's, before
 
 
 @pytest.mark.integration
@@ -126,7 +132,7 @@ def test_staleness_zero_reproduces_sync(ray_head, cache_dir, small_run, tmp_path
     assert all(r["ppo_is_capped_fraction"] == 0 for r in b)
     assert all(abs(r["ppo_is_weight_mean"] - 1) < 1e-4 for r in b), [r["ppo_is_weight_mean"] for r in b]
     for key in ("kl_response_mean", "score_mean", "reward_mean", "kl_coef", "response_length_mean", "ppo_loss"):
-        # the penalty takes the engine's log-probs here, the learner's there: equal within the probe's 1e-4 a token
+        # both penalise the learner's log-probs; the importance weights here differ from 1 by the probe's 1e-4
         assert [r[key] for r in a] == pytest.approx([r[key] for r in b], rel=1e-3, abs=1e-3), key
 
 

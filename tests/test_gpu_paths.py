@@ -29,8 +29,8 @@ def _gpu_config(**overrides):
 
 @pytest.mark.parametrize("tp, executor", [(1, "uni"), (2, "mp"), (4, "mp")])
 def test_tensor_parallel_engines_hold_their_gpus_in_one_bundle_and_run_the_mp_executor(tp, executor):
-    from actors.engines import vllm_device_args
     from learner.cluster import _options, role_bundle
+    from services.devices import vllm_device_args
 
     cfg = _gpu_config(rollout={"tensor_parallel_size": tp}, cluster={"rollout": {"num_gpus": tp}})
     args = cfg.rollout.vllm_engine_args()
@@ -73,7 +73,7 @@ def test_tensor_parallel_mp_engine_is_accepted_explicitly():
 
 
 def test_reference_vllm_engine_takes_its_gpu_share_from_the_config():
-    from actors.engines import vllm_device_args
+    from services.devices import vllm_device_args
 
     shared = _gpu_config(reference={"backend": "vllm"})  # half a GPU
     args = shared.reference_vllm_engine_args()
@@ -116,7 +116,7 @@ def _benchmark(name: str):
 
 
 def test_benchmark_engines_on_cuda_take_the_gpu_share_not_the_cpu_cache():
-    from actors.engines import vllm_device_args
+    from services.devices import vllm_device_args
 
     cfg = _gpu_config()
     alone = _benchmark("engine_in_service").alone_engine_kwargs(cfg, "/models/policy", 16)

@@ -11,15 +11,19 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from learner.advantages import compute_advantages
 from learner.kl import (
     EXACT_LOSS_FORMS,
     grpo_token_k3_loss,
     kl_estimate,
+    kl_logprob_roles,
+    kl_loss_aggregation,
     kl_penalized_rewards,
+    kl_stats,
     response_kl_loss,
     sequence_kl,
 )
-from learner.ppo import gae_advantages
+from learner.ppo import AGGREGATIONS, gae_advantages, loss_denominator, policy_loss
 from services.config import KLConfig, load_config
 
 VOCAB, EOS, MAX_LEN = 3, 2, 3
@@ -117,6 +121,43 @@ def test_without_the_importance_weights_an_off_policy_minibatch_is_not_exact():
     assert float((gradient(loss, theta) - want).norm() / want.norm()) > 0.05
 
 
+def async_expectation(per_response, theta, proximal_table, behaviour_table, ref_table) -> torch.Tensor:
+    """``E_{y~engine}[per_response(logp, proximal, behaviour, ref, mask)]`` over every response, each a [1, T]
+    batch weighted by its probability under the engine's (behaviour) policy, which sampled it."""
+    logp, ref = token_logprobs_of(theta), token_logprobs_of(ref_table)
+    proximal, behaviour = token_logprobs_of(proximal_table).detach(), token_logprobs_of(behaviour_table).detach()
+    weights = behaviour.sum(-1).exp()
+    return sum(weights[i] * per_response(logp[i:i + 1], proximal[i:i + 1], behaviour[i:i + 1], ref[i:i + 1],
+                                         MASK[i:i + 1]) for i in range(N))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("form", EXACT_LOSS_FORMS)
+def test_async_kl_loss_weighs_against_the_engine_that_sampled_the_rows(form, seed):
+    """Issue 23, bias 1: rollout.mode async with kl.placement loss. The engine (an older version, logits 0.5
+    away) sampled the rows; the learner's proximal policy (its forward at collection) is the current policy at
+    the first minibatch. The roles the rank takes (``kl_logprob_roles``) give the KL term the engine's log-probs
+    as its old policy, and the expected gradient is exactly the response KL's, by enumeration; the proximal
+    log-probs there (what the rank passed before) miss it by far."""
+    theta, ref_table, engine = tables(seed)
+    proximal = theta.detach()
+    want = gradient(response_kl(theta, ref_table), theta)
+
+    def roles_term(logp, prox, behaviour, ref, mask):
+        _, sampler = kl_logprob_roles(prox, behaviour, off_policy=True)
+        return response_kl_loss(logp, sampler, ref, mask, form)
+
+    got = gradient(async_expectation(roles_term, theta, proximal, engine, ref_table), theta)
+    assert float((got - want).abs().max()) < 1e-6
+    proximal_as_sampler = async_expectation(lambda logp, prox, behaviour, ref, mask:
+                                            response_kl_loss(logp, prox, ref, mask, form),
+                                            theta, proximal, engine, ref_table)
+    assert float((gradient(proximal_as_sampler, theta) - want).norm() / want.norm()) > 0.3
+    # sync: the learner's own log-probs are the sampler's (same version)
+    prox, behaviour = token_logprobs_of(proximal), token_logprobs_of(engine)
+    assert kl_logprob_roles(prox, behaviour, off_policy=False)[1] is prox
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_per_token_forms_in_the_loss_have_the_wrong_gradient(seed):
     """What the refused old form ``beta * sum_t k(r_t)`` computes, summed per response so that only the
@@ -196,6 +237,38 @@ def test_k2_and_k3_in_the_reward_are_biased(estimator):
         assert float((got - want).norm() / want.norm()) > 0.01, (estimator, seed)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_async_reward_penalty_from_the_proximal_policy_gives_the_penalised_return_gradient(seed):
+    """Issue 23, bias 2: rollout.mode async with the KL in the reward. Rows sampled by the engine, weighted by
+    the exact sequence importance weight pi_prox(y) / pi_engine(y); REINFORCE with the returns to go (GAE at
+    gamma = lambda = 1, no critic, unwhitened) through the PPO surrogate at the first step. With the penalty
+    built from the log-probs the rank's roles give (the proximal policy's) the expected gradient is that of
+    ``E[score] - beta * KL(pi || pi_ref)``, by enumeration; from the engine's (what the rank took before) it is
+    not. The controller is fed the KL that penalty took: the identity of DESIGN.md section 1 holds."""
+    theta, ref_table, engine = tables(seed)
+    logp, ref = token_logprobs_of(theta), token_logprobs_of(ref_table)
+    prox, behaviour = logp.detach(), token_logprobs_of(engine)
+    weight = behaviour.sum(-1).exp() * (prox.sum(-1) - behaviour.sum(-1)).exp()  # P_engine(y) * importance weight
+    want = penalised_return_gradient(theta, ref_table)
+    assert float(want.norm()) > 0.1
+
+    def estimate(penalised: torch.Tensor) -> torch.Tensor:
+        rewards, _ = kl_penalized_rewards(scores_of(), penalised, ref, MASK, BETA)
+        advantages, _ = compute_advantages("gae", rewards, MASK, values=torch.zeros_like(rewards), gamma=1.0,
+                                           lam=1.0, whiten_advantages=False)
+        loss, _ = policy_loss(token_logprobs_of(theta), prox, advantages, MASK, denominator=1.0,
+                              importance_weights=weight[:, None].expand_as(MASK))
+        return -gradient(loss, theta)
+
+    penalised, _ = kl_logprob_roles(prox, behaviour, off_policy=True)
+    assert float((estimate(penalised) - want).abs().max()) < 1e-6
+    assert float((estimate(behaviour) - want).norm() / want.norm()) > 0.05
+    rewards, _ = kl_penalized_rewards(scores_of(), penalised, ref, MASK, BETA)
+    penalty = -((rewards * MASK).sum(-1) - scores_of()) / BETA
+    assert kl_stats(penalised, ref, MASK)["response_mean"] == pytest.approx(float(penalty.mean()), abs=1e-12)
+
+
+
 # ---------------------------------------------------------------- aggregation: per response, global count
 
 
@@ -208,6 +281,68 @@ def test_loss_term_is_the_per_response_mean_over_all_responses_including_empty_o
         # at the behaviour policy the value is the controller's statistic: mean_b KL_b over all 3 rows
         assert float(term) == pytest.approx(float(sequence_kl(logp, ref, mask).mean()))
         assert float(term) == pytest.approx((-0.5 - 0.5 + 0.0) / 3)
+
+
+def placement_gradients(logp_values, ref, mask, aggregation, form="kl_to_go", beta=0.1):
+    """(reward placement, loss placement) gradients in the log-probs at the first PPO step of a batch with score
+    0, as the rank builds them: the policy term of ``ppo.loss_aggregation`` on GAE(1, 1) advantages (no critic,
+    unwhitened) of the KL-penalised rewards; or no KL in the rewards and beta times the KL term, its gradient
+    over ``kl_loss_aggregation``'s count."""
+    B = mask.shape[0]
+    logp = logp_values.clone().requires_grad_()
+    rewards, _ = kl_penalized_rewards(torch.zeros(B, dtype=ref.dtype), logp.detach(), ref, mask, beta)
+    advantages, _ = compute_advantages("gae", rewards, mask, values=torch.zeros_like(rewards), gamma=1.0, lam=1.0,
+                                       whiten_advantages=False)
+    count = loss_denominator(mask, aggregation)
+    policy, _ = policy_loss(logp, logp.detach(), advantages, mask, 0.2, aggregation, count)
+    in_reward = gradient(policy, logp)
+    term = response_kl_loss(logp, logp.detach(), ref, mask, form, B,
+                            loss_denominator(mask, kl_loss_aggregation(aggregation)))
+    return in_reward, gradient(beta * term, logp)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_both_placements_weigh_the_kl_against_the_policy_term_alike(aggregation):
+    """Issue 23, bias 3: score 0, B = 4 responses of L = 16 tokens, GAE(1, 1) unwhitened. By hand, each
+    placement's gradient in logp[b, t] is ``beta * G[b, t] / (B * L)`` (token_mean: over the B * L tokens;
+    sequence_mean: 1 / L per row, 1 / B over rows; seq_mean_token_sum_norm: over B * T, T = L) with the KL to go
+    ``G[b, t] = sum_{t' >= t} r[b, t']``; the KL term in the loss was divided by B alone: L = 16 times that."""
+    g = torch.Generator().manual_seed(5)
+    B, L, beta = 4, 16, 0.1
+    logp = -torch.rand(B, L, generator=g, dtype=torch.float64) * 3
+    ref = -torch.rand(B, L, generator=g, dtype=torch.float64) * 3
+    mask = torch.ones(B, L, dtype=torch.float64)
+    r = (logp - ref).tolist()
+    by_hand = torch.tensor([[beta * sum(r[b][t:]) / (B * L) for t in range(L)] for b in range(B)], dtype=torch.float64)
+    in_reward, in_loss = placement_gradients(logp, ref, mask, aggregation, beta=beta)
+    assert torch.allclose(in_reward, by_hand, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(in_loss, by_hand, rtol=1e-12, atol=1e-15)
+    ratio = (in_loss.norm() / in_reward.norm()).item()
+    assert ratio == pytest.approx(1.0, abs=1e-12)
+    # response_k2: its per-response gradient R_b * grad log pi(y), over the same count
+    _, k2 = placement_gradients(logp, ref, mask, aggregation, "response_k2", beta)
+    returns = [sum(row) for row in r]
+    assert torch.allclose(k2, torch.tensor([[beta * returns[b] / (B * L)] * L for b in range(B)],
+                                           dtype=torch.float64), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum_norm"])
+def test_with_unequal_lengths_the_placements_agree_where_the_policy_term_weighs_tokens_alike(aggregation):
+    """Rows of 16, 9, 3 and 0 tokens: every token weighs the same in these aggregations, so the two placements
+    give one gradient. ``sequence_mean`` weighs each row's tokens by 1 / its length in the policy term, and so
+    the reward's KL; the loss term keeps the exact gradient of the response KL over the tokens instead."""
+    g = torch.Generator().manual_seed(6)
+    logp = -torch.rand(4, 16, generator=g, dtype=torch.float64) * 3
+    ref = -torch.rand(4, 16, generator=g, dtype=torch.float64) * 3
+    mask = (torch.arange(16) < torch.tensor([16, 9, 3, 0])[:, None]).to(torch.float64)
+    in_reward, in_loss = placement_gradients(logp, ref, mask, aggregation)
+    assert torch.allclose(in_loss, in_reward, rtol=1e-12, atol=1e-15)
+    # its value (ppo_kl_loss) stays the nats per response, as the controller's statistic counts them
+    term = response_kl_loss(logp, logp, ref, mask, "kl_to_go", 4, loss_denominator(mask, "token_mean"))
+    assert float(term) == pytest.approx(float(sequence_kl(logp, ref, mask).mean()), abs=1e-12)
+    assert kl_loss_aggregation("sequence_mean") == "token_mean"
+    with pytest.raises(ValueError, match="unknown loss aggregation 'per_row'"):
+        kl_loss_aggregation("per_row")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("form", EXACT_LOSS_FORMS)
@@ -236,6 +371,8 @@ def test_bad_input_to_the_loss_term_fails_loudly():
         response_kl_loss(x, x, x, torch.ones(2, 2))
     with pytest.raises(ValueError, match="old_logprobs has 6 non-finite"):
         response_kl_loss(x, torch.full((2, 3), float("nan")), x, torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"proximal_logprobs \(2, 3\) and behaviour_logprobs \(2, 4\) must share"):
+        kl_logprob_roles(x, torch.zeros(2, 4), off_policy=True)
 
 
 # ---------------------------------------------------------------- the config accepts only what is right

@@ -141,6 +141,54 @@ def test_reward_errors_name_task_chunk_and_sample(roles):
     assert scores.shape == (2,)  # an empty response is scored, never a crash
 
 
+def test_a_slow_reward_scores_a_chunk_while_the_engine_generates_the_next(roles, tiny_model_dir):
+    """Reward calls run on the reward actors while the engines generate (the driver starts them on the chunks'
+    refs at once, ``Fleet.score``): a reward service that holds its first call until the engine has generated
+    the chunks after it gets them all, each scored as the task scores it. A judge scores in the same place."""
+    import threading
+
+    from actors.engines import SamplingSettings
+    from actors.reward import RewardActor
+    from learner.cluster import start_actor
+    from services.config import RewardConfig
+    from services.reward_service import serve
+    from services.tasks import get_task
+
+    task = get_task("randomwalks")
+    first_call_held, release, calls = threading.Event(), threading.Event(), []
+
+    def slow_reward(prompts: list[str], completions: list[str]) -> list[float]:
+        calls.append((list(prompts), list(completions)))
+        if len(calls) == 1:
+            first_call_held.set()
+            release.wait(120)
+        return task.reward(prompts, completions)
+
+    with serve(slow_reward, timeout_s=300) as service:
+        reward = start_actor(RewardActor, "reward", 1, small_config().cluster.reward, None, 1, "randomwalks", {},
+                             tiny_model_dir, "remote", remote=RewardConfig(kind="remote", url=service.url,
+                                                                         timeout_s=300, max_retries=0))
+        engine, sampling = roles["vllm"], SamplingSettings(1.0, 1.0, 9)
+
+        def chunk(i: int):
+            return engine.generate.remote([[1 + (i + j) % 20] for j in range(8)], list(range(8)),
+                                          [100 * i + j for j in range(8)], sampling, 22)
+
+        chunks = [chunk(0)]
+        scored = [reward.score.remote(chunks[0], 0)]
+        assert first_call_held.wait(120), "the first chunk's reward call never reached the service"
+        chunks += [chunk(i) for i in (1, 2, 3)]
+        scored += [reward.score.remote(ch, i) for i, ch in enumerate(chunks[1:], 1)]  # before they are generated
+        ray.get(chunks[1:], timeout=120)  # generated while the reward call of chunk 0 is held
+        assert len(calls) == 1 and not release.is_set()
+        release.set()
+        scores = ray.get(scored, timeout=120)
+        ray.kill(reward)
+    assert len(calls) == 4 and all(len(call[1]) == 8 for call in calls)
+    for (prompts, completions), got in zip(calls, scores, strict=True):  # one actor: its calls in order
+        assert got.tolist() == pytest.approx(task.reward(prompts, completions))
+
+
 def _fixed_batch(n: int, t: int, seed: int):
     from services.experience import make_batch
 

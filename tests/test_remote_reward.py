@@ -225,8 +225,8 @@ def reward_service_cli(monkeypatch):
     monkeypatch.setenv("TETHER_REWARD_TOKEN", TOKEN)
     started = []
 
-    def start(*extra: str) -> str:
-        proc = subprocess.Popen([sys.executable, "-m", "services.reward_service", "--task", "randomwalks",
+    def start(*extra: str, serving: tuple[str, ...] = ("--task", "randomwalks")) -> str:
+        proc = subprocess.Popen([sys.executable, "-m", "services.reward_service", *serving,
                                  "--port", "0", *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env={**os.environ, "TETHER_REWARD_TOKEN": TOKEN})
         started.append(proc)
@@ -250,12 +250,13 @@ def reward_service_cli(monkeypatch):
 @pytest.mark.integration
 def test_remote_reward_job_follows_the_local_rewards_trajectory(ray_head, cache_dir, tmp_path, reward_service_cli,
                                                                 small_run):
-    """The small run (``conftest.small_run``, reward.kind function) again with reward.kind remote: every score
-    from the service, and the same run to the bit: scores, rewards, KL, beta, losses and both evaluations.
-    (The Ray head was started without the token: the driver forwards it to the reward actor.)"""
+    """The small run (``conftest.small_run``, reward.kind function) again with reward.kind remote, served from a
+    user's function of one sample (``--function``): every score from the service, and the same run to the bit:
+    scores, rewards, KL, beta, losses and both evaluations. (The Ray head was started without the token: the
+    driver forwards it to the reward actor.)"""
     local_dir, local = small_run
     assert local.returncode == 0, local.stderr[-3000:]
-    url = reward_service_cli()
+    url = reward_service_cli(serving=("--function", "tests.dataset_rewards:randomwalks_score"))
     proc = run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
                     str(tmp_path), "--run.name", "remote", *SMALL, "--run.iterations", "4", "--checkpoint.every", "2",
                     "--reward.kind", "remote", "--reward.url", url])

@@ -9,6 +9,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -475,3 +476,215 @@ def test_fields_are_checked(make_server):
         bad = {**ok, "fields": fields}
         status, body = raw(srv, "POST", "/score", json.dumps(bad).encode(), token=None)
         assert status == 400 and fragment in body["error"]
+
+
+# ---------------------------------------------------------------- slow clients must not lock out real ones
+
+
+class _Slowloris(threading.Thread):
+    """A hostile client on loopback: ``n`` connections, spread over ``sources`` (the whole 127/8 is loopback
+    on Linux), that each send one more header line every ``period_s`` and never finish their headers; one the
+    server closes is opened again at the next round. It stops by itself after ``duration_s`` (or at ``stop()``)
+    and closes its sockets."""
+
+    def __init__(self, port: int, n: int, sources: list[str], period_s: float, duration_s: float) -> None:
+        super().__init__(name="slowloris", daemon=True)
+        self.port, self.n, self.sources, self.period_s, self.duration_s = port, n, sources, period_s, duration_s
+        self.opened = threading.Event()  # set once all n were opened once (or the attack ended)
+        self.cut = 0  # connections the server closed
+        self._stop_event = threading.Event()
+
+    def _open(self, i: int) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=5,
+                                        source_address=(self.sources[i % len(self.sources)], 0))
+        sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n")
+        return sock
+
+    @staticmethod
+    def _closed_by_server(sock: socket.socket) -> bool:
+        try:
+            return sock.recv(1, socket.MSG_DONTWAIT) == b""  # the server's FIN: it never answers these
+        except BlockingIOError:  # open, nothing to read
+            return False
+        except OSError:  # a reset
+            return True
+
+    def run(self) -> None:
+        end = time.monotonic() + self.duration_s
+        socks: list[socket.socket | None] = []
+        try:
+            for i in range(self.n):
+                socks.append(self._open(i))
+            self.opened.set()
+            while not self._stop_event.wait(self.period_s) and time.monotonic() < end:
+                for i, sock in enumerate(socks):
+                    try:
+                        if sock is not None and self._closed_by_server(sock):
+                            sock.close()
+                            self.cut += 1
+                            sock = socks[i] = None
+                        if sock is None:  # a hostile client comes back at once
+                            socks[i] = self._open(i)
+                        else:
+                            sock.sendall(b"X-Slow: 1\r\n")
+                    except OSError:
+                        if sock is not None:
+                            sock.close()
+                            self.cut += 1
+                        socks[i] = None
+        finally:
+            self.opened.set()
+            for sock in socks:
+                if sock is not None:
+                    sock.close()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=30)
+
+
+def test_slowloris_does_not_lock_out_real_requests(make_server, task):
+    """300 connections that send a header line every second and never finish (more than max_connections=64,
+    from ten loopback addresses, 30 each) fill the connection limit; a whole request that arrives meanwhile
+    is answered, not refused with 503: the slow connections waiting for their headers make room for it. The
+    service used to answer 503 until the slow connections went away."""
+    max_connections = 64
+    srv = make_server(task.reward, port=0, max_connections=max_connections)
+    slow = _Slowloris(srv.port, n=300, sources=[f"127.0.0.{i}" for i in range(2, 12)], period_s=1.0,
+                      duration_s=8.0)
+    slow.start()
+    try:
+        assert slow.opened.wait(30), "the slowloris did not open its connections"
+        prompts, completions = samples(task, 4)
+        expected = task.reward(prompts, completions)
+        latencies = []
+        for _ in range(3):  # a new connection each time, as a restarted actor opens one
+            # the slowloris holds the server at its limit (again, after it reopened what was cut); the test's
+            # timeout bounds the wait
+            while _connections(srv) < max_connections and slow.is_alive():
+                time.sleep(0.02)
+            assert slow.is_alive(), "the slowloris stopped before the request: the test proves nothing"
+            client = RewardClient(srv.url, timeout_s=5)
+            start = time.monotonic()
+            try:
+                assert client.score(prompts, completions) == expected  # a 503 raises RewardServiceError
+            finally:
+                client.close()
+            latencies.append(time.monotonic() - start)
+        print("real request latency under a 300-connection slowloris:", ", ".join(f"{t:.3f} s" for t in latencies))
+    finally:
+        slow.stop()
+    assert slow.cut > 0  # the server closed slow connections to make room
+
+
+def _dribble_until_closed(sock: socket.socket, limit_s: float = 15.0) -> float:
+    """Sends one header line every 0.2 s, never the blank line that ends the headers, until the server closes
+    the connection; returns the seconds that took (``limit_s`` bounds the wait: then the test fails)."""
+    start = time.monotonic()
+    sock.settimeout(0.2)
+    try:
+        while time.monotonic() - start < limit_s:
+            sock.sendall(b"X-Slow: 1\r\n")
+            try:
+                if sock.recv(1) == b"":  # the server's FIN, without an answer
+                    return time.monotonic() - start
+                pytest.fail("the server answered headers that were never finished")
+            except TimeoutError:
+                pass
+    except (ConnectionResetError, BrokenPipeError):  # closed while a line was in flight
+        return time.monotonic() - start
+    pytest.fail(f"the connection was still open after {limit_s} s of header lines")
+
+
+def test_headers_slower_than_header_timeout_are_cut(make_server, task):
+    """A connection that keeps sending header lines but never ends its headers is closed header_timeout_s after
+    it opened, and so is a kept-alive one after its last answer, though each line arrives well within it."""
+    srv = make_server(task.reward, port=0, header_timeout_s=1.0)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as sock:
+        sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n")
+        elapsed = _dribble_until_closed(sock)
+    assert 0.9 < elapsed < 8.0, elapsed
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=20)
+    try:
+        body = json.dumps({"prompts": ["b"], "completions": ["a"]}).encode()
+        conn.request("POST", "/score", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert (response.status, json.loads(response.read())) == (200, {"scores": task.reward(["b"], ["a"])})
+        conn.sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n")  # the same connection, kept alive
+        elapsed = _dribble_until_closed(conn.sock)
+    finally:
+        conn.close()
+    assert 0.5 < elapsed < 8.0, elapsed
+
+
+def _send_partial_headers(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=20)
+    sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n")
+    return sock
+
+
+def _finish_request(sock: socket.socket, payload: dict) -> tuple[int, dict]:
+    """Ends the headers a _send_partial_headers socket began, sends ``payload``; the answer's status and JSON."""
+    body = json.dumps(payload).encode()
+    sock.sendall(b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+                 + body)
+    head, _, answer = _read_until_closed(sock).partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(answer)
+
+
+def test_connections_per_client_are_bounded(make_server, task):
+    """A client address holds at most max_connections_per_client connections: a new one evicts the address's
+    oldest connection still waiting for its headers (oldest first), and is refused (closed unanswered) only
+    when all of them are answering requests, which go on undisturbed."""
+    srv = make_server(task.reward, port=0, max_connections_per_client=3, header_timeout_s=30.0)
+    payload = {"prompts": ["b", "c"], "completions": ["a", "a"]}
+    expected = {"scores": task.reward(payload["prompts"], payload["completions"])}
+    waiting = [_send_partial_headers(srv.port) for _ in range(3)]  # opened (and accepted) in this order
+    try:
+        waiting.append(_send_partial_headers(srv.port))  # a 4th: the 1st goes
+        assert _read_until_closed(waiting[0]) == b""
+        client = RewardClient(srv.url, timeout_s=10)  # a whole request on a 5th: the 2nd goes, and it is served
+        try:
+            assert client.score(payload["prompts"], payload["completions"]) == expected["scores"]
+        finally:
+            client.close()
+        assert _read_until_closed(waiting[1]) == b""
+        assert _finish_request(waiting[2], payload) == (200, expected)  # the others were kept
+        assert _finish_request(waiting[3], payload) == (200, expected)
+    finally:
+        for sock in waiting:
+            sock.close()
+    _wait_for_no_connections(srv)
+
+    # three connections answering requests (their bodies still to come): a 4th is refused, they are not disturbed
+    busy = [socket.create_connection(("127.0.0.1", srv.port), timeout=20) for _ in range(3)]
+    try:
+        body = json.dumps(payload).encode()
+        for sock in busy:
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                         b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+            interim = b""
+            while not interim.endswith(b"\r\n\r\n"):
+                interim += sock.recv(1)
+            assert interim.startswith(b"HTTP/1.1 100"), interim  # the app is reading the body: answering
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as refused:
+            assert _read_until_closed(refused) == b""
+        for sock in busy:
+            sock.sendall(body)
+            head, _, answer = _read_until_closed(sock).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and json.loads(answer) == expected, head
+    finally:
+        for sock in busy:
+            sock.close()
+
+
+def test_bad_connection_settings_are_refused():
+    def reward(prompts, completions):
+        return [0.0] * len(prompts)
+
+    for value in (0, -1.0, math.nan, math.inf, "5", True, None):
+        with pytest.raises(ValueError, match=r"header_timeout_s must be a positive number of seconds, got"):
+            serve(reward, header_timeout_s=value)
+    for value in (0, -3, 2.5, "32", True, None):
+        with pytest.raises(ValueError, match=r"max_connections_per_client must be a positive integer, got"):
+            serve(reward, max_connections_per_client=value)

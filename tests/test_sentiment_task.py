@@ -204,3 +204,49 @@ def test_smollm2_sync_loads_every_parameter_and_its_rotary_embedding_has_none(co
     assert engine.load_weights(weights) == []
     assert engine.load_weights({k: v for k, v in weights.items() if k != "model.norm.weight"}) == ["model.norm.weight"]
     del engine, weights  # the engine's memory goes back before the module's next test
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_smollm2_judges_responses_in_a_reward_actor(converted):
+    """reward.kind judge with SmolLM2 as the judge, in a reward actor: each score is the rule's reading of the
+    judge's greedy answer, or unparseable_score, counted; the same response gets the same score in a batch and
+    again; the template reaches the judge through its chat template. (The judgement need not be good.)"""
+    import torch
+
+    from actors.reward import RewardActor
+    from services.config import JudgeConfig
+    from services.experience import make_batch
+    from services.judge import AnswerRule
+    from services.models import load_tokenizer
+
+    _, path, _ = converted
+    cfg = JudgeConfig(model_path=str(path), template="Rate how positive this reply to {prompt!r} is, 0 to 10:\n"
+                      "{response}\nReply with one number.", score_range=(0, 10), unparseable_score=-1.0,
+                      max_new_tokens=8, max_model_len=512, kv_cache_mib=64)
+    actor = RewardActor(0, "smollm2-sentiment", {}, str(path), kind="judge", model_path=str(path), judge=cfg)
+    tokenizer = load_tokenizer(path)
+    replies = ["I love it, what a wonderful day!", "This is awful and I hate it.", "I love it, what a wonderful day!",
+               "Meh."]
+    batch = make_batch([tokenizer("Tell me about your day.")["input_ids"]] * 4,
+                       [tokenizer(r)["input_ids"] + [tokenizer.eos_token_id] for r in replies], [[0.0]] * 4,
+                       [0] * 4, [0, 1, 2, 3], tokenizer.pad_token_id, 0, 0.0)
+    scores = actor.score(batch, 0)
+    assert scores[0] == scores[2]  # one response, one score
+    assert torch.equal(actor.score(batch, 0), scores)  # greedy: the same again
+    prompts, completions = actor.decode(batch)
+    again, answers = actor.judge.judge(prompts, completions)
+    rule = AnswerRule("number", score_range=(0, 10))
+    readings = [rule(a) for a in answers]
+    assert again == scores.tolist() == [-1.0 if r is None else r for r in readings], answers
+    unread = sum(r is None for r in readings)
+    assert actor.take_counts()["judge_unparseable"] == 3 * unread and actor.take_counts()["judge_answers"] == 0
+    rendered = actor.judge.render(prompts[0], completions[0], {})
+    assert rendered.startswith("<|im_start|>") and cfg.template.format(prompt=prompts[0], response=completions[0]) \
+        in rendered
+
+    actor.judge.rule = AnswerRule("number", pattern=r"VERDICT=(\d+)")  # a rule no answer meets
+    assert actor.score(batch, 0).tolist() == [-1.0] * 4
+    assert {k: v for k, v in actor.take_counts().items() if k != "busy_seconds"} == {"judge_answers": 4,
+                                                                                      "judge_unparseable": 4}
+    del actor  # the engine's memory goes back before the module's next test

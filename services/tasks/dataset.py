@@ -107,18 +107,18 @@ def check_prompt(value: Any, where: str) -> None:
                      '{"role": ..., "content": ...}')
 
 
-def import_reward_function(name: str) -> Callable:
-    """``package.module:function``, imported and checked to be callable; ValueError otherwise."""
+def import_reward_function(name: str, setting: str = "task.reward_function") -> Callable:
+    """``package.module:function``, imported and checked to be callable; ValueError naming ``setting`` otherwise."""
     module_name, _, attribute = name.partition(":")
     if not module_name or not attribute:
-        raise ValueError(f"task.reward_function={name!r} is not of the form package.module:function")
+        raise ValueError(f"{setting}={name!r} is not of the form package.module:function")
     try:
         function = getattr(importlib.import_module(module_name), attribute)
     except Exception as err:  # the module is user code: whatever its import raises is a bad setting
-        raise ValueError(f"task.reward_function={name!r} cannot be imported: {type(err).__name__}: {err}") from err
+        raise ValueError(f"{setting}={name!r} cannot be imported: {type(err).__name__}: {err}") from err
     if not callable(function):
         raise ValueError(  # noqa: TRY004 - main reports ValueError as bad input
-            f"task.reward_function={name!r} is a {type(function).__name__}, not a function")
+            f"{setting}={name!r} is a {type(function).__name__}, not a function")
     return function
 
 
