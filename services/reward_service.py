@@ -851,6 +851,14 @@ def build_reward(args: argparse.Namespace) -> tuple[RewardFn, str]:
 
     cfg = _judge_config(args.judge)
     judge = Judge(cfg, cfg.model_path, device, cfg.engine_args(1.0 if device == "cuda" else 0.0))
+    return (judged_reward(judge, args.max_batch_tokens),
+            f"judge {cfg.model_path} on {device} (batches of up to {args.max_batch_tokens} tokens)")
+
+
+def judged_reward(judge, max_batch_tokens: int):
+    """A ``services.judge.Judge`` as the service's reward, batched; a sample without a field its template
+    names is a 400, and each call's unparseable answers are logged."""
+    from services.reward_models import ScoreBatcher
 
     def judged(prompts: list[str], completions: list[str], fields: list[dict]) -> list[float]:
         try:
@@ -860,8 +868,7 @@ def build_reward(args: argparse.Namespace) -> tuple[RewardFn, str]:
         finally:
             judge.take_counts()  # logs the unparseable answers of this call
 
-    batcher = ScoreBatcher(judged, judge.count_tokens, args.max_batch_tokens)
-    return batcher, f"judge {cfg.model_path} on {device} (batches of up to {args.max_batch_tokens} tokens)"
+    return ScoreBatcher(judged, judge.count_tokens, max_batch_tokens)
 
 
 def _cuda() -> bool:

@@ -245,6 +245,20 @@ def test_smollm2_judges_responses_in_a_reward_actor(converted):
     assert rendered.startswith("<|im_start|>") and cfg.template.format(prompt=prompts[0], response=completions[0]) \
         in rendered
 
+    # the service's --judge serves the same judge, batched: the same scores; a field the template names and a
+    # request lacks is a 400
+    from services.reward_service import RewardClient, RewardServiceError, judged_reward, serve
+
+    with serve(judged_reward(actor.judge, 4096)) as service:
+        client = RewardClient(service.url, timeout_s=120)
+        assert client.score(prompts, completions) == scores.tolist()
+        actor.judge.fields = [*actor.judge.fields, "answer"]
+        with pytest.raises(RewardServiceError, match=r"HTTP 400: reward.judge.template needs the row field\(s\) "
+                                                     r"\['answer'\]"):
+            client.score(prompts[:1], completions[:1])
+        actor.judge.fields = actor.judge.fields[:-1]
+    actor.take_counts()
+
     actor.judge.rule = AnswerRule("number", pattern=r"VERDICT=(\d+)")  # a rule no answer meets
     assert actor.score(batch, 0).tolist() == [-1.0] * 4
     assert {k: v for k, v in actor.take_counts().items() if k != "busy_seconds"} == {"judge_answers": 4,
