@@ -80,6 +80,43 @@ def _group_all_equal(x: Tensor, group_index: Tensor) -> Tensor:
     return (high == low)[inverse]
 
 
+def differing_groups(scores: Tensor, group_index: Tensor) -> int:
+    """How many of the groups in ``group_index`` [B] hold ``scores`` [B] that are not all equal."""
+    if not scores.numel():
+        return 0
+    return int(torch.unique(group_index[~_group_all_equal(scores, group_index)]).numel())
+
+
+def dynamic_sampling_rows(scores: Tensor, group_index: Tensor, groups: int) -> tuple[Tensor, dict[str, int]]:
+    """DAPO's dynamic sampling on one rank's rows: the whole groups it trains on.
+
+    A group whose scores all tie (max == min) has no score signal for a group baseline: it is dropped. The first
+    ``groups`` groups whose scores differ, in row order (collection order), are kept, later ones are surplus; when
+    fewer differ (the rounds' bound was reached), the first tied groups fill the rest, so the batch stays full.
+
+    Args: scores: [B] the scores the advantages read (penalties applied); group_index: [B] whole groups;
+        groups: how many groups to keep. Returns: (keep [B] bool, {"tied", "filled", "surplus"}: group counts).
+    """
+    if scores.shape != group_index.shape or scores.dim() != 1:
+        raise ValueError(f"scores {tuple(scores.shape)} and group_index {tuple(group_index.shape)} must share one "
+                         "[B] shape")
+    ids, inverse = torch.unique(group_index, return_inverse=True)
+    if ids.numel() < groups:
+        raise ValueError(f"dynamic sampling keeps {groups} groups but the rows hold {ids.numel()}")
+    rows = torch.arange(group_index.numel())
+    first_row = torch.full((ids.numel(),), group_index.numel(), dtype=torch.long).scatter_reduce(0, inverse, rows,
+                                                                                               "amin")
+    order = first_row.argsort()  # groups in collection order
+    tied = torch.zeros(ids.numel(), dtype=torch.bool).scatter_(0, inverse, _group_all_equal(scores, group_index))
+    differing, tied_order = order[~tied[order]], order[tied[order]]
+    kept = torch.cat([differing[:groups], tied_order[: max(groups - differing.numel(), 0)]])
+    keep = torch.zeros(ids.numel(), dtype=torch.bool)
+    keep[kept] = True
+    counts = {"tied": int(tied.sum()), "filled": max(groups - differing.numel(), 0),
+              "surplus": max(differing.numel() - groups, 0)}
+    return keep[inverse], counts
+
+
 def _check_group_sizes(count: Tensor, name: str) -> None:
     if bool((count < 2).any()):
         raise ValueError(f"{name} needs at least 2 samples per group (rollout.samples_per_prompt >= 2); "

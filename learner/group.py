@@ -34,12 +34,16 @@ class LearnerGroup:
             for i in range(self.world_size)
         ]
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
+        reward = cfg.reward  # DAPO's soft overlong penalty, measured back from rollout.max_new_tokens
+        overlong = None if reward.overlong_buffer is None else (cfg.rollout.max_new_tokens, reward.overlong_buffer,
+                                                                reward.overlong_penalty)
         setups = [
             rank.setup.remote(master_addr, master_port, model, cfg.learner, cfg.ppo,
                               cfg.kl, cfg.rollout.temperature, cfg.run.seed, cfg.device("learner"),
                               run_iterations=cfg.run.iterations, missing_eos_penalty=cfg.reward.missing_eos_penalty,
                               samples_per_prompt=cfg.rollout.samples_per_prompt, off_policy=cfg.rollout.mode == "async",
-                              rollout_batch_size=cfg.rollout.batch_size, rows_per_episode_vary=cfg.rollout.agent is not None)
+                              rollout_batch_size=cfg.rollout.batch_size, rows_per_episode_vary=cfg.rollout.agent is not None,
+                              overlong=overlong, dynamic_sampling=cfg.rollout.dynamic_sampling)
             for rank in self.ranks
         ]
         self._get(setups, "setup")
@@ -82,6 +86,10 @@ class LearnerGroup:
                                      [score_refs[s] for s in slots], forwards, expected_state)
                  for rank, slots in zip(self.ranks, by_rank, strict=True)]
         return sorted(s for result in self._get(calls, "collect") for s in result["failed"])
+
+    def differing_groups(self) -> list[int]:
+        """Dynamic sampling: per rank, the whole groups it has collected whose scores differ (penalties applied)."""
+        return self._get([rank.differing_groups.remote() for rank in self.ranks], "the count of groups")
 
     def update(self, kl_coef: float, iteration: int) -> UpdateResult:
         """Every rank trains at once on what it collected. Returns their results combined."""

@@ -65,6 +65,7 @@ class Collected:
     prompt_rows: list[int]
     resynced: list[dict]  # actors re-synced before generating (restarted ones)
     started: float  # perf_counter at the start of the iteration
+    extra_rounds: int | None = None  # rollout.dynamic_sampling: the rounds of generation after the first
 
 
 @dataclass
@@ -130,8 +131,20 @@ class Job:
         # actors that restarted come back at version 0: re-sync them (and probe) before they generate
         resynced = self.weights.bring_up_to_date()
         batch, self.ahead = self.ahead or self._start(iteration), None
-        chunk_refs, ref_refs, score_refs = batch.chunk_refs, batch.ref_refs, batch.score_refs
+        resynced += self._collect_chunks(iteration, batch, batch.chunk_refs, batch.ref_refs, batch.score_refs)
+        extra_rounds = self._dynamic_sampling(iteration, batch, resynced) if self.cfg.rollout.dynamic_sampling else None
+        if self._overlaps() and iteration < self.cfg.run.iterations:
+            # generates with version v while v + 1 trains; after any extra rounds, so that the prompt cursor a
+            # checkpoint saves (the next batch's) comes after every prompt this batch drew
+            self.ahead = self._start(iteration + 1)
+        return Collected(batch.prompt_rows, resynced, started, extra_rounds)
+
+    def _collect_chunks(self, iteration: int, batch: Started, chunk_refs: dict, ref_refs: dict,
+                        score_refs: dict) -> list[dict]:
+        """The learner ranks collect these chunks; lost ones are regenerated (the same slots of
+        ``batch.prompt_rows``). Returns the actors re-synced meanwhile."""
         lost: list[int] = []
+        resynced: list[dict] = []
         for retry in range(self.cfg.run.max_chunk_retries + 1):
             if retry:
                 self.log(f"iteration {iteration}: chunks {lost} lost to a dead or restarted actor, or too stale; "
@@ -141,11 +154,34 @@ class Job:
                 ref_refs, score_refs = self.fleet.score(chunk_refs)
             lost = self.learner.collect(chunk_refs, ref_refs, score_refs, self._admitted())
             if not lost:
-                if self._overlaps() and iteration < self.cfg.run.iterations:
-                    self.ahead = self._start(iteration + 1)  # generates with version v while v + 1 trains
-                return Collected(batch.prompt_rows, resynced, started)
+                return resynced
         raise LoopError(f"iteration {iteration}: chunks {lost} still lost after "
                         f"{self.cfg.run.max_chunk_retries} retries")
+
+    def _dynamic_sampling(self, iteration: int, batch: Started, resynced: list[dict]) -> int:
+        """DAPO's dynamic sampling: while a learner rank holds fewer whole groups whose scores differ than its
+        share of the batch, a batch's worth of prompts more, drawn from the sampler and laid out after the
+        batch's (the next chunk slots, group ids and seeds: slot i still goes to rank i % W), at most
+        ``rollout.dynamic_sampling_max_rounds`` times. The ranks keep their share (``dynamic_sampling_rows``).
+        Returns the extra rounds."""
+        r = self.cfg.rollout
+        share = r.batch_size // (r.samples_per_prompt * self.cfg.learner.world_size)
+        extra = 0
+        while min(held := self.learner.differing_groups()) < share:
+            if extra == r.dynamic_sampling_max_rounds:
+                # a rank still short trains on tied groups too: the batch stays full and whole, as without
+                # dynamic sampling, rather than end a run on one hard batch that a resume would draw again
+                self.log(f"iteration {iteration}: dynamic sampling: after {extra} extra rounds the learner ranks hold "
+                         f"{held} groups whose scores differ, short of {share} each; tied groups fill the rest "
+                         "(rollout.dynamic_sampling_max_rounds)")
+                break
+            first = len(batch.prompt_rows) * r.samples_per_prompt // r.chunk_size
+            batch.prompt_rows += self.sampler.next(r.batch_size // r.samples_per_prompt)
+            slots = list(range(first, first + r.batch_size // r.chunk_size))
+            chunk_refs = self.fleet.generate(batch.prompt_rows, self.prompts, iteration, slots=slots)
+            resynced += self._collect_chunks(iteration, batch, chunk_refs, *self.fleet.score(chunk_refs))
+            extra += 1
+        return extra
 
     def _start(self, iteration: int) -> Started:
         cursor = self.sampler.state_dict()
@@ -219,6 +255,7 @@ class Job:
             seconds={"learner": trained.learner_seconds, "learner_forward": result.forward_seconds,
                      "learner_update": result.update_seconds, "weight_sync": synced.weight_sync_seconds,
                      "sync_and_probe": synced.sync_and_probe_seconds})
+        record.update(dapo_metrics(result.sums, collected.extra_rounds))
         if iteration % cfg.run.eval_every == 0 or iteration == cfg.run.iterations:
             self.eval_metrics, samples = self.fleet.evaluate(self.eval_prompts, iteration,
                                                              self.weights.bring_up_to_date)
@@ -287,6 +324,25 @@ class Job:
                      + f" | kl {summary['kl_response_mean_final']:.3f} nats | beta {kl_coef:.4f} | "
                      f"wall {summary['wall_seconds']:.1f}s | {self.run_path.display('summary.json')}")
         return summary
+
+
+def dapo_metrics(sums: dict[str, float], extra_rounds: int | None) -> dict[str, float]:
+    """The metrics of DAPO's options that are on: dynamic sampling's rounds and groups (tied: scores all equal;
+    dropped: tied and not trained on; filled: tied and trained on, the rounds' bound reached; surplus: differing
+    beyond the batch), the overlong penalty's mean and share of rows, the truncated rows left out of the loss."""
+    n = sums["num_responses"]
+    metrics: dict[str, float] = {}
+    if extra_rounds is not None:
+        metrics["dynamic_sampling_extra_rounds"] = extra_rounds
+        metrics |= {k: sums[k] for k in sums if k.startswith("dynamic_sampling_")}
+        metrics["dynamic_sampling_dropped_groups"] = (sums["dynamic_sampling_tied_groups"]
+                                                      - sums["dynamic_sampling_filled_groups"])
+    if "overlong_penalty_sum" in sums:
+        metrics |= {"overlong_penalty_mean": sums["overlong_penalty_sum"] / n,
+                    "overlong_penalized_fraction": sums["overlong_penalized"] / n}
+    if "truncated_masked" in sums:
+        metrics["truncated_masked_fraction"] = sums["truncated_masked"] / n
+    return metrics
 
 
 def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:

@@ -6,6 +6,7 @@ prefix per row for a single response, with gaps at the environment's tokens for 
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -144,6 +145,32 @@ def penalize_missing_eos(scores: Tensor, finish_reason: Tensor, penalty: float |
     return torch.where(penalized, torch.full_like(scores, penalty), scores), penalized
 
 
+def overlong_penalty(lengths: Tensor, max_length: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment (eq. 13), added to the score: 0 for a response of L <= Lmax - B tokens,
+    ``-(L - (Lmax - B)) / B * penalty`` within the buffer, ``-penalty`` at Lmax and beyond.
+
+    Args: lengths: [B] response tokens L (EOS included); max_length: Lmax (rollout.max_new_tokens);
+        buffer: B, 0 < B < Lmax; penalty: > 0. Returns: [B] float32, <= 0.
+    """
+    if not 0 < buffer < max_length:
+        raise ValueError(f"overlong buffer {buffer} must be in (0, {max_length}): reward.overlong_buffer below "
+                         "rollout.max_new_tokens")
+    if not penalty > 0:
+        raise ValueError(f"overlong penalty {penalty} must be > 0 (reward.overlong_penalty)")
+    into_buffer = (lengths.double() - (max_length - buffer)) / buffer
+    return (-penalty * into_buffer.clamp(0.0, 1.0)).to(torch.float32)
+
+
+def truncated_loss_mask(mask: Tensor, finish_reason: Tensor) -> Tensor:
+    """DAPO's overlong filtering: the loss mask without the responses cut at the cap (``finish_reason``
+    FINISH_LENGTH). Args: mask: [B, T] action mask; finish_reason: [B] long. Returns: [B, T], ``mask``'s dtype."""
+    from services.experience import FINISH_LENGTH
+
+    if finish_reason.shape != mask.shape[:1]:
+        raise ValueError(f"finish_reason {tuple(finish_reason.shape)} must be [B] of mask {tuple(mask.shape)}")
+    return mask * (finish_reason != FINISH_LENGTH).unsqueeze(-1).to(mask.dtype)
+
+
 def scheduled_lr(lr: float, schedule: Literal["constant", "linear"], iteration: int, iterations: int) -> float:
     """The learning rate of 1-based ``iteration`` of ``iterations``: ``lr`` (constant), or annealed
     linearly to 0 over the run, one step per iteration, as lm-human-preferences' ``lr * (1 - step /
@@ -196,6 +223,36 @@ def gae_advantages(
     return advantages, (advantages + values) * mask
 
 
+RatioLevel = Literal["token", "sequence", "sequence_token"]
+RATIO_LEVELS: dict[str, RatioLevel] = {"ppo": "token", "gspo": "sequence", "gspo_token": "sequence_token"}
+
+
+def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's length-normalised log-ratio of each row, ``log s_b = mean_t (logprobs - old_logprobs)`` over the
+    row's masked tokens (0 for a row without any).
+
+    Args: logprobs, old_logprobs, mask: [B, T]. Returns: [B, 1] (with grad through ``logprobs``).
+    """
+    return ((logprobs - old_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+def policy_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, ratio_level: RatioLevel = "token") -> Tensor:
+    """[B, T] log of the ratio each token's clipped term takes (``logprobs``, ``old_logprobs``, ``mask``: [B, T]).
+
+    ``token`` (PPO): ``log pi_t - log pi_old_t``. ``sequence`` (GSPO): the row's ``log s_b`` on each of its
+    tokens, ``s_b = (pi(y_b) / pi_old(y_b))^(1 / |y_b|)``. ``sequence_token`` (GSPO-token): ``s_bt = sg[s_b] *
+    pi_t / sg[pi_t]``, whose value is ``s_b`` and whose gradient reaches token t alone, times ``s_b``.
+    """
+    if ratio_level == "token":
+        return logprobs - old_logprobs
+    log_s = sequence_log_ratio(logprobs, old_logprobs, mask).expand_as(logprobs)
+    if ratio_level == "sequence":
+        return log_s
+    if ratio_level == "sequence_token":
+        return log_s.detach() + logprobs - logprobs.detach()
+    raise ValueError(f"unknown ratio_level {ratio_level!r}; expected one of {tuple(RATIO_LEVELS.values())}")
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -205,38 +262,106 @@ def policy_loss(
     aggregation: Aggregation = "token_mean",
     denominator: Tensor | float | None = None,
     importance_weights: Tensor | None = None,
+    clip_range_high: float | None = None,
+    ratio_level: RatioLevel = "token",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO's clipped surrogate: mean of max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps)), each token's
-    term times its importance weight w when given (decoupled PPO: rho = pi / pi_prox, w = pi_prox / pi_behav).
+    """PPO's clipped surrogate: mean of max(-A * rho, -A * clip(rho, 1 - eps_low, 1 + eps_high)), each token's
+    term times its importance weight w when given (the rollout correction ``rollout_correction_weights``).
+
+    The ratio rho is against ``old_logprobs``, the learner's own log-probs of the rows at the start of the update
+    (pi_old; in async mode the proximal policy pi_prox), never the engine's: the clip bounds the move from the
+    learner's policy, and w = pi_old / pi_behav (truncated or masked) corrects for the engine having sampled.
+
+    ``ratio_level`` (``policy_log_ratio``): ``token`` is PPO; ``sequence`` is GSPO (Zheng et al. 2025): one
+    length-normalised ratio s_b per row, clipped per row; with a constant advantage per row and
+    ``sequence_mean`` it is the paper's ``-1/G sum_b min(s_b A_b, clip(s_b) A_b)``; ``sequence_token`` is
+    GSPO-token, whose gradient equals GSPO's when the advantage is constant per row. GSPO in async mode and with
+    the rollout correction: s_b against pi_old (pi_prox), each row's term times its detached sequence weight
+    ``W_b = pi_old(y_b) / pi_behav(y_b)`` (``correction_level: sequence``; not length-normalised: it is the
+    likelihood ratio that makes the expectation under pi_behav the one under pi_old, exactly, while under its bound).
 
     Args:
         logprobs: [B, T] current policy log-probs of the sampled tokens (with grad).
-        old_logprobs: [B, T] log-probs of the policy that collected the batch (decoupled: pi_prox).
+        old_logprobs: [B, T] the learner's log-probs at the start of the update (pi_old; async: pi_prox).
         advantages: [B, T]; mask: [B, T].
+        clip_range: eps_low; clip_range_high: eps_high, None = ``clip_range`` (DAPO's clip-higher sets it above).
         denominator: see ``masked_mean``.
         importance_weights: [B, T] per-token weights, used detached; None = 1.
     Returns:
-        (scalar loss, {"clipfrac", "approx_kl"}) where approx_kl is the k3 estimate of
-        KL(old || new), as CleanRL logs it.
+        (scalar loss, {"clipfrac", "approx_kl"}) where clipfrac counts tokens whose ratio is outside the clip
+        range and approx_kl is the k3 estimate of KL(old || new) per token, as CleanRL logs it.
     """
-    log_ratio = logprobs - old_logprobs
-    ratio = log_ratio.exp()
+    clip_range_high = clip_range if clip_range_high is None else clip_range_high
+    ratio = policy_log_ratio(logprobs, old_logprobs, mask, ratio_level).exp()
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range_high)
     if importance_weights is not None:  # w >= 0 commutes with the max
         unclipped, clipped = unclipped * importance_weights.detach(), clipped * importance_weights.detach()
     loss = masked_mean(torch.maximum(unclipped, clipped), mask, aggregation, denominator)
     with torch.no_grad():
+        log_ratio = logprobs - old_logprobs
+        outside = (ratio < 1.0 - clip_range) | (ratio > 1.0 + clip_range_high)
         stats = {
-            "clipfrac": masked_mean(((ratio - 1.0).abs() > clip_range).to(ratio.dtype), mask),
-            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, mask),
+            "clipfrac": masked_mean(outside.to(ratio.dtype), mask),
+            "approx_kl": masked_mean(log_ratio.exp() - 1.0 - log_ratio, mask),
         }
     return loss, stats
 
 
+Correction = Literal["tis", "mis", "none"]
+CorrectionLevel = Literal["token", "sequence"]
+
+
+def importance_log_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor,
+                           level: CorrectionLevel = "token") -> Tensor:
+    """[B, T] detached ``log(pi_old / pi_behav)``: per token (``token``), or the row's sum over its masked tokens
+    on each of them (``sequence``: the log-likelihood ratio of the whole response); 0 outside ``mask``.
+
+    Args: old_logprobs: [B, T] the learner's at the start of the update; behaviour_logprobs: [B, T] the engine's
+        sampled-token log-probs; mask: [B, T].
+    """
+    log_w = ((old_logprobs - behaviour_logprobs) * mask).detach()
+    if level == "sequence":
+        return log_w.sum(-1, keepdim=True) * mask
+    if level != "token":
+        raise ValueError(f"unknown correction level {level!r}; expected 'token' or 'sequence'")
+    return log_w
+
+
+def rollout_correction_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor,
+                               correction: Correction = "tis", level: CorrectionLevel = "token",
+                               cap: float = 2.0) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """The rollout correction's detached weights ``w = pi_old / pi_behav`` (``importance_log_weights``) between
+    the learner's policy at the start of the update and the engine that sampled: TIS truncates them,
+    ``min(w, cap)``; MIS masks the tokens (``sequence``: the rows) whose weight exceeds ``cap``, ``w * 1[w <= cap]``.
+    In async mode pi_old is the proximal policy (decoupled PPO's ``pi_prox / pi_behav``); in sync mode it is
+    the engine's own version, and w is the engine-learner numeric difference alone.
+
+    Args: old_logprobs, behaviour_logprobs, mask: [B, T]; correction: tis, mis, or none; level: token or
+        sequence; cap: > 1.
+    Returns: (w [B, T], 1 outside the mask, or None for ``none``; {"is_weight_mean", "is_capped_fraction"}: the
+        mean weight and the fraction of tokens beyond the cap (truncated by tis, masked by mis), over ``mask``).
+    """
+    if correction == "none":
+        return None, {}
+    if correction not in ("tis", "mis"):
+        raise ValueError(f"unknown rollout correction {correction!r}; expected 'tis', 'mis' or 'none'")
+    log_w = importance_log_weights(old_logprobs, behaviour_logprobs, mask, level)
+    log_cap = math.log(cap)
+    beyond = (log_w > log_cap) & (mask > 0)
+    weights = log_w.clamp(max=log_cap).exp()  # in log space: a long row's product never overflows
+    if correction == "mis":
+        weights = weights.masked_fill(beyond, 0.0)
+    weights = weights * mask + (1 - mask)
+    stats = {"is_weight_mean": masked_mean(weights, mask),
+             "is_capped_fraction": masked_mean(beyond.to(mask.dtype), mask)}
+    return weights, stats
+
+
 def truncated_importance_weights(prox_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor,
                                  cap: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """Decoupled PPO's per-token weight ``w = min(pi_prox / pi_behav, cap)``, detached.
+    """Decoupled PPO's per-token weight ``w = min(pi_prox / pi_behav, cap)``, detached: the default rollout
+    correction (``rollout_correction_weights`` with tis, token).
 
     Args:
         prox_logprobs: [B, T] the learner's log-probs at the start of the update (pi_prox).
@@ -245,10 +370,8 @@ def truncated_importance_weights(prox_logprobs: Tensor, behaviour_logprobs: Tens
     Returns:
         (w [B, T], 1 outside the mask; {"is_weight_mean", "is_capped_fraction"} over masked tokens).
     """
-    raw = (prox_logprobs - behaviour_logprobs).detach().exp() * mask + (1 - mask)
-    weights = raw.clamp(max=cap)
-    stats = {"is_weight_mean": masked_mean(weights, mask),
-             "is_capped_fraction": masked_mean((raw > cap).to(raw.dtype), mask)}
+    weights, stats = rollout_correction_weights(prox_logprobs, behaviour_logprobs, mask, "tis", "token", cap)
+    assert weights is not None
     return weights, stats
 
 

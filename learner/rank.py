@@ -8,6 +8,7 @@ exact over the whole batch.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from datetime import timedelta
@@ -17,7 +18,13 @@ import torch
 from torch import Tensor, nn
 
 from actors.base import starting_up, yield_cpu_to_engines
-from learner.advantages import check_whole_groups, compute_advantages, uses_critic
+from learner.advantages import (
+    check_whole_groups,
+    compute_advantages,
+    differing_groups,
+    dynamic_sampling_rows,
+    uses_critic,
+)
 from learner.kl import (
     check_finite,
     grpo_token_k3_loss,
@@ -28,15 +35,19 @@ from learner.kl import (
     response_kl_loss,
 )
 from learner.ppo import (
+    RATIO_LEVELS,
     entropy_from_logits,
     explained_variance_moments,
     global_loss_denominator,
+    importance_log_weights,
     masked_mean,
+    overlong_penalty,
     penalize_missing_eos,
     policy_loss,
     ppo_stats_from_sums,
+    rollout_correction_weights,
     scheduled_lr,
-    truncated_importance_weights,
+    truncated_loss_mask,
     value_loss,
 )
 from learner.results import RankUpdate
@@ -112,7 +123,8 @@ class LearnerRank:
               ppo_cfg: PPOConfig, kl_cfg: KLConfig, temperature: float, seed: int, device: str = "cpu",
               run_iterations: int = 1, missing_eos_penalty: float | None = None, samples_per_prompt: int = 1,
               off_policy: bool = False, rollout_batch_size: int | None = None,
-              rows_per_episode_vary: bool = False) -> int:
+              rows_per_episode_vary: bool = False, overlong: tuple[int, int, float] | None = None,
+              dynamic_sampling: bool = False) -> int:
         if getattr(self, "engine", None) is not None:
             self._set_up_again(learner_cfg)
         else:
@@ -136,6 +148,11 @@ class LearnerRank:
         self.temperature = temperature
         self.seed = seed
         self.run_iterations, self.missing_eos_penalty = run_iterations, missing_eos_penalty
+        self.overlong = overlong  # (rollout.max_new_tokens, reward.overlong_buffer, reward.overlong_penalty) or None
+        # DAPO's dynamic sampling: this rank trains on its share of the batch in whole groups whose scores differ
+        self.dynamic_sampling, self.rollout_batch_size = dynamic_sampling, rollout_batch_size
+        if dynamic_sampling and rollout_batch_size is None:
+            raise ValueError("dynamic sampling needs rollout_batch_size: each rank keeps its share of the batch")
         self.samples_per_prompt = samples_per_prompt
         # rollout.agent: an episode gives one row per trajectory its model calls make, so a rank's rows vary; the
         # optimizer steps per epoch are counted in episodes then, the same on every rank (collectives in step)
@@ -267,6 +284,11 @@ class LearnerRank:
         batch = concat_batches([self.collected[slot] for slot in sorted(self.collected)])
         timings, self.collected, self.timings = self.timings, {}, {}
         t0 = time.perf_counter()
+        group_counts = {}
+        if self.dynamic_sampling:  # DAPO: this rank's share of the batch, in whole groups whose scores differ
+            share = self.rollout_batch_size // (self.world_size * self.samples_per_prompt)
+            keep, group_counts = dynamic_sampling_rows(self._final_scores(batch)[0], batch.group_index, share)
+            batch = batch[keep.nonzero().squeeze(-1)]
         step_forward = None
         if self.single_step:  # the one step's forward, before any update: the old log-probs and values too
             step_forward = self._forward(batch, grad=True)
@@ -277,7 +299,7 @@ class LearnerRank:
         if self.has_critic:
             batch.old_values = batch.old_values * mask
             check_finite(f"rank {self.rank} values", batch.old_values)
-        batch.scores, missing_eos = penalize_missing_eos(batch.scores, batch.finish_reason, self.missing_eos_penalty)
+        batch.scores, missing_eos, overlong = self._final_scores(batch)
 
         # the KL penalised (and fed to the controller): of the policy being optimised, the learner's own log-probs
         # at the start of the update, in both modes (async: not the engine's, an older version's)
@@ -298,6 +320,8 @@ class LearnerRank:
         lr = scheduled_lr(self.ppo.lr, self.ppo.lr_schedule, iteration, self.run_iterations)
         for group in self.engine.optimizer.param_groups:  # after any checkpoint load: the schedule decides
             group["lr"] = lr
+        if self.ppo.mask_truncated:  # DAPO's overlong filtering: out of the losses; the KL sums below keep them
+            batch.action_mask = truncated_loss_mask(mask, batch.finish_reason)
         ppo_sums = self._ppo_epochs(batch, kl_coef, iteration, step_forward)
         if self.has_critic:  # values before the update against their targets, as CleanRL logs it
             ppo_sums["explained_variance_moments"] = explained_variance_moments(batch.old_values, batch.returns,
@@ -322,10 +346,17 @@ class LearnerRank:
             "mismatch_max": float((mismatch * (1 - stale)).max()) if mask.any() else 0.0,  # same-version rows
             "stale_tokens": float(stale.sum()),
             "stale_mismatch_abs_sum": float((mismatch * stale).sum()),
+            **self._correction_sums(batch.old_logprobs, batch.rollout_logprobs * mask, mask, stale),
             # no critic: no values and no returns (the driver's value_mean is nan)
             "value_sum": float((batch.old_values * mask).sum()) if self.has_critic else float("nan"),
             "return_sum": float((batch.returns * mask).sum()) if batch.returns is not None else float("nan"),
         })
+        if self.ppo.mask_truncated:
+            sums["truncated_masked"] = float(((mask - batch.action_mask).sum(-1) > 0).sum())
+        if overlong is not None:
+            sums.update({"overlong_penalty_sum": float(overlong.sum()),
+                         "overlong_penalized": float((overlong < 0).sum())})
+        sums.update({f"dynamic_sampling_{name}_groups": float(count) for name, count in group_counts.items()})
         if batch.num_turns is not None:  # multi-turn episodes: what the environment added
             sums.update({
                 "turns_sum": float(batch.num_turns.sum()),
@@ -344,6 +375,37 @@ class LearnerRank:
             lr=float(self.engine.get_lr()[0]),  # what the optimizer stepped with
             rank=self.rank,
         )
+
+    def _correction_sums(self, old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, stale: Tensor) -> dict:
+        """The rollout correction's sums over this rank's batch (all [B, T]; ``stale``: 1 on rows of an older
+        version than the learner's): ``correction_mismatch_k3_sum``, the k3 estimate of KL(engine || learner)
+        summed over the tokens of the learner's own version (where the two differ by numerics alone), and the
+        tokens whose weight the correction truncated (tis) or masked (mis)."""
+        log_w = importance_log_weights(old_logprobs, behaviour_logprobs, mask, self.ppo.correction_level).double()
+        beyond = float(((log_w > math.log(self.ppo.is_cap)) * mask).sum()) if self.ppo.correction != "none" else 0.0
+        r = (behaviour_logprobs - old_logprobs).double() * mask  # log pi_behav - log pi_learner, the engine sampled
+        return {"correction_mismatch_k3_sum": float(((torch.expm1(-r) + r) * mask * (1 - stale)).sum()),
+                "correction_truncated_tokens": beyond if self.ppo.correction == "tis" else 0.0,
+                "correction_masked_tokens": beyond if self.ppo.correction == "mis" else 0.0}
+
+    def _final_scores(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The scores the advantages read: ``reward.missing_eos_penalty``'s replacement, or DAPO's soft overlong
+        penalty added (``reward.overlong_buffer``). Returns (scores [B], missing-EOS rows [B] bool, the overlong
+        penalties [B] or None)."""
+        scores, missing_eos = penalize_missing_eos(batch.scores, batch.finish_reason, self.missing_eos_penalty)
+        if self.overlong is None:
+            return scores, missing_eos, None
+        penalty = overlong_penalty(batch.action_mask.sum(-1), *self.overlong)
+        return scores + penalty.to(scores.dtype), missing_eos, penalty
+
+    def differing_groups(self) -> int:
+        """Dynamic sampling: how many whole groups with scores that differ (penalties applied) this rank holds."""
+        from services.experience import concat_batches
+
+        if not self.collected:
+            return 0
+        batch = concat_batches([self.collected[slot] for slot in sorted(self.collected)])
+        return differing_groups(self._final_scores(batch)[0], batch.group_index)
 
     def _forward(self, batch: RolloutBatch, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
         from services.experience import model_inputs
@@ -369,6 +431,7 @@ class LearnerRank:
                              f"{self.ppo.minibatch_size} over {self.world_size} ranks)")
         generator = torch.Generator().manual_seed(self.seed * 100_003 + iteration)
         aggregation = self.ppo.loss_aggregation
+        clip_low, clip_high = self.ppo.ratio_clip_range()  # ppo: clip_range_low/high; gspo: gspo_clip_low/high
         totals: dict[str, list] = {}  # name -> [sum, count] (tensors until the end), additive over ranks
         steps = 0
         for _ in range(self.ppo.epochs):
@@ -382,12 +445,14 @@ class LearnerRank:
                 denominator = global_loss_denominator(mask, aggregation, self.device)
                 logprobs, values, logits = step_forward or self._forward(mb, grad=True)
                 old_logprobs = mb.old_logprobs.to(self.device)
-                weights, is_stats = None, {}
-                if self.off_policy:  # decoupled PPO: ratio against pi_prox, times min(pi_prox / pi_behav, cap)
-                    weights, is_stats = truncated_importance_weights(old_logprobs, mb.rollout_logprobs.to(self.device),
-                                                                     mask, self.ppo.is_cap)
+                # the rollout correction, both modes: ratio against pi_old (async: pi_prox, decoupled PPO), each
+                # token's term times pi_old / pi_behav, truncated (tis) or masked (mis) at ppo.is_cap
+                weights, is_stats = rollout_correction_weights(old_logprobs, mb.rollout_logprobs.to(self.device), mask,
+                                                               self.ppo.correction, self.ppo.correction_level,
+                                                               self.ppo.is_cap)
                 pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, mb.advantages.to(self.device), mask,
-                                                self.ppo.clip_range, aggregation, denominator, weights)
+                                                clip_low, aggregation, denominator, weights, clip_range_high=clip_high,
+                                                ratio_level=RATIO_LEVELS[self.ppo.policy_loss])
                 pg_stats |= is_stats
                 loss, vf_stats = pg_loss, {}
                 if self.has_critic:  # GAE's critic; the other estimators have none

@@ -22,6 +22,7 @@ from services.choices import GROUP_ESTIMATORS, GRPO_TOKEN_K3_WARNING, Estimator,
 # 0.06). Weights that did not load differ by nats on most tokens; a sync one small step behind is not caught
 # in bf16: the version check covers that.
 PROBE_TOLERANCE = {"float32": 1e-4, "bfloat16": 1.0}
+DYNAMIC_SAMPLING_ROUNDS = 3  # rollout.dynamic_sampling_max_rounds' default
 
 
 class Section(BaseModel):
@@ -162,6 +163,13 @@ class RolloutConfig(Section):
     agent_max_failures: int = Field(8, ge=0, description="agent: failed episodes (raised, timed out, returned "
                                     "no number or made no model call) a rollout engine regenerates before the "
                                     "job fails naming the last one")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO's dynamic sampling (group estimators): prompt groups whose scores all tie are "
+        "dropped and more prompts generated, a batch's worth a round, until every learner rank holds its share "
+        "of groups whose scores differ")
+    dynamic_sampling_max_rounds: PositiveInt = Field(
+        DYNAMIC_SAMPLING_ROUNDS, description="dynamic sampling: extra rounds of generation at most per batch; a rank still short after "
+        "them fills its share with tied groups (counted: dynamic_sampling_filled_groups)")
 
     def vllm_engine_args(self) -> dict[str, Any]:
         """The vLLM ``LLM(...)`` arguments these settings map to. The executor is always named: left to vLLM,
@@ -187,6 +195,14 @@ class RolloutConfig(Section):
         if backend == "uni" and tp > 1:
             raise ValueError(f"rollout.distributed_executor_backend='uni' runs one worker on one GPU, but "
                              f"rollout.tensor_parallel_size={tp} needs a worker per GPU; use 'mp' (or none)")
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_rounds(self) -> RolloutConfig:
+        # by value, not by which fields were given: a dumped config (config.yaml, --print-config) holds them all
+        if not self.dynamic_sampling and self.dynamic_sampling_max_rounds != DYNAMIC_SAMPLING_ROUNDS:
+            raise ValueError(f"rollout.dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds} is set but "
+                             "rollout.dynamic_sampling is false; set rollout.dynamic_sampling=true or drop it")
         return self
 
     @model_validator(mode="after")
@@ -310,6 +326,12 @@ class RewardConfig(Section):
     max_retries: int = Field(3, ge=0, description="retries of a reward request that timed out or got a 5xx, "
                              "with exponential backoff; a 4xx or a malformed answer ends the job")
     judge: JudgeConfig | None = Field(None, description="the LLM judge (kind=judge)")
+    overlong_buffer: PositiveInt | None = Field(
+        None, description="DAPO's soft overlong punishment: the last this many tokens before rollout.max_new_tokens "
+        "(Lmax); a response of L tokens scores -(L - (Lmax - buffer)) / buffer * overlong_penalty more within them, "
+        "-overlong_penalty at Lmax; none = no penalty")
+    overlong_penalty: float | None = Field(None, description="the overlong punishment at Lmax (> 0; DAPO: 1.0); "
+                                           "set with reward.overlong_buffer")
 
     @model_validator(mode="after")
     def _remote_needs_url(self) -> RewardConfig:
@@ -327,6 +349,13 @@ class RewardConfig(Section):
         elif self.url is not None:
             raise ValueError(f"reward.url is set but reward.kind={self.kind!r} ignores it; set reward.kind=remote "
                              "or reward.url=null")
+        if (self.overlong_buffer is None) != (self.overlong_penalty is None):
+            raise ValueError("reward.overlong_buffer and reward.overlong_penalty go together: the buffer (tokens "
+                             "before rollout.max_new_tokens) and the penalty at the cap")
+        if self.overlong_penalty is not None and not self.overlong_penalty > 0:
+            raise ValueError(f"reward.overlong_penalty={self.overlong_penalty} must be > 0: it is subtracted from the "
+                             "score of responses that reach into reward.overlong_buffer (a negative one would reward "
+                             "length)")
         if (self.kind == "judge") != (self.judge is not None):
             raise ValueError("reward.kind='judge' needs reward.judge (model_path, template, unparseable_score)"
                              if self.kind == "judge" else
@@ -353,6 +382,20 @@ class PPOConfig(Section):
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     weight_decay: float = Field(1e-6, ge=0, description="AdamW weight decay")
     clip_range: PositiveFloat = Field(0.2, description="policy ratio clip epsilon")
+    clip_range_low: PositiveFloat | None = Field(
+        None, description="lower ratio clip epsilon, the ratio's floor 1 - it (< 1); none = clip_range "
+        "(policy_loss ppo)")
+    clip_range_high: PositiveFloat | None = Field(
+        None, description="upper ratio clip epsilon, the ratio's ceiling 1 + it (DAPO's clip-higher: 0.28 with a "
+        "low of 0.2); none = clip_range (policy_loss ppo)")
+    policy_loss: Literal["ppo", "gspo", "gspo_token"] = Field(
+        "ppo", description="ppo: a ratio per token; gspo: one length-normalised ratio per sequence, "
+        "(pi/pi_old)^(1/|y|), clipped per sequence (Zheng et al. 2025); gspo_token: GSPO's ratio with each token's "
+        "gradient (its per-token advantages)")
+    gspo_clip_low: PositiveFloat = Field(3e-4, description="gspo, gspo_token: lower clip epsilon of the sequence "
+                                         "ratio (the paper's 3e-4)")
+    gspo_clip_high: PositiveFloat = Field(4e-4, description="gspo, gspo_token: upper clip epsilon of the sequence "
+                                          "ratio (the paper's 4e-4)")
     clip_range_value: PositiveFloat = Field(0.2, description="value clip around old values (gae only)")
     vf_coef: float = Field(1.0, ge=0, description="value loss weight (gae only)")
     gamma: float = Field(1.0, gt=0, le=1, description="discount (gae, reinforce_pp; reinforce_pp_baseline takes "
@@ -366,8 +409,20 @@ class PPOConfig(Section):
         "token_mean", description="loss mean: over tokens, over sequences (each over its tokens), or "
         "seq_mean_token_sum_norm (Dr. GRPO: each sequence's token sum over rollout.max_new_tokens, then the mean)")
     max_grad_norm: PositiveFloat = Field(1.0, description="gradient clipping norm")
-    is_cap: PositiveFloat = Field(2.0, description="rollout.mode async: cap of each token's importance weight "
-                                  "pi_prox / pi_behav (truncated importance sampling)")
+    mask_truncated: bool = Field(
+        False, description="DAPO's overlong filtering: responses cut at rollout.max_new_tokens without EOS leave the "
+        "policy and value losses (their advantages and the groups' baselines are computed with them, and their KL "
+        "still counts in the controller's statistic)")
+    correction: Literal["tis", "mis", "none"] = Field(
+        "tis", description="rollout correction, both modes: each token's loss term times w = pi_old / pi_behav, the "
+        "learner's policy at the start of the update over the engine's sampled log-probs; tis truncates w at is_cap, "
+        "mis masks what exceeds it; none only in sync mode")
+    correction_level: Literal["token", "sequence"] = Field(
+        "token", description="the rollout correction's weight: per token, or the whole response's likelihood ratio "
+        "on each of its tokens (gspo takes sequence)")
+    is_cap: PositiveFloat = Field(2.0, description="the rollout correction's bound on w = pi_old / pi_behav (> 1): "
+                                  "tis truncates w to it, mis masks the tokens (sequence: rows) beyond it; in async "
+                                  "mode pi_old is pi_prox (decoupled PPO)")
     grpo_normalize: Literal["score", "return"] = Field(
         "score", description="grpo with the KL in the reward: score normalises the score in its group and adds the "
         "KL penalty to go unscaled (DeepSeekMath, OpenRLHF, TRL); return normalises score - beta * KL_b (verl's "
@@ -382,6 +437,51 @@ class PPOConfig(Section):
         if self.grpo_normalize != "score" and self.advantage != "grpo":
             raise ValueError(f"ppo.grpo_normalize={self.grpo_normalize!r} is set but ppo.advantage="
                              f"{self.advantage!r} ignores it; set ppo.grpo_normalize='score' or ppo.advantage='grpo'")
+        return self
+
+    def ratio_clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high) of the policy ratio's clip: GSPO's own for gspo and gspo_token; else clip_range_low
+        and clip_range_high, each clip_range when unset."""
+        if self.policy_loss != "ppo":
+            return self.gspo_clip_low, self.gspo_clip_high
+        return (self.clip_range if self.clip_range_low is None else self.clip_range_low,
+                self.clip_range if self.clip_range_high is None else self.clip_range_high)
+
+    @model_validator(mode="after")
+    def _policy_loss_settings(self) -> PPOConfig:
+        gspo = self.policy_loss != "ppo"
+        for name in ("clip_range_low", "clip_range_high"):
+            if gspo and getattr(self, name) is not None:
+                raise ValueError(f"ppo.{name} is set but ppo.policy_loss={self.policy_loss!r} clips its sequence ratio "
+                                 "with ppo.gspo_clip_low and ppo.gspo_clip_high; set it to null")
+        defaults = type(self).model_fields
+        for name in ("gspo_clip_low", "gspo_clip_high"):
+            if not gspo and getattr(self, name) != defaults[name].default:
+                raise ValueError(f"ppo.{name}={getattr(self, name)} is set but ppo.policy_loss='ppo' ignores it; set "
+                                 "ppo.policy_loss='gspo' (or 'gspo_token'), or ppo.clip_range_low/high for PPO's ratio")
+        low = self.ratio_clip_range()[0]
+        field = "gspo_clip_low" if gspo else "clip_range" if self.clip_range_low is None else "clip_range_low"
+        if low >= 1:
+            raise ValueError(f"ppo.{field}={low} puts the ratio's floor 1 - {low} at or below 0, where no ratio "
+                             "reaches it (a ratio is > 0): the lower clip epsilon must be < 1")
+        if self.policy_loss == "gspo" and self.advantage == "gae":
+            raise ValueError("ppo.policy_loss='gspo' gives every token of a response the sequence's one ratio, so its "
+                             "gradient averages GAE's per-token advantages over the response; use "
+                             "ppo.policy_loss='gspo_token' (GSPO's ratio, each token's own advantage) with gae")
+        if self.correction == "none":
+            if self.correction_level != "token" or self.is_cap != defaults["is_cap"].default:
+                raise ValueError("ppo.correction_level or ppo.is_cap is set but ppo.correction='none' ignores them; "
+                                 "set ppo.correction to 'tis' or 'mis', or drop them")
+            return self
+        if self.is_cap <= 1:
+            cut = "truncate" if self.correction == "tis" else "mask"
+            raise ValueError(f"ppo.is_cap={self.is_cap} must be > 1 with ppo.correction={self.correction!r}: where the "
+                             f"engine and the learner agree the weight is 1, and a bound at or below it would {cut} "
+                             "the tokens the learner favours even there")
+        if self.policy_loss == "gspo" and self.correction_level == "token":
+            raise ValueError("ppo.policy_loss='gspo' takes one ratio per response; its rollout correction must be one "
+                             "weight per response too, the response's likelihood ratio pi_old(y) / pi_behav(y): set "
+                             "ppo.correction_level='sequence' (or ppo.correction='none' in sync mode)")
         return self
 
 
@@ -535,9 +635,37 @@ class JobConfig(BaseSettings):
         if p.advantage in GROUP_ESTIMATORS and n < 2:
             raise ValueError(f"ppo.advantage={p.advantage!r} takes its baseline over the samples of one prompt: it "
                              f"needs rollout.samples_per_prompt >= 2 (got {n})")
+        if p.correction == "none" and r.mode == "async":
+            raise ValueError("ppo.correction='none' with rollout.mode='async' would train on rows an older policy "
+                             "sampled as if the learner's had: async mode needs the weight pi_prox / pi_behav; set "
+                             "ppo.correction to 'tis' or 'mis'")
         if p.grpo_normalize == "return" and self.kl.placement == "loss":
             raise ValueError("ppo.grpo_normalize='return' normalises score - beta * KL_b, but kl.placement='loss' puts "
                              "no KL in the return; set ppo.grpo_normalize='score'")
+        if r.dynamic_sampling and p.advantage not in GROUP_ESTIMATORS:
+            raise ValueError(f"rollout.dynamic_sampling drops prompt groups whose scores tie, which carry no signal "
+                             f"only for a group estimator ({', '.join(sorted(GROUP_ESTIMATORS))}); ppo.advantage="
+                             f"{p.advantage!r} learns from every row")
+        if self.reward.overlong_buffer is not None:
+            if r.max_new_tokens is None:
+                raise ValueError("reward.overlong_buffer needs rollout.max_new_tokens: the penalty is measured back "
+                                 "from it (Lmax), so set it explicitly")
+            if self.reward.overlong_buffer >= r.max_new_tokens:
+                raise ValueError(f"reward.overlong_buffer={self.reward.overlong_buffer} must be less than "
+                                 f"rollout.max_new_tokens={r.max_new_tokens}: the penalty starts "
+                                 "max_new_tokens - overlong_buffer tokens in, so every response would pay it")
+            if self.reward.missing_eos_penalty is not None:
+                raise ValueError("reward.overlong_buffer and reward.missing_eos_penalty both penalise responses cut at "
+                                 "rollout.max_new_tokens (which would pay both); choose one")
+        if p.mask_truncated and self.reward.missing_eos_penalty is not None:
+            raise ValueError("ppo.mask_truncated leaves the responses cut at rollout.max_new_tokens out of the loss, "
+                             "so reward.missing_eos_penalty, their score, would reach only their group's baseline; "
+                             "set one of them off")
+        if p.mask_truncated and self.kl.placement == "loss":
+            raise ValueError("ppo.mask_truncated with kl.placement='loss' is refused: the KL term in the loss is the "
+                             "gradient of the batch's mean response KL, the statistic the controller is fed, over "
+                             "every row; leaving the truncated rows out of it would make the two differ. Use "
+                             "kl.placement='reward'")
         if self.learner.critic == "separate" and p.advantage != "gae":
             raise ValueError(f"learner.critic='separate' builds a critic, but ppo.advantage={p.advantage!r} uses "
                              "none (only 'gae' does); set learner.critic='value_head' (ignored without GAE)")
@@ -639,6 +767,14 @@ class JobConfig(BaseSettings):
                 if getattr(self.reward, field) is not None:
                     raise ValueError(f"reward.{field} is set but task.name={self.task.name!r} takes its rewards from "
                                      f"its episodes as they are; set reward.{field}=null")
+            if self.reward.overlong_buffer is not None:
+                raise ValueError(f"reward.overlong_buffer is set but task.name={self.task.name!r} takes its rewards "
+                                 "from its episodes as they are, and a trajectory's length holds the environment's "
+                                 "tokens; set reward.overlong_buffer=null")
+            if p.mask_truncated or r.dynamic_sampling:
+                field = "ppo.mask_truncated" if p.mask_truncated else "rollout.dynamic_sampling"
+                raise ValueError(f"{field} is for single responses: task.name={self.task.name!r} gives trajectories "
+                                 "cut by the turn and token budgets and rewarded per turn; set it to false")
             if r.max_new_tokens is not None and r.max_new_tokens > r.max_trajectory_tokens:
                 raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens} (one turn) exceeds "
                                  f"rollout.max_trajectory_tokens={r.max_trajectory_tokens} (the whole episode)")

@@ -32,11 +32,11 @@ DRIVER_GAUGES = {
     "learner_step_seconds": ("learner_seconds", "seconds from generate to the end of the PPO update"),
     "weight_sync_seconds": ("weight_sync_seconds", "seconds to load new weights into the engines"),
     "rollout_learner_logprob_mismatch": ("rollout_learner_logprob_mismatch",
-                                         "mean |engine - learner| sampled-token log-prob, rows of the learner's "
-                                         "version"),
+                                         ("mean |engine - learner| sampled-token log-prob, rows of the learner's "
+                                          "version")),
     "rollout_stale_logprob_shift": ("rollout_stale_logprob_shift",
-                                    "mean |engine - learner| sampled-token log-prob on rows of an older version "
-                                    "(async): the policy's move since"),
+                                    ("mean |engine - learner| sampled-token log-prob on rows of an older version "
+                                     "(async): the policy's move since")),
     # multi-turn episodes (task.name environment); unset for single responses
     "turns_per_episode": ("turns_mean", "the model's turns per episode"),
     "tool_calls_per_episode": ("tool_calls_mean", "tool calls the environment executed per episode"),
@@ -130,12 +130,19 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
         "truncated_fraction": sums["truncated"] / n,
         "missing_eos_penalized_fraction": sums["missing_eos_penalized"] / n,  # reward.missing_eos_penalty
         "lr": lr,
-        # the engine-learner numeric difference, on rows of the learner's own version; on stale rows (async) the
-        # difference is mostly the policy's move since, reported apart
+        # the engine-learner numeric difference, on rows of the learner's own version (none: null); on stale rows
+        # (async) the difference is mostly the policy's move since, reported apart
         "rollout_learner_logprob_mismatch": ((sums["mismatch_abs_sum"] - sums["stale_mismatch_abs_sum"])
-                                             / max(kl["num_tokens"] - sums["stale_tokens"], 1)),
+                                             / (kl["num_tokens"] - sums["stale_tokens"])
+                                             if kl["num_tokens"] > sums["stale_tokens"] else None),
         "rollout_learner_logprob_mismatch_max": sums["mismatch_max"],
         "rollout_stale_logprob_shift": sums["stale_mismatch_abs_sum"] / max(sums["stale_tokens"], 1),
+        # the rollout correction (ppo.correction): k3 of KL(engine || learner) per token on the rows of the learner's
+        # version, and the fractions of tokens whose weight pi_old / pi_behav it truncated (tis) or masked (mis)
+        "rollout_correction_mismatch_k3": (sums["correction_mismatch_k3_sum"]
+                                           / max(kl["num_tokens"] - sums["stale_tokens"], 1)),
+        "rollout_correction_truncated_fraction": sums["correction_truncated_tokens"] / max(kl["num_tokens"], 1),
+        "rollout_correction_masked_fraction": sums["correction_masked_tokens"] / max(kl["num_tokens"], 1),
         "value_mean": sums["value_sum"] / max(kl["num_tokens"], 1),
         "probe_max_abs_error": sync["probe_max_abs_error"],
         "batch_policy_versions": batch_policy_versions,

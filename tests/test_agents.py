@@ -449,7 +449,9 @@ def check_trajectory_records(records: list[dict]) -> None:
                                                  rel=1e-5, abs=1e-7)
     # the environment's tokens were there: observations after the first turn
     assert sum(r["trajectory_environment_tokens_mean"] for r in records) > 0
-    assert any(r["kl_response_mean"] > 0 for r in records)  # the identity is not 0 == 0 - 0
+    # the identity is not 0 == 0 - 0 (async: the learner's log-probs of rows an older version sampled, whose k1
+    # mean may be below 0 while the policy is near the reference)
+    assert any(r["kl_response_mean"] != 0 for r in records)
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,79 @@ def test_policy_loss_gradient_vanishes_when_clipped():
     assert new.grad[0, 0] == 0 and new.grad[0, 1] != 0
 
 
+def test_clip_higher_golden():
+    """DAPO's asymmetric clip: ratio 1.25 with A > 0 and 0.75 with A < 0, by hand; eps_high defaults to eps_low."""
+    old = torch.zeros(1, 2)
+    new = torch.log(torch.tensor([[1.25, 0.75]])).requires_grad_()
+    adv, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
+    symmetric, stats = policy_loss(new, old, adv, mask, clip_range=0.2)
+    # max(-1.25, -1.2) = -1.2 (clipped at 1.2); max(0.75, 0.8) = 0.8 (clipped at 0.8)
+    assert float(symmetric.detach()) == pytest.approx((-1.2 + 0.8) / 2)
+    assert float(stats["clipfrac"]) == 1.0
+    higher, stats = policy_loss(new, old, adv, mask, clip_range=0.2, clip_range_high=0.28)
+    # 1.25 < 1.28: unclipped, -1.25; 0.75 is still below the floor 0.8
+    assert float(higher.detach()) == pytest.approx((-1.25 + 0.8) / 2)
+    assert float(stats["clipfrac"]) == 0.5
+    higher.backward()
+    # d/dlogp of -A * r = -A * r over 2 tokens; the clipped token has none
+    assert new.grad.tolist() == [pytest.approx([-1.25 / 2, 0.0])]
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_gspo_golden_two_rows(flip):
+    """GSPO by hand: s_b = exp(mean_t log(pi / pi_old)), clipped per row to [1 - 3e-4, 1 + 4e-4], sequence mean.
+    Row 0: 2 tokens, log-ratios (0.1, -0.3): s_0 = e^-0.1 = 0.904837. Row 1: 3 tokens, (0.2, 0.1, 0): s_1 = e^0.1
+    = 1.105171 (the last position is padding: its huge log-ratio must not count). A = (1, -2): both rows are
+    outside the range on the side the min keeps unclipped; flipped, A = (-1, 2), both are clipped."""
+    old = torch.zeros(2, 4)
+    new = torch.tensor([[0.1, -0.3, 0.0, 0.0], [0.2, 0.1, 0.0, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    sign = -1.0 if flip else 1.0
+    adv = sign * torch.tensor([[1.0] * 4, [-2.0] * 4])
+    loss, stats = policy_loss(new, old, adv, mask, 3e-4, "sequence_mean", clip_range_high=4e-4,
+                              ratio_level="sequence")
+    s0, s1 = 0.9048374180359595, 1.1051709180756477
+    if not flip:
+        # max(-1 * s0, -1 * 0.9997) = -s0; max(2 * s1, 2 * 1.0004) = 2 * s1
+        assert float(loss.detach()) == pytest.approx((-s0 + 2 * s1) / 2, rel=1e-6)
+        assert float(stats["clipfrac"]) == 1.0  # every token's ratio lies outside, though none is cut
+        loss.backward()
+        # d/dlogp_t (-A s_b) = -A s_b / |y_b|, over the 2 rows
+        expected = [[-s0 / 2 / 2] * 2 + [0.0, 0.0], [2 * s1 / 3 / 2] * 3 + [0.0]]
+    else:
+        # max(s0, 0.9997) = 0.9997; max(-2 * s1, -2 * 1.0004) = -2.0008: both clipped, no gradient
+        assert float(loss.detach()) == pytest.approx((0.9997 - 2.0008) / 2, rel=1e-6)
+        loss.backward()
+        expected = [[0.0] * 4, [0.0] * 4]
+    assert new.grad.tolist() == [pytest.approx(row, rel=1e-6, abs=1e-12) for row in expected]
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "seq_mean_token_sum_norm"])
+def test_gspo_token_gradient_equals_gspo_with_a_constant_advantage_per_row(aggregation):
+    """GSPO-token (s_bt = sg[s_b] pi_t / sg[pi_t]) has GSPO's value and, when each row's advantage is one
+    number, GSPO's gradient (Zheng et al. 2025, section 4.3); with advantages that vary along a row they differ."""
+    g = torch.Generator().manual_seed(5)
+    b, t = 6, 5
+    mask = (torch.arange(t) < torch.tensor([5, 3, 1, 4, 0, 2])[:, None]).double()
+    old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+    new = old + torch.randn(b, t, generator=g, dtype=torch.float64) * 4e-4  # some rows inside the clip range
+    row_adv = torch.randn(b, 1, generator=g, dtype=torch.float64).expand(b, t)
+
+    def grad(ratio_level, advantages):
+        logprobs = new.clone().requires_grad_()
+        loss, _ = policy_loss(logprobs, old, advantages, mask, 3e-4, aggregation, clip_range_high=4e-4,
+                              ratio_level=ratio_level)
+        loss.backward()
+        return float(loss.detach()), logprobs.grad
+
+    (gspo_loss, gspo), (token_loss, token) = grad("sequence", row_adv), grad("sequence_token", row_adv)
+    assert token_loss == pytest.approx(gspo_loss, rel=1e-12)
+    assert torch.allclose(token, gspo, rtol=1e-10, atol=1e-15)
+    assert gspo.abs().sum() > 0 and (gspo == 0).any()  # some rows clipped, some not
+    varying = row_adv + torch.randn(b, t, generator=g, dtype=torch.float64)
+    assert not torch.allclose(grad("sequence_token", varying)[1], grad("sequence", varying)[1])
+
+
 def test_value_loss_golden():
     values = torch.tensor([[1.0, 0.0]])
     old_values = torch.tensor([[0.0, 0.0]])
