@@ -12,7 +12,7 @@ import torch
 
 from actors.base import VersionedActor, starting_up, yield_cpu_to_engines
 from services.model_source import ModelSource, as_source
-from services.reward_models import reward_label_index
+from services.reward_models import check_classifier_config, reward_label_index
 
 if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
     from services.config import JudgeConfig, RewardConfig
@@ -65,8 +65,8 @@ def remote_scores(client: RewardClient, prompts: list[str], completions: list[st
 
 def check_reward_label(model_path: str, label: int | str | None) -> int | None:
     """``reward_label_index`` from the config.json of ``model_path`` when this process sees that
-    directory (the driver, before any actor starts); None otherwise (a hub id, or a path only the
-    nodes have): the reward actor checks it when it loads the model."""
+    directory (the driver, before any actor starts), after checking it is a classifier; None otherwise (a
+    hub id, or a path only the nodes have): the reward actor checks both when it loads the model."""
     from pathlib import Path
 
     directory = Path(model_path).expanduser()
@@ -74,8 +74,9 @@ def check_reward_label(model_path: str, label: int | str | None) -> int | None:
         return None
     from transformers import AutoConfig
 
-    return reward_label_index(label, AutoConfig.from_pretrained(directory).id2label,
-                              f"reward model {model_path} (reward.model_path)")
+    config, where = AutoConfig.from_pretrained(directory), f"reward model {model_path} (reward.model_path)"
+    check_classifier_config(config, where)
+    return reward_label_index(label, config.id2label, where)
 
 
 class RewardActor(VersionedActor):

@@ -87,6 +87,14 @@ def test_what_cannot_be_served_is_refused_at_start(argv, message, not_classifier
     assert message.format(**paths) in capsys.readouterr().err
 
 
+def test_a_job_refuses_a_reward_model_that_is_not_a_classifier_before_any_actor(not_classifiers, classifier_dir):
+    from actors.reward import check_reward_label
+
+    with pytest.raises(ValueError, match=r"\(reward.model_path\) is a GPT2LMHeadModel, not a sequence classifier"):
+        check_reward_label(not_classifiers["causal"], None)
+    assert check_reward_label(classifier_dir, None) == 0
+
+
 def test_options_of_another_kind_are_refused(capsys):
     for argv, message in ((["--task", "randomwalks", "--label", "1"], "--label applies to --model"),
                           (["--function", "a:b", "--task-seed", "3"], "--task-seed applies to --task"),
