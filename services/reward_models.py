@@ -93,7 +93,7 @@ class SequenceClassifierReward:
 @dataclass
 class _Request:
     samples: list[tuple]  # (prompt, completion, fields) per sample
-    tokens: list[int]
+    tokens: list[int] | None = None  # counted on the worker thread
     scores: list = field(default_factory=list)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -105,7 +105,9 @@ class ScoreBatcher:
     sample longer than that goes alone), so requests that arrive together share one forward.
 
     ``score_batch(prompts, completions, fields) -> scores`` is the model's call; ``count_tokens(prompt,
-    completion) -> int`` what a sample costs. ``forwards`` counts the calls made (what batching saves)."""
+    completion) -> int`` what a sample costs. Both run on the worker thread alone: a fast tokenizer is not
+    safe to call from several threads at once (its padding settings are the tokenizer's state; requests'
+    threads counting while the worker padded a batch broke the batch). ``forwards`` counts the calls made."""
 
     def __init__(self, score_batch: Callable[[list[str], list[str], list[dict]], Sequence[float]],
                  count_tokens: Callable[[str, str], int], max_batch_tokens: int) -> None:
@@ -120,8 +122,7 @@ class ScoreBatcher:
     def __call__(self, prompts: Sequence[str], completions: Sequence[str],
                  fields: Sequence[dict] | None = None) -> list[float]:
         fields = list(fields) if fields is not None else [{} for _ in prompts]
-        request = _Request(list(zip(prompts, completions, fields, strict=True)),
-                           [self.count_tokens(p, c) for p, c in zip(prompts, completions, strict=True)])
+        request = _Request(list(zip(prompts, completions, fields, strict=True)))
         if not request.samples:
             return []
         with self._wake:
@@ -137,6 +138,14 @@ class ScoreBatcher:
         taken, budget = [], self.max_batch_tokens
         while self._waiting:
             request, start = self._waiting[0]
+            if request.tokens is None:
+                try:
+                    request.tokens = [self.count_tokens(p, c) for p, c, _ in request.samples]
+                except Exception as err:  # noqa: BLE001 - the request fails with it; the worker goes on
+                    request.error = err
+                    request.done.set()
+                    self._waiting.pop(0)
+                    continue
             end = start
             while end < len(request.samples) and (request.tokens[end] <= budget or (not taken and end == start)):
                 budget -= request.tokens[end]

@@ -184,6 +184,13 @@ def test_a_model_error_fails_only_the_requests_in_its_forward(classifier_dir):
     assert reward(["b"], ["c"]) == pytest.approx(reward.score_batch.__self__(["b"], ["c"]))
 
 
+def test_a_sample_that_cannot_be_counted_fails_its_request_alone(classifier_dir):
+    reward, _ = build_reward(parse_args(["--model", classifier_dir, "--device", "cpu"]))
+    with pytest.raises(TypeError):
+        reward([None], ["c"])  # not text: the tokenizer refuses it
+    assert reward(["b"], ["c"]) == pytest.approx(reward.score_batch.__self__(["b"], ["c"]))
+
+
 def test_scores_of_a_served_model_keep_their_order_under_concurrency(classifier_dir):
     reward, _ = build_reward(parse_args(["--model", classifier_dir, "--device", "cpu"]))
     expected = reward.score_batch.__self__([p for p, _ in PAIRS], [c for _, c in PAIRS])
