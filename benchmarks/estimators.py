@@ -1,11 +1,16 @@
-"""Benchmark: each advantage estimator (``ppo.advantage``) from the cached SFT start on randomwalks, the
-default 30 iterations at 128 episodes per iteration (``rollout.samples_per_prompt`` 8 for the group
-estimators, so 16 prompts per iteration; 1 otherwise). Reports the first evaluation whose sampled
-optimality reached 0.95, the final one, and the wall and steady iteration time.
+"""Benchmark: each advantage estimator (``ppo.advantage``), and each algorithm addition, from the cached SFT
+start on randomwalks, the default 30 iterations at 128 episodes per iteration (``rollout.samples_per_prompt`` 8
+for the group estimators, so 16 prompts per iteration; 1 otherwise), in sync and async mode, over seeds.
+Reports, per run and as the mean over seeds, the first evaluation whose sampled optimality reached 0.95, the
+final one, and the wall and steady iteration time.
 
-    .venv/bin/python benchmarks/estimators.py [--only grpo rloo ...] [--mode async] [-- extra learner.main args]
+    .venv/bin/python benchmarks/estimators.py [--only grpo gspo ...] [--mode sync async] [--seeds 1 2 3]
+        [--eval-every 1] [-- extra learner.main args]
 
-Writes benchmarks/results/estimators.json and estimators.md (estimators-async.* with ``--mode async``).
+The variants are the five estimators and the additions on a group estimator (``ADDITIONS``: GSPO, DAPO's
+clip-higher with dynamic sampling, the rollout correction by masking at sequence level, no correction).
+Writes benchmarks/results/estimators.json and estimators.md (with other modes or seeds than the default,
+estimators-<modes>-seeds-<n>.*); a partial run keeps its rows.
 """
 
 from __future__ import annotations
@@ -21,24 +26,34 @@ from _bench import RESULTS, MeasuredJob, read_records, stamp, steady_state, writ
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
-SAMPLES_PER_PROMPT = 8  # for the group estimators, as issue 12 sets the benchmark
+SAMPLES_PER_PROMPT = 8  # for the group estimators
+# the additions, each on GRPO: what learner.main takes to turn it on
+ADDITIONS = {
+    "gspo": ["--ppo.policy_loss", "gspo", "--ppo.correction_level", "sequence", "--ppo.loss_aggregation",
+             "sequence_mean"],
+    "dapo": ["--ppo.clip_range_high", "0.28", "--rollout.dynamic_sampling"],
+    "grpo_mis_sequence": ["--ppo.correction", "mis", "--ppo.correction_level", "sequence"],
+    "grpo_no_correction": ["--ppo.correction", "none"],
+}
+VARIANTS = (*ESTIMATORS, *ADDITIONS)
 
 
-def estimator_args(estimator: str) -> list[str]:
+def estimator_args(variant: str) -> list[str]:
+    estimator = variant if variant in ESTIMATORS else "grpo"
     n = SAMPLES_PER_PROMPT if estimator in GROUP_ESTIMATORS else 1
-    return ["--ppo.advantage", estimator, "--rollout.samples_per_prompt", str(n)]
+    return ["--ppo.advantage", estimator, "--rollout.samples_per_prompt", str(n), *ADDITIONS.get(variant, [])]
 
 
-def run_estimator(estimator: str, cache_dir: str, out_dir: str, extra: list[str]) -> dict:
-    job = MeasuredJob(["--model.cache_dir", cache_dir, "--run.output_dir", out_dir, "--run.name", estimator,
-                       *estimator_args(estimator), *extra]).run()
-    run_dir = Path(out_dir) / estimator
+def run_estimator(variant: str, name: str, cache_dir: str, out_dir: str, extra: list[str]) -> dict:
+    job = MeasuredJob(["--model.cache_dir", cache_dir, "--run.output_dir", out_dir, "--run.name", name,
+                       *estimator_args(variant), *extra]).run()
+    run_dir = Path(out_dir) / name
     records = read_records(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     evals = [(r["iteration"], r["eval"]["optimality"]) for r in records if "eval" in r]
     reached = next((i for i, optimality in evals if optimality >= 0.95), None)
     return {
-        "args": estimator_args(estimator) + extra,
+        "args": estimator_args(variant) + extra,
         "wall_seconds": job.wall_seconds,
         "reached_0.95_iteration": reached,
         "eval_start": summary["eval_start"],
@@ -50,36 +65,59 @@ def run_estimator(estimator: str, cache_dir: str, out_dir: str, extra: list[str]
     }
 
 
-def table(results: dict, estimators: list[str]) -> list[str]:
-    rows = [("| ppo.advantage | samples per prompt | optimality >= 0.95 at iteration | optimality start -> final "
-             "| KL final (nats) | wall (s) | steady iteration (s) |"), "|---|---|---|---|---|---|---|"]
-    for estimator in estimators:
-        r = results[estimator]
-        n = SAMPLES_PER_PROMPT if estimator in GROUP_ESTIMATORS else 1
-        reached = r["reached_0.95_iteration"] if r["reached_0.95_iteration"] is not None else "not reached"
-        rows.append(f"| {estimator} | {n} | {reached} | {r['eval_start']['optimality']:.3f} -> "
-                    f"{r['eval_final']['optimality']:.3f} | {r['kl_response_mean_final']:.2f} | "
-                    f"{r['wall_seconds']:.0f} | {r['steady_iteration_seconds']:.2f} |")
+def table(results: dict, keys: list[tuple[str, str]], seeds: list[int]) -> list[str]:
+    """One row per (variant, mode): the iteration at which each seed's optimality reached 0.95 and their mean
+    (a seed that never did counts as the run's length + 1, marked >), the final optimality's mean."""
+    rows = [("| variant | mode | samples per prompt | optimality >= 0.95 at iteration, per seed | mean | final "
+             "optimality (mean) | KL final (nats, mean) | steady iteration (s) |"), "|---|---|---|---|---|---|---|---|"]
+    for variant, mode in keys:
+        runs = [results[f"{variant}/{mode}/{seed}"] for seed in seeds if f"{variant}/{mode}/{seed}" in results]
+        if not runs:
+            continue
+        reached = [r["reached_0.95_iteration"] for r in runs]
+        counted = [i if i is not None else r["iterations"] + 1 for i, r in zip(reached, runs, strict=True)]
+        mean = sum(counted) / len(counted)
+        shown = ", ".join(str(i) if i is not None else "not reached" for i in reached)
+        n = estimator_args(variant)[3]
+        rows.append(f"| {variant} | {mode} | {n} | {shown} | {'>' if None in reached else ''}{mean:.1f} | "
+                    f"{sum(r['eval_final']['optimality'] for r in runs) / len(runs):.3f} | "
+                    f"{sum(r['kl_response_mean_final'] for r in runs) / len(runs):.2f} | "
+                    f"{sum(r['steady_iteration_seconds'] for r in runs) / len(runs):.2f} |")
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", choices=ESTIMATORS, default=list(ESTIMATORS))
+    parser.add_argument("--only", nargs="+", choices=VARIANTS, default=list(ESTIMATORS))
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
-    parser.add_argument("--mode", choices=("sync", "async"), default="sync", help="rollout.mode of every run")
+    parser.add_argument("--mode", nargs="+", choices=("sync", "async"), default=["sync"], help="rollout.mode")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[None], help="run.seed of each run (default: "
+                        "the job's)")
+    parser.add_argument("--eval-every", type=int, default=5, help="run.eval_every (1: the first iteration at "
+                        "0.95 exactly)")
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
     args = parser.parse_args()
     results, done = stamp(), []
-    name = "estimators" if args.mode == "sync" else f"estimators-{args.mode}"
+    default = args.mode == ["sync"] and args.seeds == [None]
+    name = "estimators" if default else f"estimators-{'-'.join(args.mode)}-seeds-{len(args.seeds)}"
     with tempfile.TemporaryDirectory() as out:
         MeasuredJob(["--model.cache_dir", args.cache_dir, "--run.output_dir", str(Path(out) / "warmup"),
                      "--run.name", "warmup", "--run.iterations", "1"]).run()  # fill the SFT cache
-        for estimator in args.only:
-            results[estimator] = run_estimator(estimator, args.cache_dir, out, ["--rollout.mode", args.mode, *args.extra])
-            done.append(estimator)
-            write_results(RESULTS, name, results, table(results, done))  # a partial run keeps its rows
-    print("\n".join(table(results, done)))
+        for variant in args.only:
+            for mode in args.mode:
+                if variant == "grpo_no_correction" and mode == "async":
+                    print("grpo_no_correction: async mode needs its importance weight (ppo.correction: none is "
+                          "refused there); skipped")
+                    continue
+                for seed in args.seeds:
+                    seeded = [] if seed is None else ["--run.seed", str(seed)]
+                    run = f"{variant}-{mode}-{seed}"
+                    results[f"{variant}/{mode}/{seed}"] = run_estimator(
+                        variant, run, args.cache_dir, out,
+                        ["--rollout.mode", mode, "--run.eval_every", str(args.eval_every), *seeded, *args.extra])
+                done.append((variant, mode))
+                write_results(RESULTS, name, results, table(results, done, args.seeds))  # a partial run keeps its rows
+    print("\n".join(table(results, done, args.seeds)))
 
 
 if __name__ == "__main__":
