@@ -358,23 +358,6 @@ def rollout_correction_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor,
     return weights, stats
 
 
-def truncated_importance_weights(prox_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor,
-                                 cap: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """Decoupled PPO's per-token weight ``w = min(pi_prox / pi_behav, cap)``, detached: the default rollout
-    correction (``rollout_correction_weights`` with tis, token).
-
-    Args:
-        prox_logprobs: [B, T] the learner's log-probs at the start of the update (pi_prox).
-        behaviour_logprobs: [B, T] the engine's sampled-token log-probs (pi_behav).
-        mask: [B, T]; cap: > 0.
-    Returns:
-        (w [B, T], 1 outside the mask; {"is_weight_mean", "is_capped_fraction"} over masked tokens).
-    """
-    weights, stats = rollout_correction_weights(prox_logprobs, behaviour_logprobs, mask, "tis", "token", cap)
-    assert weights is not None
-    return weights, stats
-
-
 def value_loss(
     values: Tensor,
     old_values: Tensor,

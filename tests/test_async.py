@@ -50,12 +50,12 @@ def test_stale_rows_admit_at_most_max_staleness_versions_behind():
 
 
 def test_truncated_importance_weights_and_the_weighted_surrogate():
-    from learner.ppo import policy_loss, truncated_importance_weights
+    from learner.ppo import policy_loss, rollout_correction_weights
 
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     prox = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
     behaviour = torch.tensor([[-1.0, -2.0, -0.5, -9.0]])  # w = 1, e (capped to 2), e^-0.5; last is padding
-    w, stats = truncated_importance_weights(prox, behaviour, mask, cap=2.0)
+    w, stats = rollout_correction_weights(prox, behaviour, mask, "tis", "token", cap=2.0)
     assert w.tolist()[0][:3] == pytest.approx([1.0, 2.0, float(torch.tensor(-0.5).exp())])
     assert w[0, 3] == 1.0  # outside the mask
     assert stats["is_capped_fraction"] == pytest.approx(1 / 3)
