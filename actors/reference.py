@@ -1,4 +1,5 @@
-"""ReferenceActor: a frozen copy of the initial policy that returns ref log-probs of response tokens."""
+"""ReferenceActor: a frozen copy of the initial policy that returns ref log-probs of response tokens; TeacherActor:
+the same scoring with on-policy distillation's teacher (``distill.teacher_path``)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,34 @@ class ReferenceActor(VersionedActor):
         for row, scored in enumerate(self.engine.score(sequences, prompt_lengths)):
             out[row, : len(scored)] = torch.tensor(scored)
         return out * batch.action_mask  # a trajectory's environment tokens carry no log-prob
+
+
+def check_teacher(teacher_path: str, policy_tokenizer) -> None:
+    """Distillation compares the teacher's log-prob of each sampled token id with the student's: the two must give
+    every id the same token. Checked on the driver, before any actor starts, when it sees ``teacher_path`` (a local
+    directory); a hub id or a path only the nodes have is the user's to match."""
+    from pathlib import Path
+
+    directory = Path(teacher_path).expanduser()
+    if not (directory / "config.json").is_file():
+        return
+    from services.models import load_tokenizer
+
+    where = f"the teacher {teacher_path} (distill.teacher_path)"
+    try:
+        teacher_vocab = load_tokenizer(directory).get_vocab()
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{where} has no tokenizer the student's can be compared with: {err}") from err
+    student_vocab = policy_tokenizer.get_vocab()
+    if teacher_vocab != student_vocab:
+        differing = sorted(set(teacher_vocab.items()) ^ set(student_vocab.items()))[:3]
+        raise ValueError(f"{where} has another vocabulary than the policy's ({len(teacher_vocab)} against "
+                         f"{len(student_vocab)} tokens; differing (token, id) pairs such as {differing}): its "
+                         "log-probs would be of other tokens")
+
+
+class TeacherActor(ReferenceActor):
+    """On-policy distillation's teacher: the log-probs of the student's sampled tokens under the teacher model
+    (``distill.teacher_path``), scored as the reference scores them."""
+
+    role = "teacher"

@@ -302,7 +302,8 @@ def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values:
                        group_index: Tensor | None = None, gamma: float = 1.0, lam: float = 0.95,
                        whiten_advantages: bool = True, whiten_rewards: bool = False,
                        device: torch.device | str = "cpu", kl_rewards: Tensor | None = None,
-                       grpo_normalize: str = "score") -> tuple[Tensor, Tensor | None]:
+                       grpo_normalize: str = "score", teacher: Tensor | None = None,
+                       teacher_credit: str = "token") -> tuple[Tensor, Tensor | None]:
     """Advantages of ``estimator`` (``ppo.advantage``) for a batch.
 
     Args:
@@ -314,6 +315,10 @@ def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values:
         device: where the global whitening all-reduces its moments (NCCL: CUDA only).
         kl_rewards: [B, T] the KL penalty's share of ``rewards`` (``-beta * kl_t``), None when the KL is in
             the loss; read by ``grpo`` alone, which normalises the score without it (``grpo_normalize``).
+        teacher: [B, T] on-policy distillation's per-token penalties (``learner.kl.teacher_penalties``) or None.
+        teacher_credit: ``token`` (``distill.credit``): each token's advantage gets its own penalty, after the
+            estimator (no critic learns it, no normalisation scales it); ``reward_to_go``: the penalties join
+            ``rewards`` as the KL penalty does, and GRPO keeps them outside its normalisation as it keeps the KL.
     Returns:
         (advantages [B, T], returns [B, T] for the critic or None), 0 where ``mask`` is 0.
     """
@@ -321,5 +326,16 @@ def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values:
         raise ValueError(f"unknown ppo.advantage {estimator!r}; expected one of {sorted(ESTIMATORS)}")
     if rewards.shape != mask.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must share one [B, T] shape")
+    if teacher_credit not in ("token", "reward_to_go"):
+        raise ValueError(f"unknown distill.credit {teacher_credit!r}; expected 'token' or 'reward_to_go'")
+    if teacher is not None and teacher.shape != rewards.shape:
+        raise ValueError(f"teacher {tuple(teacher.shape)} and rewards {tuple(rewards.shape)} must share one [B, T] "
+                         "shape")
     settings = Settings(gamma, lam, whiten_advantages, whiten_rewards, device, grpo_normalize)
-    return ESTIMATORS[estimator](rewards, mask, values, group_index, kl_rewards, settings)
+    if teacher is not None and teacher_credit == "reward_to_go":
+        rewards = rewards + teacher * mask
+        kl_rewards = teacher * mask if kl_rewards is None else kl_rewards + teacher * mask
+    advantages, returns = ESTIMATORS[estimator](rewards, mask, values, group_index, kl_rewards, settings)
+    if teacher is not None and teacher_credit == "token":
+        advantages = advantages + teacher * mask
+    return advantages, returns

@@ -138,7 +138,8 @@ def check_role_resources(cfg: JobConfig) -> None:
 def role_counts(cfg: JobConfig) -> dict[str, int]:
     """Actors per role, in bundle order; each role's resources are ``cfg.cluster.<role>``."""
     return {"rollout": cfg.rollout.num_engines, "reference": cfg.reference.num_actors,
-            "reward": cfg.reward.num_actors, "learner": cfg.learner.world_size}
+            "reward": cfg.reward.num_actors, "teacher": cfg.distill.num_actors if cfg.distill.teacher_path else 0,
+            "learner": cfg.learner.world_size}
 
 
 def _options(res: RoleResources) -> dict:

@@ -16,7 +16,7 @@ from actors.agents import AgentSettings
 from actors.engines import SamplingSettings
 from actors.environment import EnvironmentWorker
 from actors.episodes import EpisodeLimits
-from actors.reference import ReferenceActor
+from actors.reference import ReferenceActor, TeacherActor
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
 from learner import cluster
@@ -48,7 +48,7 @@ def chunk_layout(prompt_rows: list[int], samples_per_prompt: int, chunk_size: in
 class Fleet:
     def __init__(self, cfg: JobConfig, model: ModelSource, placement, sampling: SamplingSettings, pad_id: int,
                  max_model_len: int, reward_model: ModelSource | None = None,
-                 task_options: dict | None = None, wait: bool = True) -> None:
+                 task_options: dict | None = None, wait: bool = True, teacher: ModelSource | None = None) -> None:
         """Starts every actor at once; ``wait=False`` returns before they are ready (call ``wait_ready``), so
         the caller can start the learner ranks meanwhile."""
         self.cfg, self.sampling, self.pad_id = cfg, sampling, pad_id
@@ -84,7 +84,14 @@ class Fleet:
                                 **remote, **judge)
             for i in range(cfg.reward.num_actors)
         ]
-        self.all = self.rollouts + self.references + self.rewards
+        # on-policy distillation (distill.teacher_path): the teacher scores the student's samples as the reference does
+        self.teachers = [
+            cluster.start_actor(TeacherActor, "teacher", i, c.teacher, placement, i, teacher, "hf", dtype,
+                                max_model_len, 128, cfg.rollout.temperature, cfg.device("teacher"),
+                                max_restarts=restarts)
+            for i in range(cfg.distill.num_actors if teacher is not None else 0)
+        ]
+        self.all = self.rollouts + self.references + self.rewards + self.teachers  # bundle order (cluster.roles)
         # multi-turn episodes: the environments step on workers of their own, outside the engines' processes
         self.environment_workers, self.episode_limits = [], None
         if cfg.task.name == "environment":
@@ -137,11 +144,14 @@ class Fleet:
                                              groups)
         return refs
 
-    def score(self, chunk_refs: dict[int, ray.ObjectRef]) -> tuple[dict, dict]:
-        """Reference log-probs and reward scores, both started on the chunk refs at once."""
+    def score(self, chunk_refs: dict[int, ray.ObjectRef]) -> tuple[dict, dict, dict | None]:
+        """Reference log-probs, reward scores and (distillation) teacher log-probs, all started on the chunk refs
+        at once; the teacher's are None without a teacher."""
         ref_refs = {i: self.references[i % len(self.references)].score.remote(ch) for i, ch in chunk_refs.items()}
         score_refs = {i: self.rewards[i % len(self.rewards)].score.remote(ch, i) for i, ch in chunk_refs.items()}
-        return ref_refs, score_refs
+        teacher_refs = ({i: self.teachers[i % len(self.teachers)].score.remote(ch) for i, ch in chunk_refs.items()}
+                        if self.teachers else None)
+        return ref_refs, score_refs, teacher_refs
 
     def evaluate(self, eval_prompts: list[list[int]], iteration: int,
                  resync: Callable[[], object] | None = None) -> tuple[dict, list]:
@@ -219,7 +229,8 @@ class Fleet:
         """Per role since the last call: busy seconds (generate_seconds, reference_seconds, reward_seconds) and a
         judge's answers (reward_judge_answers, reward_judge_unparseable)."""
         totals: dict[str, float] = {}
-        roles = ["generate"] * len(self.rollouts) + ["reference"] * len(self.references) + ["reward"] * len(self.rewards)
+        roles = (["generate"] * len(self.rollouts) + ["reference"] * len(self.references) + ["reward"] * len(self.rewards)
+                 + ["teacher"] * len(self.teachers))
         for role, call in zip(roles, [a.take_counts.remote() for a in self.all], strict=True):
             try:
                 counts = ray.get(call)

@@ -43,7 +43,8 @@ class LearnerGroup:
                               run_iterations=cfg.run.iterations, missing_eos_penalty=cfg.reward.missing_eos_penalty,
                               samples_per_prompt=cfg.rollout.samples_per_prompt, off_policy=cfg.rollout.mode == "async",
                               rollout_batch_size=cfg.rollout.batch_size, rows_per_episode_vary=cfg.rollout.agent is not None,
-                              overlong=overlong, dynamic_sampling=cfg.rollout.dynamic_sampling)
+                              overlong=overlong, dynamic_sampling=cfg.rollout.dynamic_sampling,
+                              distill=cfg.distill if cfg.distill.teacher_path else None)
             for rank in self.ranks
         ]
         self._get(setups, "setup")
@@ -74,7 +75,8 @@ class LearnerGroup:
         return ray.get(refs)
 
     def collect(self, chunk_refs: dict[int, object], ref_logprob_refs: dict[int, object],
-                score_refs: dict[int, object], expected_state: tuple | None = None) -> list[int]:
+                score_refs: dict[int, object], expected_state: tuple | None = None,
+                teacher_logprob_refs: dict[int, object] | None = None) -> list[int]:
         """Chunk slot i goes to rank i % W, which fetches it and runs its forward. Returns the slots
         lost to dead actors, or with rows the learner must not train on (``stale_rows(chunk,
         *expected_state)``: another (policy_version, kl_coef), or async, too stale), to regenerate and
@@ -83,7 +85,8 @@ class LearnerGroup:
         # every rank runs this many forwards (ZeRO-3 gathers in each), whatever it got or lost
         forwards = max(len(slots) for slots in by_rank)
         calls = [rank.collect.remote(slots, [chunk_refs[s] for s in slots], [ref_logprob_refs[s] for s in slots],
-                                     [score_refs[s] for s in slots], forwards, expected_state)
+                                     [score_refs[s] for s in slots], forwards, expected_state,
+                                     None if teacher_logprob_refs is None else [teacher_logprob_refs[s] for s in slots])
                  for rank, slots in zip(self.ranks, by_rank, strict=True)]
         return sorted(s for result in self._get(calls, "collect") for s in result["failed"])
 
@@ -97,10 +100,11 @@ class LearnerGroup:
                                               "update"))
 
     def train(self, chunk_refs: list, ref_logprob_refs: list, score_refs: list, kl_coef: float,
-              iteration: int) -> UpdateResult:
+              iteration: int, teacher_logprob_refs: list | None = None) -> UpdateResult:
         """collect + update, for callers that need no retries."""
         failed = self.collect(dict(enumerate(chunk_refs)), dict(enumerate(ref_logprob_refs)),
-                              dict(enumerate(score_refs)))
+                              dict(enumerate(score_refs)), None,
+                              None if teacher_logprob_refs is None else dict(enumerate(teacher_logprob_refs)))
         if failed:
             raise ClusterError(f"chunks {failed} were lost to dead actors")
         return self.update(kl_coef, iteration)

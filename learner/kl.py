@@ -218,6 +218,20 @@ def kl_logprob_roles(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, off_
 # ---------------------------------------------------------------- the KL as a loss term (kl.placement: loss)
 
 
+def teacher_penalties(logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """On-policy distillation's per-token signal: ``-coef * (log pi(y_t) - log pi_teacher(y_t))`` on the ``mask``,
+    the k1 estimate of the reverse KL(pi || teacher) at the token the student sampled, weighed by the fixed
+    ``coef`` (``distill.coef``). Its expectation over the student's own token is ``-coef * KL(pi || teacher)`` at
+    that state, whose gradient (through the score function) is the per-state reverse KL's.
+
+    Args: logprobs, teacher_logprobs: [B, T] the student's (the learner's, as for the reference KL) and the
+        teacher's sampled-token log-probs; mask: [B, T]; coef > 0. Returns: [B, T], 0 where ``mask`` is 0.
+    """
+    _check_logprob_pair(logprobs, teacher_logprobs)
+    m = check_response_mask(mask, logprobs.shape).to(logprobs.dtype)
+    return -_check_coef("distill.coef", coef, positive=True) * (logprobs - teacher_logprobs) * m
+
+
 def kl_loss_aggregation(aggregation: Aggregation) -> Aggregation:
     """The count ``response_kl_loss``'s gradient divides by (its ``denominator``) under the policy term's
     ``ppo.loss_aggregation``: that policy term's tokens, so that beta weighs the KL against it as the KL in the

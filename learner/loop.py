@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from actors.engines import SamplingSettings
+from actors.reference import check_teacher
 from actors.reward import check_reward_label, check_reward_service
 from learner import checkpoint, cluster, rundir
 from learner.cluster import Placement
@@ -76,6 +77,7 @@ class Started:
     chunk_refs: dict
     ref_refs: dict
     score_refs: dict
+    teacher_refs: dict | None  # on-policy distillation's teacher log-probs; None without a teacher
     prompt_cursor: dict  # the prompt sampler's state before these prompts: a checkpoint taken while the
     # batch is in flight saves this, so a resume (empty pipeline) draws them again
 
@@ -131,7 +133,8 @@ class Job:
         # actors that restarted come back at version 0: re-sync them (and probe) before they generate
         resynced = self.weights.bring_up_to_date()
         batch, self.ahead = self.ahead or self._start(iteration), None
-        resynced += self._collect_chunks(iteration, batch, batch.chunk_refs, batch.ref_refs, batch.score_refs)
+        resynced += self._collect_chunks(iteration, batch, batch.chunk_refs, batch.ref_refs, batch.score_refs,
+                                         batch.teacher_refs)
         extra_rounds = self._dynamic_sampling(iteration, batch, resynced) if self.cfg.rollout.dynamic_sampling else None
         if self._overlaps() and iteration < self.cfg.run.iterations:
             # generates with version v while v + 1 trains; after any extra rounds, so that the prompt cursor a
@@ -140,7 +143,7 @@ class Job:
         return Collected(batch.prompt_rows, resynced, started, extra_rounds)
 
     def _collect_chunks(self, iteration: int, batch: Started, chunk_refs: dict, ref_refs: dict,
-                        score_refs: dict) -> list[dict]:
+                        score_refs: dict, teacher_refs: dict | None) -> list[dict]:
         """The learner ranks collect these chunks; lost ones are regenerated (the same slots of
         ``batch.prompt_rows``). Returns the actors re-synced meanwhile."""
         lost: list[int] = []
@@ -151,8 +154,8 @@ class Job:
                          f"regenerating (retry {retry})")
                 resynced += self.weights.bring_up_to_date()
                 chunk_refs = self.fleet.generate(batch.prompt_rows, self.prompts, iteration, slots=lost)
-                ref_refs, score_refs = self.fleet.score(chunk_refs)
-            lost = self.learner.collect(chunk_refs, ref_refs, score_refs, self._admitted())
+                ref_refs, score_refs, teacher_refs = self.fleet.score(chunk_refs)
+            lost = self.learner.collect(chunk_refs, ref_refs, score_refs, self._admitted(), teacher_refs)
             if not lost:
                 return resynced
         raise LoopError(f"iteration {iteration}: chunks {lost} still lost after "
@@ -387,6 +390,10 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     if cfg.reward.kind == "judge":  # the judge's model reaches the reward actors as the policy's does
         reward_model = ModelSource.configured(cfg.reward.judge.model_path)
     tokenizer = load_tokenizer(model.resolve("driver"))
+    teacher = None
+    if cfg.distill.teacher_path is not None:  # on-policy distillation: the teacher reaches its actors as the policy
+        check_teacher(cfg.distill.teacher_path, tokenizer)
+        teacher = ModelSource.configured(cfg.distill.teacher_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts, eval_prompts = encoded_prompts(tokenizer)
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p,
@@ -413,14 +420,15 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     # cluster and actors: each role on its own bundle
     cluster.connect(cfg, log=log)
     placement = cluster.reserve(cfg)
-    cluster.preflight(cfg, placement, [m for m in (model, reward_model) if m], run_path, log=log)
+    cluster.preflight(cfg, placement, [m for m in (model, reward_model, teacher) if m], run_path, log=log)
     fleet = Fleet(cfg, model, placement, sampling, pad_id,
                   max_model_len=max_model_len, reward_model=reward_model,
-                  task_options=task.reward_actor_options(), wait=False)
+                  task_options=task.reward_actor_options(), wait=False, teacher=teacher)
     learner = LearnerGroup(cfg, model, placement)  # DeepSpeed sets up while the engines start
     fleet.wait_ready()
+    teachers = f"{len(fleet.teachers)} teacher, " if fleet.teachers else ""
     log(f"actors ready: {len(fleet.rollouts)} rollout, {len(fleet.references)} reference, {len(fleet.rewards)} "
-        f"reward, {cfg.learner.world_size} learner rank(s), ZeRO-{cfg.learner.zero_stage}, {cfg.learner.dtype} "
+        f"reward, {teachers}{cfg.learner.world_size} learner rank(s), ZeRO-{cfg.learner.zero_stage}, {cfg.learner.dtype} "
         f"({time.perf_counter() - wall_start:.1f}s)")
 
     kl_ctl = (AdaptiveKLController(cfg.kl.init_kl_coef, cfg.kl.target, cfg.kl.horizon)

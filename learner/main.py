@@ -79,6 +79,7 @@ class Progress:
                 f"score {r['score_mean']:.3f} | kl {r['kl_response_mean']:.3f}/{target or 0:.1f} nats | "
                 f"beta {r['kl_coef']:.4f} | "
                 + (f"turns {r['turns_mean']:.2f} | env {r['environment_seconds']:.2f}s | " if "turns_mean" in r else "")
+                + (f"teacher kl {r['teacher_kl_response_mean']:.3f} | " if "teacher_kl_response_mean" in r else "")
                 + (f"judge unparseable {r['reward_judge_unparseable']}/{r['reward_judge_answers']} | "
                    if r.get("reward_judge_answers") else "")
                 + "".join(f"eval {k} {v:.3f} | " for k, v in r.get("eval", {}).items())

@@ -33,6 +33,7 @@ from learner.kl import (
     kl_penalized_rewards,
     kl_sums,
     response_kl_loss,
+    teacher_penalties,
 )
 from learner.ppo import (
     RATIO_LEVELS,
@@ -52,7 +53,7 @@ from learner.ppo import (
 )
 from learner.results import RankUpdate
 from services.choices import GROUP_ESTIMATORS
-from services.config import KLConfig, LearnerConfig, PPOConfig
+from services.config import DistillConfig, KLConfig, LearnerConfig, PPOConfig
 from services.logprobs import token_logprobs
 from services.model_source import ModelSource, as_source
 
@@ -124,7 +125,7 @@ class LearnerRank:
               run_iterations: int = 1, missing_eos_penalty: float | None = None, samples_per_prompt: int = 1,
               off_policy: bool = False, rollout_batch_size: int | None = None,
               rows_per_episode_vary: bool = False, overlong: tuple[int, int, float] | None = None,
-              dynamic_sampling: bool = False) -> int:
+              dynamic_sampling: bool = False, distill: DistillConfig | None = None) -> int:
         if getattr(self, "engine", None) is not None:
             self._set_up_again(learner_cfg)
         else:
@@ -148,6 +149,7 @@ class LearnerRank:
         self.temperature = temperature
         self.seed = seed
         self.run_iterations, self.missing_eos_penalty = run_iterations, missing_eos_penalty
+        self.distill = distill  # on-policy distillation: the teacher's penalty (distill.teacher_path), or None
         self.overlong = overlong  # (rollout.max_new_tokens, reward.overlong_buffer, reward.overlong_penalty) or None
         # DAPO's dynamic sampling: this rank trains on its share of the batch in whole groups whose scores differ
         self.dynamic_sampling, self.rollout_batch_size = dynamic_sampling, rollout_batch_size
@@ -226,7 +228,8 @@ class LearnerRank:
     # ------------------------------------------------------------------ one PPO update on this rank's shard
 
     def collect(self, slots: list[int], chunk_refs: list, ref_logprob_refs: list, score_refs: list,
-                forwards: int | None = None, expected_state: tuple | None = None) -> dict:
+                forwards: int | None = None, expected_state: tuple | None = None,
+                teacher_logprob_refs: list | None = None) -> dict:
         """Fetch this rank's chunks and run the no-grad forward (old log-probs and values) on each.
 
         Chunk by chunk, in order, so the forward on one chunk overlaps generation of the later ones.
@@ -240,6 +243,8 @@ class LearnerRank:
         ``expected_state``: the driver's (policy_version, kl_coef), and in async mode (policy_version, None,
         max_staleness): ``stale_rows``' arguments. A chunk with rows stamped otherwise (its engine restarted
         after the driver's version check, or it is too stale) is reported in ``failed`` too, never trained on.
+
+        ``teacher_logprob_refs``: on-policy distillation's teacher log-probs of each chunk (distill.teacher_path).
         """
         import ray
 
@@ -248,10 +253,13 @@ class LearnerRank:
         failed, wait, start = [], 0.0, time.perf_counter()
         ran = 0
         self.forward_version = expected_state[0] if expected_state is not None else None  # this round's weights
-        for slot, chunk_ref, ref_ref, score_ref in zip(slots, chunk_refs, ref_logprob_refs, score_refs, strict=True):
+        teacher_refs = teacher_logprob_refs if teacher_logprob_refs is not None else [None] * len(slots)
+        for slot, chunk_ref, ref_ref, score_ref, teacher_ref in zip(slots, chunk_refs, ref_logprob_refs, score_refs,
+                                                                    teacher_refs, strict=True):
             t0 = time.perf_counter()
             try:
-                chunk, chunk_ref_logprobs, chunk_scores = ray.get([chunk_ref, ref_ref, score_ref])
+                chunk, chunk_ref_logprobs, chunk_scores, *teacher = ray.get(
+                    [chunk_ref, ref_ref, score_ref] + ([teacher_ref] if teacher_ref is not None else []))
             except Exception as err:
                 if not _lost_to_dead_actor(err):
                     raise
@@ -266,6 +274,7 @@ class LearnerRank:
                 chunk.old_logprobs, chunk.old_values, _ = self._forward(chunk, grad=False)
                 ran += 1
             chunk.ref_logprobs, chunk.scores = chunk_ref_logprobs, chunk_scores
+            chunk.teacher_logprobs = teacher[0] if teacher else None
             self.collected[slot] = chunk
         if self.learner.zero_stage == 3 and not self.single_step:
             if forwards is not None and ran > forwards:
@@ -300,6 +309,9 @@ class LearnerRank:
             batch.old_values = batch.old_values * mask
             check_finite(f"rank {self.rank} values", batch.old_values)
         batch.scores, missing_eos, overlong = self._final_scores(batch)
+        task_scores = batch.scores
+        if self.distill is not None and not self.distill.task_reward:  # the teacher alone: no score is trained on
+            batch.scores = torch.zeros_like(batch.scores)
 
         # the KL penalised (and fed to the controller): of the policy being optimised, the learner's own log-probs
         # at the start of the update, in both modes (async: not the engine's, an older version's)
@@ -307,6 +319,9 @@ class LearnerRank:
         in_reward = self.kl.placement == "reward"
         rewards, kl = kl_penalized_rewards(batch.scores, penalised, batch.ref_logprobs, mask,
                                            kl_coef if in_reward else 0.0, self.kl.estimator, batch.turn_rewards)
+        teacher = None
+        if self.distill is not None:  # the student's log-probs are the learner's, as for the KL to the reference
+            teacher = teacher_penalties(penalised, batch.teacher_logprobs * mask, mask, self.distill.coef)
         estimator = self.ppo.advantage
         if estimator in GROUP_ESTIMATORS:  # whole chunks go to a rank, and a chunk holds whole groups
             check_whole_groups(batch.group_index, self.samples_per_prompt, f"rank {self.rank}: ",
@@ -315,7 +330,8 @@ class LearnerRank:
             estimator, rewards, mask, values=batch.old_values, group_index=batch.group_index, gamma=self.ppo.gamma,
             lam=self.ppo.lam, whiten_advantages=self.ppo.whiten_advantages,
             whiten_rewards=self.ppo.whiten_rewards, device=self.device,
-            kl_rewards=-kl_coef * kl if in_reward else None, grpo_normalize=self.ppo.grpo_normalize)
+            kl_rewards=-kl_coef * kl if in_reward else None, grpo_normalize=self.ppo.grpo_normalize,
+            teacher=teacher, teacher_credit=self.distill.credit if self.distill is not None else "token")
 
         lr = scheduled_lr(self.ppo.lr, self.ppo.lr_schedule, iteration, self.run_iterations)
         for group in self.engine.optimizer.param_groups:  # after any checkpoint load: the schedule decides
@@ -337,7 +353,7 @@ class LearnerRank:
         stale = torch.zeros_like(mask) if version is None else mask * (batch.policy_version != version).unsqueeze(-1)
         sums = kl_sums(penalised, batch.ref_logprobs, mask, self.kl.estimator)  # exactly the penalty applied
         sums.update({
-            "score_sum": float(batch.scores.sum()),
+            "score_sum": float(task_scores.sum()),
             "reward_sum": float((rewards * mask).sum()),  # penalty plus score, per episode summed
             "length_sum": float(lengths.sum()),
             "truncated": float((batch.finish_reason == 1).sum()),
@@ -351,6 +367,8 @@ class LearnerRank:
             "value_sum": float((batch.old_values * mask).sum()) if self.has_critic else float("nan"),
             "return_sum": float((batch.returns * mask).sum()) if batch.returns is not None else float("nan"),
         })
+        if teacher is not None:  # k1 of the reverse KL to the teacher, summed per response (the penalty / -coef)
+            sums["teacher_kl_sum"] = float(teacher.sum(dtype=torch.float64)) / -self.distill.coef
         if self.ppo.mask_truncated:
             sums["truncated_masked"] = float(((mask - batch.action_mask).sum(-1) > 0).sum())
         if overlong is not None:

@@ -237,6 +237,25 @@ class ReferenceConfig(Section):
         return self
 
 
+class DistillConfig(Section):
+    """On-policy distillation: a teacher model scores the student's own samples (an actor like the reference),
+    and each sampled token pays ``coef`` times the reverse KL's estimate ``log pi_student - log pi_teacher``."""
+
+    teacher_path: str | None = Field(None, description="the teacher: a Hugging Face model dir or hub id with the "
+                                     "policy's tokenizer (an export of a run: <run directory>/export); none = off")
+    coef: PositiveFloat = Field(1.0, description="the fixed weight of the per-token reverse KL to the teacher (not "
+                                "the controller's beta, which goes on weighing the KL to the reference)")
+    credit: Literal["token", "reward_to_go"] = Field(
+        "token", description="token: each token's advantage gets its own term, -coef * (log pi - log pi_teacher) "
+        "(the gradient of the per-state reverse KL along the student's own states, as Thinking Machines' on-policy "
+        "distillation and GKD take it; its variance does not grow with the length); reward_to_go: the term joins "
+        "the per-token rewards beside the reference KL, each estimator assigns it like the KL penalty (the exact "
+        "gradient of the sequence-level reverse KL, which also counts how a token changes the later states)")
+    task_reward: bool = Field(True, description="also learn from the task's score; false: the teacher alone (the "
+                              "scores are still computed, logged and evaluated)")
+    num_actors: PositiveInt = Field(1, description="teacher actors (cluster.teacher: each one's resources)")
+
+
 class JudgeConfig(Section):
     """An LLM judge (services/judge.py): reward.kind judge in the reward actors, or --judge FILE in the service."""
 
@@ -534,6 +553,7 @@ class ClusterConfig(Section):
     rollout: RoleResources = Field(default_factory=RoleResources)
     reference: RoleResources = Field(default_factory=RoleResources)
     reward: RoleResources = Field(default_factory=RoleResources)
+    teacher: RoleResources = Field(default_factory=RoleResources)  # distill.teacher_path only
     learner: RoleResources = Field(default_factory=RoleResources)
 
 
@@ -617,6 +637,7 @@ class JobConfig(BaseSettings):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     # The KL controller's own defaults follow lm-human-preferences (beta 0.15, target 6, horizon 10000).
     # The embedded randomwalks job starts at trlX's adaptive randomwalks beta of 0.05: at 0.15 the
@@ -627,6 +648,20 @@ class JobConfig(BaseSettings):
     run: RunConfig = Field(default_factory=RunConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _distillation(self) -> JobConfig:
+        d = self.distill
+        if d.teacher_path is None:
+            unused = sorted(d.model_fields_set - {"teacher_path"})
+            if unused:
+                raise ValueError(f"distill.{unused[0]} is set but distill.teacher_path is not: without a teacher there "
+                                 "is no distillation; set distill.teacher_path")
+            return self
+        if not d.task_reward and self.rollout.dynamic_sampling:
+            raise ValueError("rollout.dynamic_sampling drops the groups whose scores tie, and with "
+                             "distill.task_reward=false no score is trained on: every group would be dropped")
+        return self
 
     @model_validator(mode="after")
     def _batch_divides(self) -> JobConfig:

@@ -52,6 +52,7 @@ class RolloutBatch:
     environment_failures: Tensor | None = None  # [B] long: failed attempts at the row before it succeeded
     # filled by the learner rank; None until then
     ref_logprobs: Tensor | None = None  # [B, T] the reference model's log-probs of the sampled tokens
+    teacher_logprobs: Tensor | None = None  # [B, T] on-policy distillation: the teacher's (distill.teacher_path)
     scores: Tensor | None = None  # [B] sequence scores (the reward function's or model's)
     old_logprobs: Tensor | None = None  # [B, T] the learner's log-probs before the update
     old_values: Tensor | None = None  # [B, T] the critic's values before the update ("values" is tensordict's)

@@ -46,6 +46,9 @@ DRIVER_GAUGES = {
                                            "tokens the environment added per episode"),
     "environment_failures": ("environment_failures", "episodes regenerated after their environment failed"),
     "truncated_fraction": ("truncated_fraction", "episodes cut at the length or turn limit"),
+    # on-policy distillation (distill.teacher_path); unset without a teacher
+    "teacher_kl_response_mean": ("teacher_kl_response_mean",
+                                 "mean response reverse KL to the teacher, nats (k1 of the sampled tokens)"),
     # reward.kind judge; unset for other rewards
     "reward_judge_unparseable": ("reward_judge_unparseable",
                                  "judge answers this iteration that its rule could not read (scored unparseable_score)"),
@@ -157,5 +160,6 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
         "weight_sync_seconds": seconds["weight_sync"],
         "sync_and_probe_seconds": seconds["sync_and_probe"],
         **episodes,
+        **({"teacher_kl_response_mean": sums["teacher_kl_sum"] / n} if "teacher_kl_sum" in sums else {}),
         **{f"ppo_{k}": v for k, v in ppo.items()},
     }
