@@ -19,8 +19,10 @@ from services.storage import RunStorage
 
 # settings a resumed run may change; anything else must match the checkpoint's config
 # run.output_dir: a run directory moved elsewhere (another mount point, another bucket) resumes there
+# learner.lora.reference: the base model's log-probs from the learner's forward or from a reference actor, the same KL
 RESUMABLE_CHANGES = ("run.iterations", "run.resume", "run.overwrite", "run.eval_every", "run.output_dir", "cluster",
-                     "metrics", "checkpoint", "run.probe_every", "learner.torch_threads", "learner.world_size")
+                     "metrics", "checkpoint", "run.probe_every", "learner.torch_threads", "learner.world_size",
+                     "learner.lora.reference")
 
 
 class CheckpointError(RuntimeError):

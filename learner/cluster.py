@@ -137,7 +137,9 @@ def check_role_resources(cfg: JobConfig) -> None:
 
 def role_counts(cfg: JobConfig) -> dict[str, int]:
     """Actors per role, in bundle order; each role's resources are ``cfg.cluster.<role>``."""
-    return {"rollout": cfg.rollout.num_engines, "reference": cfg.reference.num_actors,
+    # LoRA with the base model as the reference: the learner ranks score it, no reference actor
+    references = 0 if cfg.learner.reference_in_learner else cfg.reference.num_actors
+    return {"rollout": cfg.rollout.num_engines, "reference": references,
             "reward": cfg.reward.num_actors, "teacher": cfg.distill.num_actors if cfg.distill.teacher_path else 0,
             "learner": cfg.learner.world_size}
 

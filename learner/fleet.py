@@ -70,7 +70,7 @@ class Fleet:
                                 cfg.reference.backend, dtype, max_model_len, 128, cfg.rollout.temperature,
                                 cfg.device("reference"), cfg.reference.torch_threads,
                                 cfg.reference_vllm_engine_args(), max_restarts=restarts)
-            for i in range(cfg.reference.num_actors)
+            for i in range(cluster.role_counts(cfg)["reference"])
         ]
         # reward.kind remote: the driver's token goes to the reward actors whose environment lacks it
         remote = ({"remote": cfg.reward, "forwarded_token": os.environ.get(cfg.reward.token_env)}
@@ -144,10 +144,12 @@ class Fleet:
                                              groups)
         return refs
 
-    def score(self, chunk_refs: dict[int, ray.ObjectRef]) -> tuple[dict, dict, dict | None]:
+    def score(self, chunk_refs: dict[int, ray.ObjectRef]) -> tuple[dict | None, dict, dict | None]:
         """Reference log-probs, reward scores and (distillation) teacher log-probs, all started on the chunk refs
-        at once; the teacher's are None without a teacher."""
-        ref_refs = {i: self.references[i % len(self.references)].score.remote(ch) for i, ch in chunk_refs.items()}
+        at once; the teacher's are None without a teacher, the reference's with the learner scoring it (LoRA)."""
+        # none with learner.lora.reference 'base': the learner ranks score the base model themselves
+        ref_refs = ({i: self.references[i % len(self.references)].score.remote(ch) for i, ch in chunk_refs.items()}
+                    if self.references else None)
         score_refs = {i: self.rewards[i % len(self.rewards)].score.remote(ch, i) for i, ch in chunk_refs.items()}
         teacher_refs = ({i: self.teachers[i % len(self.teachers)].score.remote(ch) for i, ch in chunk_refs.items()}
                         if self.teachers else None)

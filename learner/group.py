@@ -74,7 +74,7 @@ class LearnerGroup:
                                        f"during {what}: {err}") from err
         return ray.get(refs)
 
-    def collect(self, chunk_refs: dict[int, object], ref_logprob_refs: dict[int, object],
+    def collect(self, chunk_refs: dict[int, object], ref_logprob_refs: dict[int, object] | None,
                 score_refs: dict[int, object], expected_state: tuple | None = None,
                 teacher_logprob_refs: dict[int, object] | None = None) -> list[int]:
         """Chunk slot i goes to rank i % W, which fetches it and runs its forward. Returns the slots
@@ -84,7 +84,8 @@ class LearnerGroup:
         by_rank = rank_slots(chunk_refs, self.world_size)
         # every rank runs this many forwards (ZeRO-3 gathers in each), whatever it got or lost
         forwards = max(len(slots) for slots in by_rank)
-        calls = [rank.collect.remote(slots, [chunk_refs[s] for s in slots], [ref_logprob_refs[s] for s in slots],
+        calls = [rank.collect.remote(slots, [chunk_refs[s] for s in slots],
+                                     None if ref_logprob_refs is None else [ref_logprob_refs[s] for s in slots],
                                      [score_refs[s] for s in slots], forwards, expected_state,
                                      None if teacher_logprob_refs is None else [teacher_logprob_refs[s] for s in slots])
                  for rank, slots in zip(self.ranks, by_rank, strict=True)]
@@ -99,10 +100,11 @@ class LearnerGroup:
         return UpdateResult.combine(self._get([rank.update.remote(kl_coef, iteration) for rank in self.ranks],
                                               "update"))
 
-    def train(self, chunk_refs: list, ref_logprob_refs: list, score_refs: list, kl_coef: float,
+    def train(self, chunk_refs: list, ref_logprob_refs: list | None, score_refs: list, kl_coef: float,
               iteration: int, teacher_logprob_refs: list | None = None) -> UpdateResult:
         """collect + update, for callers that need no retries."""
-        failed = self.collect(dict(enumerate(chunk_refs)), dict(enumerate(ref_logprob_refs)),
+        failed = self.collect(dict(enumerate(chunk_refs)),
+                              None if ref_logprob_refs is None else dict(enumerate(ref_logprob_refs)),
                               dict(enumerate(score_refs)), None,
                               None if teacher_logprob_refs is None else dict(enumerate(teacher_logprob_refs)))
         if failed:

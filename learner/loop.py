@@ -24,6 +24,7 @@ from learner.cluster import Placement
 from learner.fleet import Fleet
 from learner.group import LearnerGroup
 from learner.kl import AdaptiveKLController, FixedKLController, controller_statistic
+from learner.lora import check_lora_model
 from learner.results import UpdateResult
 from learner.weight_sync import WeightSync
 from services.config import JobConfig
@@ -75,7 +76,7 @@ class Started:
 
     prompt_rows: list[int]
     chunk_refs: dict
-    ref_refs: dict
+    ref_refs: dict | None  # None: the learner ranks score the reference (LoRA, the base model)
     score_refs: dict
     teacher_refs: dict | None  # on-policy distillation's teacher log-probs; None without a teacher
     prompt_cursor: dict  # the prompt sampler's state before these prompts: a checkpoint taken while the
@@ -142,7 +143,7 @@ class Job:
             self.ahead = self._start(iteration + 1)
         return Collected(batch.prompt_rows, resynced, started, extra_rounds)
 
-    def _collect_chunks(self, iteration: int, batch: Started, chunk_refs: dict, ref_refs: dict,
+    def _collect_chunks(self, iteration: int, batch: Started, chunk_refs: dict, ref_refs: dict | None,
                         score_refs: dict, teacher_refs: dict | None) -> list[dict]:
         """The learner ranks collect these chunks; lost ones are regenerated (the same slots of
         ``batch.prompt_rows``). Returns the actors re-synced meanwhile."""
@@ -407,6 +408,8 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     response_width = cfg.rollout.max_trajectory_tokens if episodic else sampling.max_new_tokens
     max_model_len = cfg.task.max_prompt_tokens + response_width + 1
     model_dir = model.resolve("driver")
+    if cfg.learner.lora.rank:  # the target modules against the architecture, before any actor starts
+        check_lora_model(model_dir, cfg.learner.lora)
     if notice := cfg.tiny_model_settings_notice(parameter_count(model_dir)):
         log(notice)
     positions = model_positions(model_dir)

@@ -35,6 +35,7 @@ from learner.kl import (
     response_kl_loss,
     teacher_penalties,
 )
+from learner.lora import merged_state_dict
 from learner.ppo import (
     RATIO_LEVELS,
     entropy_from_logits,
@@ -189,11 +190,17 @@ class LearnerRank:
         self.has_critic = uses_critic(ppo_cfg.advantage)
         separate = self.has_critic and learner_cfg.critic == "separate"
         critic = load_causal_lm(self.model_dir, "float32") if separate else None
-        model = PolicyWithValueHead(load_causal_lm(self.model_dir, "float32"), critic, value_head=self.has_critic)
+        lm = load_causal_lm(self.model_dir, "float32")
+        self.lora = learner_cfg.lora.rank > 0
+        if self.lora:  # learner.lora: only the adapters train (and a value head or critic, when there is one)
+            from learner.lora import add_adapters
+
+            lm = add_adapters(lm, learner_cfg.lora)
+        model = PolicyWithValueHead(lm, critic, value_head=self.has_critic)
         from torch.optim import AdamW
 
-        optimizer = AdamW(model.parameters(), lr=ppo_cfg.lr, betas=tuple(ppo_cfg.adam_betas),
-                          weight_decay=ppo_cfg.weight_decay, eps=1e-8)
+        optimizer = AdamW([p for p in model.parameters() if p.requires_grad], lr=ppo_cfg.lr,
+                          betas=tuple(ppo_cfg.adam_betas), weight_decay=ppo_cfg.weight_decay, eps=1e-8)
         micro = ppo_cfg.minibatch_size // world_size
         ds_config = {
             "train_micro_batch_size_per_gpu": micro,
@@ -254,12 +261,15 @@ class LearnerRank:
         ran = 0
         self.forward_version = expected_state[0] if expected_state is not None else None  # this round's weights
         teacher_refs = teacher_logprob_refs if teacher_logprob_refs is not None else [None] * len(slots)
-        for slot, chunk_ref, ref_ref, score_ref, teacher_ref in zip(slots, chunk_refs, ref_logprob_refs, score_refs,
+        # learner.lora.reference 'base': no reference actor; this rank scores the base model (adapters off)
+        ref_refs = ref_logprob_refs if ref_logprob_refs is not None else [None] * len(slots)
+        forwards_per_chunk = (0 if self.single_step else 1) + (ref_logprob_refs is None)
+        for slot, chunk_ref, ref_ref, score_ref, teacher_ref in zip(slots, chunk_refs, ref_refs, score_refs,
                                                                     teacher_refs, strict=True):
             t0 = time.perf_counter()
             try:
-                chunk, chunk_ref_logprobs, chunk_scores, *teacher = ray.get(
-                    [chunk_ref, ref_ref, score_ref] + ([teacher_ref] if teacher_ref is not None else []))
+                chunk, chunk_scores, *scored = ray.get(
+                    [chunk_ref, score_ref] + [r for r in (ref_ref, teacher_ref) if r is not None])
             except Exception as err:
                 if not _lost_to_dead_actor(err):
                     raise
@@ -272,18 +282,26 @@ class LearnerRank:
                 continue
             if not self.single_step:
                 chunk.old_logprobs, chunk.old_values, _ = self._forward(chunk, grad=False)
-                ran += 1
-            chunk.ref_logprobs, chunk.scores = chunk_ref_logprobs, chunk_scores
-            chunk.teacher_logprobs = teacher[0] if teacher else None
+            chunk.ref_logprobs = scored.pop(0) if ref_ref is not None else self._base_logprobs(chunk)
+            chunk.scores, chunk.teacher_logprobs = chunk_scores, scored.pop(0) if teacher_ref is not None else None
+            ran += forwards_per_chunk
             self.collected[slot] = chunk
-        if self.learner.zero_stage == 3 and not self.single_step:
-            if forwards is not None and ran > forwards:
-                raise ValueError(f"rank {self.rank}: ran {ran} forwards but the round has only {forwards}")
-            for _ in range((forwards if forwards is not None else len(slots)) - ran):
+        if self.learner.zero_stage == 3 and forwards_per_chunk:
+            wanted = (forwards if forwards is not None else len(slots)) * forwards_per_chunk
+            if ran > wanted:
+                raise ValueError(f"rank {self.rank}: ran {ran} forwards but the round has only {wanted}")
+            for _ in range(wanted - ran):
                 self._forward(_placeholder_batch(), grad=False)  # keeps the ZeRO-3 gathers in step
         self.timings["wait_seconds"] = self.timings.get("wait_seconds", 0.0) + wait
         self.timings["forward_seconds"] = self.timings.get("forward_seconds", 0.0) + time.perf_counter() - start - wait
         return {"failed": failed, "collected": len(self.collected)}
+
+    def _base_logprobs(self, chunk: RolloutBatch) -> Tensor:
+        """[B, T] the base model's log-probs of the sampled tokens (the adapters disabled: the initial policy), as
+        a reference actor scores them: at the rollout temperature, 0 off the action mask."""
+        with self.engine.module.lm.disable_adapter():
+            logprobs, _, _ = self._forward(chunk, grad=False)
+        return logprobs * chunk.action_mask
 
     def update(self, kl_coef: float, iteration: int) -> RankUpdate:
         """KL-penalised rewards at ``kl_coef``, advantages (``ppo.advantage``) and the PPO epochs on
@@ -528,8 +546,10 @@ class LearnerRank:
                 return None
             from services.weights import HostWeights
 
-            # ray.put copies the bytes: the live parameters can move on after it returns
-            return [ray.put(HostWeights(lm.state_dict(), getattr(torch, dtype or self.learner.dtype)))]
+            # ray.put copies the bytes: the live parameters can move on after it returns; LoRA's adapters travel
+            # merged into the base weights (vLLM's GPT-2 takes no adapters)
+            state = merged_state_dict(lm) if self.lora else lm.state_dict()
+            return [ray.put(HostWeights(state, getattr(torch, dtype or self.learner.dtype)))]
 
     def weight_metadata(self) -> list[tuple[str, str, list[int]]]:
         """``[(name, dtype, full HF shape)]`` of the policy parameters the engines receive, as the weight
@@ -663,7 +683,12 @@ class LearnerRank:
                 return
             scratch = scratch_dir("tether-export-")
             try:
-                lm.save_pretrained(scratch, safe_serialization=True)
+                if self.lora:  # the merged model, and the adapter in PEFT's format beside it (adapter/)
+                    lm.save_pretrained(f"{scratch}/adapter")
+                    lm.get_base_model().save_pretrained(scratch, state_dict=merged_state_dict(lm),
+                                                        safe_serialization=True)
+                else:
+                    lm.save_pretrained(scratch, safe_serialization=True)
                 load_tokenizer(self.model_dir).save_pretrained(scratch)
                 target = RunStorage(storage_url)
                 target.remove()

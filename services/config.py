@@ -557,6 +557,29 @@ class ClusterConfig(Section):
     learner: RoleResources = Field(default_factory=RoleResources)
 
 
+class LoraConfig(Section):
+    """LoRA adapters on the policy (through peft); rank 0 trains every weight."""
+
+    rank: int = Field(0, ge=0, description="the adapters' rank r; 0 = off (full fine-tuning)")
+    alpha: PositiveFloat = Field(16.0, description="the adapters' scale is alpha / rank")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["all-linear"], min_length=1, description="the modules that get adapters, by "
+        "name (a module matches when its dotted name ends with it: GPT-2's c_attn, c_proj, c_fc; Llama's q_proj, "
+        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), or ['all-linear'] (every linear layer but the "
+        "output head)")
+    reference: Literal["base", "actor"] = Field(
+        "base", description="base: the reference log-probs are the learner's own forward with the adapters "
+        "disabled (the base model is the initial policy), so no reference actor or second copy of the weights; "
+        "actor: the reference actors as without LoRA")
+
+    @model_validator(mode="after")
+    def _all_linear_alone(self) -> LoraConfig:
+        if "all-linear" in self.target_modules and len(self.target_modules) > 1:
+            raise ValueError(f"learner.lora.target_modules {self.target_modules}: 'all-linear' already takes every "
+                             "linear layer; give it alone or name the modules")
+        return self
+
+
 class LearnerConfig(Section):
     world_size: PositiveInt = Field(1, description="DeepSpeed ranks")
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage 0-3")
@@ -573,6 +596,12 @@ class LearnerConfig(Section):
     torch_threads: PositiveInt | None = Field(
         None, description="CPU threads of each rank's torch; none = Ray's default (one per whole CPU of the "
         "actor). On a CPU-only node the engines idle during the PPO update, so a rank can use their cores too")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    @property
+    def reference_in_learner(self) -> bool:
+        """LoRA with reference 'base': the learner ranks score the reference log-probs, no reference actor."""
+        return self.lora.rank > 0 and self.lora.reference == "base"
 
 
 class RunConfig(Section):
@@ -725,6 +754,15 @@ class JobConfig(BaseSettings):
                 f"ppo.minibatch_size={p.minibatch_size} cannot be split over learner.world_size={w} ranks"
                 + (" (ZeRO-3 partitions every step over all ranks)" if self.learner.zero_stage == 3 else "")
             )
+        lora = self.learner.lora
+        if lora.rank and self.learner.weight_sync != "object_store":
+            raise ValueError(f"learner.lora.rank={lora.rank} with learner.weight_sync={self.learner.weight_sync!r}: "
+                             "vLLM's weight transfer announces the learner's parameters by name, and LoRA's are the "
+                             "adapters; LoRA's merged weights travel through 'object_store'")
+        if self.learner.reference_in_learner and self.reference.model_fields_set:
+            raise ValueError(f"reference.{min(self.reference.model_fields_set)} is set, but with "
+                             "learner.lora.reference='base' the learner scores the reference itself and no reference "
+                             "actor starts; set learner.lora.reference='actor' to keep them")
         sync = self.learner.weight_sync
         if sync != "object_store" and (self.rollout.engine != "vllm" or not self.cluster.rollout.num_gpus
                                        or not self.cluster.learner.num_gpus):
