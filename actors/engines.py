@@ -90,9 +90,14 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int, dtype: str = "float32",
                  cpu_core: int | None = None, device: str = "cpu", engine_args: dict | None = None,
-                 weight_transfer: str | None = None) -> None:
+                 weight_transfer: str | None = None, lora_rank: int | None = None) -> None:
+        """``lora_rank``: the learner trains LoRA adapters of this rank; where vLLM's model takes adapters the
+        engine starts with LoRA on and each sync loads the adapter alone (``takes_adapters``)."""
         from services.devices import build_llm
 
+        self.lora_request = None  # the adapter of the version in force (adapter-only sync); None: base weights
+        self.takes_adapters = lora_rank is not None and vllm_takes_adapters(model_dir)
+        lora_args = {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1} if self.takes_adapters else {}
         weight_transfer_args = {}
         if weight_transfer is not None:  # vLLM's trainer-to-engine transfer: "nccl" or "ipc" (GPU)
             from vllm.config import WeightTransferConfig
@@ -107,8 +112,13 @@ class VLLMEngine:
             # log-probs of the distribution actually sampled from (after temperature)
             logprobs_mode="processed_logprobs",
             worker_extension_cls="actors.vllm_extension.WeightSyncExtension",
-            **weight_transfer_args,
+            **weight_transfer_args, **lora_args,
         )
+        self.adapter_root = None
+        if self.takes_adapters:  # each version's adapter in a directory of its own, which vLLM loads from
+            import tempfile
+
+            self.adapter_root = tempfile.mkdtemp(prefix="tether-adapters-")
         self.eos_id = self.llm.get_tokenizer().eos_token_id
 
     def compile_stance(self):
@@ -131,7 +141,8 @@ class VLLMEngine:
             for seed, cap in zip(seeds, caps, strict=True)
         ]
         with self.compile_stance():
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                                        lora_request=self.lora_request)
         generations = []
         for out in outputs:
             completion = out.outputs[0]
@@ -146,8 +157,15 @@ class VLLMEngine:
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        prompts = [TokensPrompt(prompt_token_ids=s) for s in sequences]
         with self.compile_stance():
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+            if self.takes_adapters:
+                # vLLM 0.32's CPU LoRA maps the prompt log-probs of a batch of several sequences wrongly (an einsum
+                # shape error that ends the engine; with an adapter or without): one sequence a call
+                outputs = [out for p in prompts
+                           for out in self.llm.generate([p], params, use_tqdm=False, lora_request=self.lora_request)]
+            else:
+                outputs = self.llm.generate(prompts, params, use_tqdm=False)
         scored = []
         for out, seq, plen in zip(outputs, sequences, prompt_lengths, strict=True):
             scored.append([out.prompt_logprobs[i][seq[i]].logprob for i in range(plen, len(seq))])
@@ -158,6 +176,33 @@ class VLLMEngine:
         # cached keys were computed by the old weights
         self.llm.reset_prefix_cache()
         return sorted(set().union(*missing))  # every worker's (tensor parallel: each holds its shard)
+
+    def load_adapter(self, weights: dict[str, torch.Tensor], adapter_config: dict, policy_version: int) -> None:
+        """Version ``policy_version``'s LoRA adapter (PEFT's names and config), loaded now and generated with from
+        here on; the previous version's goes. The base weights stay as they are."""
+        import json
+        import os
+        import shutil
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if not self.takes_adapters:
+            raise WeightLoadError("this engine started without LoRA (its vLLM model takes no adapters): it loads "
+                                  "merged weights")
+        path = os.path.join(self.adapter_root, f"v{policy_version}")
+        os.makedirs(path, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(adapter_config, f)
+        request = LoRARequest(f"policy-v{policy_version}", policy_version, path, load_inplace=True)
+        if not self.llm.llm_engine.add_lora(request):
+            raise WeightLoadError(f"vLLM did not load the adapter of version {policy_version} from {path}")
+        previous, self.lora_request = self.lora_request, request
+        if previous is not None and previous.lora_int_id != request.lora_int_id:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()  # cached keys were computed by the old adapter
 
     def init_weight_transfer(self, init_info: dict) -> None:
         """This engine's side of vLLM's weight transfer (NCCL: join the learner's group; collective)."""
@@ -184,6 +229,7 @@ class HFEngine:
         from services.models import load_causal_lm, load_tokenizer
 
         self.device = device
+        self.takes_adapters = False  # learner.lora: merged weights
         self.model = load_causal_lm(model_dir, dtype).to(self.device)
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_id = self.tokenizer.eos_token_id
@@ -252,12 +298,26 @@ def _no_weight_transfer() -> None:
                      "rollout.engine='vllm', not 'hf'")
 
 
+def vllm_takes_adapters(model_dir: str) -> bool:
+    """Whether vLLM's implementation of the model's architecture takes LoRA adapters (its GPT-2 does not)."""
+    import json
+    import os
+
+    from vllm.model_executor.models import ModelRegistry, supports_lora
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        architectures = json.load(f).get("architectures") or []
+    classes = [ModelRegistry._try_load_model_cls(a) for a in architectures]
+    return bool(classes) and all(c is not None and supports_lora(c) for c in classes)
+
+
 def make_engine(kind: str, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int,
                 dtype: str = "float32", cpu_core: int | None = None, device: str = "cpu",
-                engine_args: dict | None = None, weight_transfer: str | None = None) -> Engine:
+                engine_args: dict | None = None, weight_transfer: str | None = None,
+                lora_rank: int | None = None) -> Engine:
     if kind == "vllm":
         return VLLMEngine(model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core, device, engine_args,
-                          weight_transfer)
+                          weight_transfer, lora_rank)
     if kind == "hf":
         return HFEngine(model_dir, seed, dtype, device)
     raise ValueError(f"unknown rollout engine {kind!r}; expected 'vllm' or 'hf'")

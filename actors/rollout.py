@@ -23,7 +23,8 @@ class RolloutActor(VersionedActor):
     @starting_up()
     def __init__(self, index: int, engine: str, model: ModelSource | str, seed: int, max_model_len: int,
                  kv_cache_mib: int, dtype: str = "float32", cpu_core: int | None = None, device: str = "cpu",
-                 engine_args: dict | None = None, weight_transfer: str | None = None) -> None:
+                 engine_args: dict | None = None, weight_transfer: str | None = None,
+                 lora_rank: int | None = None) -> None:
         super().__init__(index)
         self.engine_kind = engine
         self.model_dir = model_dir = as_source(model).resolve(f"rollout-{index}")
@@ -31,7 +32,8 @@ class RolloutActor(VersionedActor):
         self.agents: AgentRunner | None = None  # agent programs (rollout.agent): built on the first chunk
         self.max_model_len = max_model_len
         self.engine = make_engine(engine, model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core,
-                                  check_device(device, f"rollout-{index}"), engine_args, weight_transfer)
+                                  check_device(device, f"rollout-{index}"), engine_args, weight_transfer,
+                                  lora_rank if engine == "vllm" else None)
         self.last_tokens_per_second: float | None = None  # no rate, and no gauge, before a generation
 
     def generate(self, prompts: list[list[int]], prompt_index: list[int], seeds: list[int],
@@ -110,12 +112,20 @@ class RolloutActor(VersionedActor):
                               [t.tool_calls for t in trajectories], [t.seconds for t in trajectories],
                               [t.failures for t in trajectories]))
 
+    def takes_adapters(self) -> bool:
+        """learner.lora: whether this engine loads the adapter alone at each sync (else the merged weights)."""
+        return self.engine.takes_adapters
+
     def update_weights(self, weights: HostWeights, policy_version: int, kl_coef: float) -> float:
-        """Load new weights in place and take their version; returns the seconds it took."""
+        """Load new weights in place (or a LoRA adapter: ``weights.adapter_config``) and take their version;
+        returns the seconds it took."""
         start = time.perf_counter()
         # over the object store's bytes: loaded, then let go
-        check_loaded(self.engine.load_weights(weights.tensors()), f"{self.role}-{self.index}",
-                     f"the sync of version {policy_version}")
+        if weights.adapter_config is not None:
+            self.engine.load_adapter(weights.tensors(), weights.adapter_config, policy_version)
+        else:
+            check_loaded(self.engine.load_weights(weights.tensors()), f"{self.role}-{self.index}",
+                         f"the sync of version {policy_version}")
         self.set_state(policy_version, kl_coef)
         return time.perf_counter() - start
 

@@ -27,6 +27,7 @@ class LearnerGroup:
         several times its set-up). A job starts its own."""
         self.world_size = cfg.learner.world_size
         self.collective_timeout_s = cfg.learner.collective_timeout_s
+        self.weights_bytes: int | None = None  # of the last weights put in the object store
         if ranks is not None and len(ranks) != self.world_size:
             raise ValueError(f"{len(ranks)} ranks given for learner.world_size={self.world_size}")
         self.ranks = ranks or [
@@ -111,10 +112,13 @@ class LearnerGroup:
             raise ClusterError(f"chunks {failed} were lost to dead actors")
         return self.update(kl_coef, iteration)
 
-    def policy_weights(self) -> ray.ObjectRef:
-        """Rank 0's full weights as an ObjectRef: the driver passes it on without materialising it."""
-        # rank 0 puts the weights in the object store and returns only [ref]: small enough to get here
-        return self._get([rank.policy_state_dict.remote() for rank in self.ranks], "weight gather")[0][0]
+    def policy_weights(self, adapter: bool = False) -> ray.ObjectRef:
+        """Rank 0's full weights (``adapter``: its LoRA adapter alone) as an ObjectRef: the driver passes it on
+        without materialising it."""
+        # rank 0 puts the weights in the object store and returns only [ref, bytes]: small enough to get here
+        ref, self.weights_bytes = self._get([rank.policy_state_dict.remote(adapter=adapter) for rank in self.ranks],
+                                            "weight gather")[0]
+        return ref
 
     def probe(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
         return self._get([r.probe_logprobs.remote(sequences, prompt_lengths) for r in self.ranks], "probe")[0]

@@ -260,6 +260,7 @@ class Job:
                      "learner_update": result.update_seconds, "weight_sync": synced.weight_sync_seconds,
                      "sync_and_probe": synced.sync_and_probe_seconds})
         record.update(dapo_metrics(result.sums, collected.extra_rounds))
+        record["weight_sync_bytes"] = self.learner.weights_bytes  # object store: what one sync sends (LoRA: less)
         if iteration % cfg.run.eval_every == 0 or iteration == cfg.run.iterations:
             self.eval_metrics, samples = self.fleet.evaluate(self.eval_prompts, iteration,
                                                              self.weights.bring_up_to_date)

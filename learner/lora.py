@@ -76,3 +76,13 @@ def merged_state_dict(lm: nn.Module) -> dict[str, torch.Tensor]:
             value = value + deltas[key].to(value.dtype)
         merged[key.replace(".base_layer.", ".")] = value.detach()
     return merged
+
+
+def adapter_state(lm: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the adapter's tensors under PEFT's names, its adapter_config.json as a dict): what ``save_pretrained``
+    writes, for an engine that loads the adapter alone."""
+    from peft import get_peft_model_state_dict
+
+    config = lm.peft_config[ADAPTER_NAME].to_dict()
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}  # JSON has no sets
+    return {k: v.detach() for k, v in get_peft_model_state_dict(lm).items()}, config

@@ -35,7 +35,7 @@ from learner.kl import (
     response_kl_loss,
     teacher_penalties,
 )
-from learner.lora import merged_state_dict
+from learner.lora import adapter_state, merged_state_dict
 from learner.ppo import (
     RATIO_LEVELS,
     entropy_from_logits,
@@ -532,10 +532,11 @@ class LearnerRank:
 
     # ------------------------------------------------------------------ weights, probes, fixed-batch checks
 
-    def policy_state_dict(self, dtype: str | None = None) -> list | None:
+    def policy_state_dict(self, dtype: str | None = None, adapter: bool = False) -> list | None:
         """[ObjectRef of the full policy weights (HF names) as ``HostWeights``, in ``dtype`` (default: the
-        learner's)] on rank 0, None elsewhere: put once, read in place by every engine on the node.
-        Collective under ZeRO-3."""
+        learner's), their bytes] on rank 0, None elsewhere: put once, read in place by every engine on the node. ``adapter``
+        (learner.lora): the LoRA adapter alone, with its config, for engines that take adapters. Collective
+        under ZeRO-3."""
         import deepspeed
         import ray
 
@@ -546,10 +547,15 @@ class LearnerRank:
                 return None
             from services.weights import HostWeights
 
-            # ray.put copies the bytes: the live parameters can move on after it returns; LoRA's adapters travel
-            # merged into the base weights (vLLM's GPT-2 takes no adapters)
-            state = merged_state_dict(lm) if self.lora else lm.state_dict()
-            return [ray.put(HostWeights(state, getattr(torch, dtype or self.learner.dtype)))]
+            # ray.put copies the bytes: the live parameters can move on after it returns. LoRA: the adapter alone
+            # where the engines take one, else merged into the base weights (vLLM's GPT-2 takes no adapters)
+            dtype = getattr(torch, dtype or self.learner.dtype)
+            if adapter:
+                state, adapter_config = adapter_state(lm)
+                weights = HostWeights(state, dtype, adapter_config)
+            else:
+                weights = HostWeights(merged_state_dict(lm) if self.lora else lm.state_dict(), dtype)
+            return [ray.put(weights), weights.nbytes]
 
     def weight_metadata(self) -> list[tuple[str, str, list[int]]]:
         """``[(name, dtype, full HF shape)]`` of the policy parameters the engines receive, as the weight

@@ -31,6 +31,13 @@ class WeightSync:
         self.transfer = None if cfg.learner.weight_sync == "object_store" else cfg.learner.weight_sync
         self.policy_version, self.kl_coef = 0, kl_coef
         self._weights: ray.ObjectRef | None = None  # object store: the weights of ``policy_version``, once put
+        # learner.lora: the adapter alone when every engine takes adapters, else the merged weights
+        self.adapter = False
+        if cfg.learner.lora.rank:
+            self.adapter = all(ray.get([engine.takes_adapters.remote() for engine in fleet.rollouts]))
+            log("LoRA: adapter-only sync, the engines generate with each version's adapter" if self.adapter else
+                "LoRA: the engines' model takes no adapters in vLLM (or rollout.engine is 'hf'): the merged weights "
+                "travel at each sync")
         if self.transfer is not None:
             from learner.weight_transfer import largest_parameter, packed_buffer_bytes
 
@@ -67,13 +74,13 @@ class WeightSync:
             self.learner.send_weights(self.fleet.rollouts, self.policy_version, self.kl_coef)
             self.fleet.broadcast(None, self.policy_version, self.kl_coef)
             return time.perf_counter() - start
-        self._weights = self.learner.policy_weights()
+        self._weights = self.learner.policy_weights(self.adapter)
         return self.fleet.broadcast(self._weights, self.policy_version, self.kl_coef)
 
     def weights(self) -> ray.ObjectRef:
         """The current version's weights in the object store (gathered now if not yet put)."""
         if self._weights is None:
-            self._weights = self.learner.policy_weights()
+            self._weights = self.learner.policy_weights(self.adapter)
         return self._weights
 
     def probe(self) -> float:

@@ -23,6 +23,9 @@ from services.choices import GROUP_ESTIMATORS, GRPO_TOKEN_K3_WARNING, Estimator,
 # in bf16: the version check covers that.
 PROBE_TOLERANCE = {"float32": 1e-4, "bfloat16": 1.0}
 DYNAMIC_SAMPLING_ROUNDS = 3  # rollout.dynamic_sampling_max_rounds' default
+# vLLM's max_lora_rank takes these (vllm.config.lora.MaxLoRARanks; tests/test_lora.py checks): an engine that takes
+# LoRA adapters starts with the smallest one at least learner.lora.rank
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class Section(BaseModel):
@@ -599,6 +602,11 @@ class LearnerConfig(Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @property
+    def vllm_lora_rank(self) -> int | None:
+        """The max_lora_rank of an engine that takes the adapters: vLLM's smallest at least lora.rank."""
+        return next((r for r in VLLM_LORA_RANKS if r >= self.lora.rank), None) if self.lora.rank else None
+
+    @property
     def reference_in_learner(self) -> bool:
         """LoRA with reference 'base': the learner ranks score the reference log-probs, no reference actor."""
         return self.lora.rank > 0 and self.lora.reference == "base"
@@ -759,6 +767,9 @@ class JobConfig(BaseSettings):
             raise ValueError(f"learner.lora.rank={lora.rank} with learner.weight_sync={self.learner.weight_sync!r}: "
                              "vLLM's weight transfer announces the learner's parameters by name, and LoRA's are the "
                              "adapters; LoRA's merged weights travel through 'object_store'")
+        if lora.rank > VLLM_LORA_RANKS[-1] and self.rollout.engine == "vllm":
+            raise ValueError(f"learner.lora.rank={lora.rank} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}: "
+                             "an engine whose model takes adapters could not load it")
         if self.learner.reference_in_learner and self.reference.model_fields_set:
             raise ValueError(f"reference.{min(self.reference.model_fields_set)} is set, but with "
                              "learner.lora.reference='base' the learner scores the reference itself and no reference "

@@ -19,8 +19,11 @@ import torch
 class HostWeights:
     """{HF parameter name: tensor} in ``dtype`` on the host, kept as raw bytes for the object store."""
 
-    def __init__(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype, adapter_config: dict | None = None) -> None:
+        """``adapter_config``: the weights are a LoRA adapter (PEFT's names and its adapter_config.json), not the
+        policy's parameters (``learner.lora``, adapter-only sync)."""
         self.dtype = str(dtype).removeprefix("torch.")
+        self.adapter_config = adapter_config
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.buffers = {}
         for name, tensor in state.items():
@@ -31,6 +34,10 @@ class HostWeights:
 
     def __len__(self) -> int:
         return len(self.buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The weights as tensors over the stored bytes (read-only when they come from the object store:
