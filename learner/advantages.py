@@ -303,7 +303,7 @@ def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values:
                        whiten_advantages: bool = True, whiten_rewards: bool = False,
                        device: torch.device | str = "cpu", kl_rewards: Tensor | None = None,
                        grpo_normalize: str = "score", teacher: Tensor | None = None,
-                       teacher_credit: str = "token") -> tuple[Tensor, Tensor | None]:
+                       teacher_credit: str = "reward_to_go") -> tuple[Tensor, Tensor | None]:
     """Advantages of ``estimator`` (``ppo.advantage``) for a batch.
 
     Args:
@@ -316,9 +316,9 @@ def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values:
         kl_rewards: [B, T] the KL penalty's share of ``rewards`` (``-beta * kl_t``), None when the KL is in
             the loss; read by ``grpo`` alone, which normalises the score without it (``grpo_normalize``).
         teacher: [B, T] on-policy distillation's per-token penalties (``learner.kl.teacher_penalties``) or None.
-        teacher_credit: ``token`` (``distill.credit``): each token's advantage gets its own penalty, after the
-            estimator (no critic learns it, no normalisation scales it); ``reward_to_go``: the penalties join
-            ``rewards`` as the KL penalty does, and GRPO keeps them outside its normalisation as it keeps the KL.
+        teacher_credit: ``reward_to_go`` (``distill.credit``): the penalties join ``rewards`` as the KL penalty
+            does, and GRPO keeps them outside its normalisation as it keeps the KL; ``token``: each token's advantage
+            gets its own penalty, after the estimator (no critic learns it, no normalisation scales it).
     Returns:
         (advantages [B, T], returns [B, T] for the critic or None), 0 where ``mask`` is 0.
     """

@@ -349,7 +349,7 @@ class LearnerRank:
             lam=self.ppo.lam, whiten_advantages=self.ppo.whiten_advantages,
             whiten_rewards=self.ppo.whiten_rewards, device=self.device,
             kl_rewards=-kl_coef * kl if in_reward else None, grpo_normalize=self.ppo.grpo_normalize,
-            teacher=teacher, teacher_credit=self.distill.credit if self.distill is not None else "token")
+            teacher=teacher, teacher_credit=self.distill.credit if self.distill is not None else "reward_to_go")
 
         lr = scheduled_lr(self.ppo.lr, self.ppo.lr_schedule, iteration, self.run_iterations)
         for group in self.engine.optimizer.param_groups:  # after any checkpoint load: the schedule decides

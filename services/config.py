@@ -248,12 +248,13 @@ class DistillConfig(Section):
                                      "policy's tokenizer (an export of a run: <run directory>/export); none = off")
     coef: PositiveFloat = Field(1.0, description="the fixed weight of the per-token reverse KL to the teacher (not "
                                 "the controller's beta, which goes on weighing the KL to the reference)")
-    credit: Literal["token", "reward_to_go"] = Field(
-        "token", description="token: each token's advantage gets its own term, -coef * (log pi - log pi_teacher) "
-        "(the gradient of the per-state reverse KL along the student's own states, as Thinking Machines' on-policy "
-        "distillation and GKD take it; its variance does not grow with the length); reward_to_go: the term joins "
-        "the per-token rewards beside the reference KL, each estimator assigns it like the KL penalty (the exact "
-        "gradient of the sequence-level reverse KL, which also counts how a token changes the later states)")
+    credit: Literal["reward_to_go", "token"] = Field(
+        "reward_to_go", description="reward_to_go: the terms join the per-token rewards beside the reference KL and "
+        "each estimator credits them as it credits the KL penalty: the exact gradient of the sequence-level reverse "
+        "KL, and GAE's critic learns the KL to go (on randomwalks it ended nearer the teacher than token: "
+        "benchmarks/distillation.py); token: each token's advantage gets its own term after the estimator, the "
+        "gradient of the per-state reverse KL along the student's own states (Thinking Machines' on-policy "
+        "distillation, slime, GKD), which leaves out how a token moves the later states")
     task_reward: bool = Field(True, description="also learn from the task's score; false: the teacher alone (the "
                               "scores are still computed, logged and evaluated)")
     num_actors: PositiveInt = Field(1, description="teacher actors (cluster.teacher: each one's resources)")

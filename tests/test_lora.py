@@ -190,3 +190,27 @@ def test_adapter_only_sync_on_a_llama_the_engine_generates_with_the_learners_ada
         assert chunk.policy_version.tolist() == [1, 1]
     finally:
         kill(engine)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_on_two_zero_ranks_matches_one_rank(rank_pool, tiny_model_dir, stage):
+    """Only the adapters train, on every ZeRO stage: two ranks (ZeRO-2 or ZeRO-3, which partitions the frozen
+    base weights too) take the step one rank takes, and the base model scored as the reference is the same."""
+    from tests.test_pipeline import _fixed_batch, small_config
+
+    batch = _fixed_batch(16, 6, seed=0)
+    chunks = [ray.put(batch[:8]), ray.put(batch[8:])]
+    scores = [ray.put(torch.linspace(0, 1, 8)), ray.put(torch.linspace(1, 0, 8))]
+    results = {}
+    for world_size, zero_stage in ((1, 0), (2, stage)):
+        cfg = small_config(ppo={"minibatch_size": 16, "epochs": 1, "lr": 1e-2},
+                           learner={"world_size": world_size, "zero_stage": zero_stage, "lora": {"rank": 8}},
+                           rollout={"batch_size": 16, "chunk_size": 8, "max_new_tokens": 6})
+        group = rank_pool.group(cfg, tiny_model_dir, tag="lora-zero")
+        first = group.train(chunks, None, scores, kl_coef=0.05, iteration=1)
+        second = group.train(chunks, None, scores, kl_coef=0.05, iteration=2)  # after a step: a KL, a moved policy
+        results[world_size] = (first.kl["response_mean"], second.kl["response_mean"],
+                               sum(r.ppo["loss"] for r in second.ranks) / len(second.ranks))
+    assert results[1][0] == pytest.approx(0.0, abs=1e-6) and abs(results[1][1]) > 1e-4
+    assert results[2] == pytest.approx(results[1], rel=1e-4, abs=1e-6)
