@@ -21,13 +21,16 @@ class ReferenceActor(VersionedActor):
     @starting_up()
     def __init__(self, index: int, model: ModelSource | str, backend: str = "hf", dtype: str = "float32",
                  max_model_len: int = 64, kv_cache_mib: int = 128, temperature: float = 1.0,
-                 device: str = "cpu", torch_threads: int | None = None, engine_args: dict | None = None) -> None:
-        """``engine_args``: backend vllm's ``LLM(...)`` arguments (``JobConfig.reference_vllm_engine_args``)."""
+                 device: str = "cpu", torch_threads: int | None = None, engine_args: dict | None = None,
+                 max_tokens_per_microbatch: int | None = None) -> None:
+        """``engine_args``: backend vllm's ``LLM(...)`` arguments (``JobConfig.reference_vllm_engine_args``);
+        ``max_tokens_per_microbatch`` (backend hf): score the rows packed in micro-batches of that many tokens."""
         from actors.engines import check_device
 
         super().__init__(index)
         self.backend = backend
         self.temperature = temperature
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.device = check_device(device, f"reference-{index}")
         yield_cpu_to_engines(self.device)
         if torch_threads:
@@ -61,8 +64,11 @@ class ReferenceActor(VersionedActor):
     @torch.no_grad()
     def _score(self, batch: RolloutBatch) -> torch.Tensor:
         if self.backend == "hf":
-            from services.experience import response_forward
+            from services.experience import packed_response_logprobs, response_forward
 
+            if self.max_tokens_per_microbatch is not None:
+                return packed_response_logprobs(self.model, batch, self.max_tokens_per_microbatch,
+                                                self.temperature) * batch.action_mask
             logprobs, _, _ = response_forward(self.model, batch.to(self.device), self.temperature)
             return logprobs.cpu() * batch.action_mask
         sequences, prompt_lengths = [], []

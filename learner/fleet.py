@@ -69,7 +69,8 @@ class Fleet:
             cluster.start_actor(ReferenceActor, "reference", i, c.reference, placement, i, model,
                                 cfg.reference.backend, dtype, max_model_len, 128, cfg.rollout.temperature,
                                 cfg.device("reference"), cfg.reference.torch_threads,
-                                cfg.reference_vllm_engine_args(), max_restarts=restarts)
+                                cfg.reference_vllm_engine_args(), cfg.learner.max_tokens_per_microbatch,
+                                max_restarts=restarts)
             for i in range(cluster.role_counts(cfg)["reference"])
         ]
         # reward.kind remote: the driver's token goes to the reward actors whose environment lacks it
@@ -88,7 +89,7 @@ class Fleet:
         self.teachers = [
             cluster.start_actor(TeacherActor, "teacher", i, c.teacher, placement, i, teacher, "hf", dtype,
                                 max_model_len, 128, cfg.rollout.temperature, cfg.device("teacher"),
-                                max_restarts=restarts)
+                                max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch, max_restarts=restarts)
             for i in range(cfg.distill.num_actors if teacher is not None else 0)
         ]
         self.all = self.rollouts + self.references + self.rewards + self.teachers  # bundle order (cluster.roles)

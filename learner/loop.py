@@ -258,7 +258,8 @@ class Job:
                   "resynced_actors": collected.resynced + synced.resynced},
             seconds={"learner": trained.learner_seconds, "learner_forward": result.forward_seconds,
                      "learner_update": result.update_seconds, "weight_sync": synced.weight_sync_seconds,
-                     "sync_and_probe": synced.sync_and_probe_seconds})
+                     "sync_and_probe": synced.sync_and_probe_seconds},
+            packed=cfg.learner.max_tokens_per_microbatch is not None)
         record.update(dapo_metrics(result.sums, collected.extra_rounds))
         record["weight_sync_bytes"] = self.learner.weights_bytes  # object store: what one sync sends (LoRA: less)
         if iteration % cfg.run.eval_every == 0 or iteration == cfg.run.iterations:

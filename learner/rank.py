@@ -59,7 +59,7 @@ from services.logprobs import token_logprobs
 from services.model_source import ModelSource, as_source
 
 if TYPE_CHECKING:  # the batch's module loads in the rank, not in the driver (services/experience.py)
-    from services.experience import RolloutBatch
+    from services.experience import Packed, RolloutBatch
 
 
 class PolicyWithValueHead(nn.Module):
@@ -75,19 +75,25 @@ class PolicyWithValueHead(nn.Module):
         self.value_head = (nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.ReLU(), nn.Linear(2 * hidden, 1))
                            if value_head else None)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_width: int,
-                temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
-        """Returns (logits [B, T, V] predicting each response token, values [B, T] or None without a head)."""
-        from services.experience import response_logits
+    def forward(self, input_ids: Tensor | None, attention_mask: Tensor | None, position_ids: Tensor | None,
+                prompt_width: int, temperature: float = 1.0, packed: Packed | None = None) -> tuple[Tensor, Tensor | None]:
+        """Returns (logits [B, T, V] predicting each response token, values [B, T] or None without a head).
+        ``packed``: the rows packed without padding (``learner.max_tokens_per_microbatch``) instead of the padded
+        [B, P + T] inputs."""
+        from services.experience import packed_logits, response_logits
 
-        inputs = (input_ids, attention_mask, position_ids, prompt_width)
+        def run(model: nn.Module, hidden: bool) -> tuple[Tensor, Tensor | None]:
+            if packed is not None:
+                return packed_logits(model, packed, hidden)
+            return response_logits(model, input_ids, attention_mask, position_ids, prompt_width, hidden=hidden)
+
         shared = self.value_head is not None and self.critic is None
-        logits, hidden = response_logits(self.lm, *inputs, hidden=shared)
+        logits, hidden = run(self.lm, shared)
         logits = logits.float() / temperature
         if self.value_head is None:
             return logits, None
         if self.critic is not None:
-            _, hidden = response_logits(self.critic, *inputs, hidden=True)
+            _, hidden = run(self.critic, True)
         return logits, self.value_head(hidden).squeeze(-1).float()
 
 
@@ -306,7 +312,7 @@ class LearnerRank:
     def update(self, kl_coef: float, iteration: int) -> RankUpdate:
         """KL-penalised rewards at ``kl_coef``, advantages (``ppo.advantage``) and the PPO epochs on
         everything collected; returns additive sums so the driver's statistics are exact over all ranks."""
-        from services.experience import concat_batches
+        from services.experience import concat_batches, sequence_lengths
 
         batch = concat_batches([self.collected[slot] for slot in sorted(self.collected)])
         timings, self.collected, self.timings = self.timings, {}, {}
@@ -374,6 +380,9 @@ class LearnerRank:
             "score_sum": float(task_scores.sum()),
             "reward_sum": float((rewards * mask).sum()),  # penalty plus score, per episode summed
             "length_sum": float(lengths.sum()),
+            # the tokens a forward of these rows runs: the real ones, and in the padded [B, P + T] layout
+            "forward_tokens_real": float(sequence_lengths(batch).sum()),
+            "forward_tokens_padded": float(batch.shape[0] * (batch.prompt_ids.shape[1] + batch.response_ids.shape[1])),
             "truncated": float((batch.finish_reason == 1).sum()),
             "missing_eos_penalized": float(missing_eos.sum()),
             "mismatch_abs_sum": float(mismatch.sum()),  # all rows: the stale rows' share is apart below
@@ -444,12 +453,39 @@ class LearnerRank:
         return differing_groups(self._final_scores(batch)[0], batch.group_index)
 
     def _forward(self, batch: RolloutBatch, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
-        from services.experience import model_inputs
+        """(log-probs [B, T], values [B, T] or None, logits [B, T, V]) of ``batch``'s rows. With
+        ``learner.max_tokens_per_microbatch`` the rows run packed without padding: with gradients as one pack (the
+        PPO loop plans its micro-batches), without them in micro-batches of at most that many tokens (under ZeRO-3
+        as one pack: every forward gathers the parameters from all ranks, so their forwards must pair up)."""
+        from services.experience import model_inputs, plan_micro_batches, sequence_lengths
 
+        budget = self.learner.max_tokens_per_microbatch
+        if budget is not None and not grad and self.learner.zero_stage != 3:
+            parts = plan_micro_batches(sequence_lengths(batch), budget)
+            if len(parts) > 1:
+                outputs = [self._forward_packed(batch[part], grad=False) for part in parts]
+                order = torch.cat(parts).argsort()  # the parts' rows back in the batch's order
+                logprobs, values, logits = (None if out[0] is None else torch.cat(out)[order.to(out[0].device)]
+                                            for out in zip(*outputs, strict=True))
+                return logprobs, values, logits
+        if budget is not None:
+            return self._forward_packed(batch, grad)
         input_ids, attention_mask, position_ids = (x.to(self.device) for x in model_inputs(batch))
         with torch.set_grad_enabled(grad):
             logits, values = self.engine(input_ids, attention_mask, position_ids, batch.prompt_ids.shape[1],
                                          self.temperature)
+            logprobs = token_logprobs(logits, batch.response_ids.to(self.device))
+        if not grad:
+            return logprobs.detach().cpu(), values.detach().cpu() if values is not None else None, logits.detach()
+        return logprobs, values, logits
+
+    def _forward_packed(self, batch: RolloutBatch, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """``_forward`` of all of ``batch``'s rows as one pack."""
+        from services.experience import pack
+
+        packed = pack(batch).to(self.device)
+        with torch.set_grad_enabled(grad):
+            logits, values = self.engine(None, None, None, 0, self.temperature, packed=packed)
             logprobs = token_logprobs(logits, batch.response_ids.to(self.device))
         if not grad:
             return logprobs.detach().cpu(), values.detach().cpu() if values is not None else None, logits.detach()
@@ -466,7 +502,6 @@ class LearnerRank:
             raise ValueError(f"rank {self.rank}: {n} rows for one optimizer step of {micro} (ppo.minibatch_size "
                              f"{self.ppo.minibatch_size} over {self.world_size} ranks)")
         generator = torch.Generator().manual_seed(self.seed * 100_003 + iteration)
-        aggregation = self.ppo.loss_aggregation
         clip_low, clip_high = self.ppo.ratio_clip_range()  # ppo: clip_range_low/high; gspo: gspo_clip_low/high
         totals: dict[str, list] = {}  # name -> [sum, count] (tensors until the end), additive over ranks
         steps = 0
@@ -477,58 +512,116 @@ class LearnerRank:
             for rows in (order.tensor_split(self.minibatches) if self.rows_per_episode_vary else order.split(micro)):
                 mb = batch[rows]
                 mask = mb.action_mask.to(self.device)
-                # global token (or row) count over all ranks: W ranks compute what one would
-                denominator = global_loss_denominator(mask, aggregation, self.device)
-                logprobs, values, logits = step_forward or self._forward(mb, grad=True)
-                old_logprobs = mb.old_logprobs.to(self.device)
-                # the rollout correction, both modes: ratio against pi_old (async: pi_prox, decoupled PPO), each
-                # token's term times pi_old / pi_behav, truncated (tis) or masked (mis) at ppo.is_cap
-                weights, is_stats = rollout_correction_weights(old_logprobs, mb.rollout_logprobs.to(self.device), mask,
-                                                               self.ppo.correction, self.ppo.correction_level,
-                                                               self.ppo.is_cap)
-                pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, mb.advantages.to(self.device), mask,
-                                                clip_low, aggregation, denominator, weights, clip_range_high=clip_high,
-                                                ratio_level=RATIO_LEVELS[self.ppo.policy_loss])
-                pg_stats |= is_stats
-                loss, vf_stats = pg_loss, {}
-                if self.has_critic:  # GAE's critic; the other estimators have none
-                    vf_loss, vf_stats = value_loss(values, mb.old_values.to(self.device), mb.returns.to(self.device),
-                                                   mask, self.ppo.clip_range_value, aggregation, denominator)
-                    loss = loss + self.ppo.vf_coef * vf_loss
-                if self.kl.placement == "loss":
-                    ref_mb = mb.ref_logprobs.to(self.device)
-                    if self.kl.loss_form == "grpo_token_k3":
-                        kl_term = grpo_token_k3_loss(logprobs, ref_mb, mask, aggregation, denominator)
-                    else:  # per response over all ranks' responses, empty ones too, as the controller's mean
-                        responses = global_loss_denominator(torch.ones_like(mask[:, :1]), "sequence_mean", self.device)
-                        # its gradient over the policy term's tokens: beta weighs it as in the reward
-                        kl_count = global_loss_denominator(mask, kl_loss_aggregation(aggregation), self.device)
-                        # importance weights against the policy that sampled the rows (async: the engine)
-                        _, sampler = kl_logprob_roles(old_logprobs, mb.rollout_logprobs.to(self.device) * mask,
-                                                      self.off_policy)
-                        kl_term = response_kl_loss(logprobs, sampler, ref_mb, mask, self.kl.loss_form, responses,
-                                                   kl_count)
-                    loss = loss + kl_coef * kl_term
-                self.engine.backward(loss)
+                # global token (or row) counts over all ranks: W ranks compute what one would
+                counts = self._loss_counts(mask)
+                parts = self._micro_batches(mb) if step_forward is None else [None]
+                losses: dict[str, Tensor] = {}
+                for i, part in enumerate(parts):
+                    if part is not None and not len(part):  # a filler: this rank has fewer micro-batches
+                        _, values, logits = self._forward(_placeholder_batch(), grad=True)
+                        loss = 0.0 * logits.sum() + (0.0 * values.sum() if values is not None else 0.0)
+                        step_stats = {}
+                    else:
+                        micro_batch = mb if part is None else mb[part]
+                        forward = step_forward or self._forward(micro_batch, grad=True)
+                        loss, step_stats = self._micro_batch_loss(micro_batch, forward, counts, kl_coef, clip_low,
+                                                                  clip_high)
+                        for key in [k for k, (_, count) in step_stats.items() if count is None]:
+                            losses[key] = losses.get(key, 0.0) + step_stats.pop(key)[0]
+                    if len(parts) > 1:  # one optimizer step accumulates the minibatch's micro-batches
+                        self.engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
+                    self.engine.backward(loss)
+                    for key, (value, count) in step_stats.items():  # token statistics: weighted by tokens
+                        acc = totals.setdefault(key, [0.0, 0.0])
+                        acc[0] = acc[0] + value.detach().double() * count
+                        acc[1] = acc[1] + count
+                # the gradient's norm before clipping (ppo.max_grad_norm): DeepSpeed's optimizers under ZeRO and
+                # in bf16 report it; an fp32 step without ZeRO leaves it to the parameters' (reduced) gradients
+                grads = [p.grad for p in self.engine.module.parameters() if p.requires_grad]
+                norm = torch.nn.utils.get_total_norm(grads) if all(g is not None for g in grads) else None
                 self.engine.step()
-                with torch.no_grad():
-                    entropy = masked_mean(entropy_from_logits(logits), mask)
-                # losses are this rank's share of the global minibatch mean: one count per step; token
-                # statistics are this rank's token means: weighted by its tokens
-                tokens = mask.sum().double()  # stays on the device: the stats reach the host once, at the end
-                step_stats = {"loss": (loss, 1.0), "policy_loss": (pg_loss, 1.0)}
-                if self.has_critic:
-                    step_stats["value_loss"] = (vf_loss, 1.0)
-                if self.kl.placement == "loss":
-                    step_stats["kl_loss"] = (kl_term, 1.0)
-                step_stats |= {k: (v, tokens) for k, v in {"entropy": entropy, **pg_stats, **vf_stats}.items()}
-                for key, (value, count) in step_stats.items():
+                norm = self.engine.get_global_grad_norm() or norm
+                if norm is not None:
+                    losses["grad_norm"] = torch.as_tensor(float(norm))
+                # losses are this rank's share of the global minibatch mean: one count per step
+                for key, value in losses.items():
                     acc = totals.setdefault(key, [0.0, 0.0])
-                    acc[0] = acc[0] + value.detach().double() * count
-                    acc[1] = acc[1] + count
+                    acc[0] = acc[0] + value.detach().double()
+                    acc[1] = acc[1] + 1.0
                 steps += 1
         return {"stats": {key: [float(total), float(count)] for key, (total, count) in totals.items()},
                 "optimizer_steps": steps}
+
+    def _loss_counts(self, mask: Tensor) -> dict[str, Tensor]:
+        """A minibatch's global counts over all ranks (each an all-reduce, so every rank calls this once per
+        minibatch): the policy term's denominator, and with the KL in the loss the responses and the KL's count.
+        Taken before its micro-batches, each of which divides its sums by these: their losses add up to the
+        minibatch's."""
+        counts = {"denominator": global_loss_denominator(mask, self.ppo.loss_aggregation, self.device)}
+        if self.kl.placement == "loss" and self.kl.loss_form != "grpo_token_k3":
+            # per response over all ranks' responses, empty ones too, as the controller's mean
+            counts["responses"] = global_loss_denominator(torch.ones_like(mask[:, :1]), "sequence_mean", self.device)
+            # its gradient over the policy term's tokens: beta weighs it as in the reward
+            counts["kl_count"] = global_loss_denominator(mask, kl_loss_aggregation(self.ppo.loss_aggregation),
+                                                         self.device)
+        return counts
+
+    def _micro_batches(self, mb: RolloutBatch) -> list[Tensor | None]:
+        """The micro-batches of one optimizer step: the whole minibatch ([None]), or with
+        ``learner.max_tokens_per_microbatch`` its rows packed by that budget, as many on every rank (the ranks'
+        forwards and backwards pair up under ZeRO-3, their gradient reductions under every stage): a rank with
+        fewer gets fillers (empty index tensors)."""
+        budget = self.learner.max_tokens_per_microbatch
+        if budget is None:
+            return [None]
+        from services.experience import plan_micro_batches, sequence_lengths
+
+        parts = plan_micro_batches(sequence_lengths(mb), budget)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            most = torch.tensor([len(parts)], dtype=torch.long, device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            parts += [torch.zeros(0, dtype=torch.long)] * (int(most) - len(parts))
+        return parts
+
+    def _micro_batch_loss(self, mb: RolloutBatch, forward: tuple[Tensor, Tensor, Tensor], counts: dict[str, Tensor],
+                          kl_coef: float, clip_low: float, clip_high: float) -> tuple[Tensor, dict]:
+        """The PPO loss of the rows ``mb`` (a minibatch or one of its micro-batches), each term's sum over them
+        divided by the minibatch's global ``counts``. Returns (loss, {name: (value, count)}): the losses with
+        count None (summed over the micro-batches, one count a step), token statistics with this micro-batch's
+        tokens."""
+        aggregation, denominator = self.ppo.loss_aggregation, counts["denominator"]
+        logprobs, values, logits = forward
+        mask = mb.action_mask.to(self.device)
+        old_logprobs = mb.old_logprobs.to(self.device)
+        # the rollout correction, both modes: ratio against pi_old (async: pi_prox, decoupled PPO), each
+        # token's term times pi_old / pi_behav, truncated (tis) or masked (mis) at ppo.is_cap
+        weights, is_stats = rollout_correction_weights(old_logprobs, mb.rollout_logprobs.to(self.device), mask,
+                                                       self.ppo.correction, self.ppo.correction_level, self.ppo.is_cap)
+        pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, mb.advantages.to(self.device), mask, clip_low,
+                                        aggregation, denominator, weights, clip_range_high=clip_high,
+                                        ratio_level=RATIO_LEVELS[self.ppo.policy_loss])
+        loss, losses, stats = pg_loss, {"policy_loss": pg_loss}, {**pg_stats, **is_stats}
+        if self.has_critic:  # GAE's critic; the other estimators have none
+            vf_loss, vf_stats = value_loss(values, mb.old_values.to(self.device), mb.returns.to(self.device), mask,
+                                           self.ppo.clip_range_value, aggregation, denominator)
+            loss, losses["value_loss"] = loss + self.ppo.vf_coef * vf_loss, vf_loss
+            stats |= vf_stats
+        if self.kl.placement == "loss":
+            ref_mb = mb.ref_logprobs.to(self.device)
+            if self.kl.loss_form == "grpo_token_k3":
+                kl_term = grpo_token_k3_loss(logprobs, ref_mb, mask, aggregation, denominator)
+            else:  # importance weights against the policy that sampled the rows (async: the engine)
+                _, sampler = kl_logprob_roles(old_logprobs, mb.rollout_logprobs.to(self.device) * mask, self.off_policy)
+                kl_term = response_kl_loss(logprobs, sampler, ref_mb, mask, self.kl.loss_form, counts["responses"],
+                                           counts["kl_count"])
+            loss, losses["kl_loss"] = loss + kl_coef * kl_term, kl_term
+        losses["loss"] = loss
+        with torch.no_grad():
+            stats["entropy"] = masked_mean(entropy_from_logits(logits), mask)
+        tokens = mask.sum().double()  # stays on the device: the stats reach the host once, at the end
+        return loss, {**{k: (v, None) for k, v in losses.items()}, **{k: (v, tokens) for k, v in stats.items()}}
 
     # ------------------------------------------------------------------ weights, probes, fixed-batch checks
 

@@ -600,6 +600,10 @@ class LearnerConfig(Section):
     torch_threads: PositiveInt | None = Field(
         None, description="CPU threads of each rank's torch; none = Ray's default (one per whole CPU of the "
         "actor). On a CPU-only node the engines idle during the PPO update, so a rank can use their cores too")
+    max_tokens_per_microbatch: PositiveInt | None = Field(
+        None, description="pack the learner's forwards and backwards (and the reference's forward) into "
+        "micro-batches of at most this many real tokens, sequences one after another without padding; one "
+        "optimizer step accumulates as many as its minibatch needs. None: padded [rows, prompt + response] blocks")
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @property

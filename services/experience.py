@@ -199,6 +199,93 @@ def _keeps_logits(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
+# ---------------------------------------------------------------- packing by token budget
+
+
+@dataclass
+class Packed:
+    """Rows of a batch packed one after another into one row, without padding (``learner.max_tokens_per_microbatch``).
+
+    ``input_ids``, ``position_ids``: [1, N], each sequence's positions from 0 (transformers reads the restarts and
+    masks attention across sequences); ``keep``: [K] the columns that predict a response token; ``rows``, ``cols``:
+    [K] which row and response position each predicts, in the padded [b, T] layout of the rows packed."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    keep: Tensor
+    rows: Tensor
+    cols: Tensor
+    shape: tuple[int, int]  # the padded layout: [b, T]
+
+    def to(self, device) -> Packed:
+        return Packed(*(x.to(device) for x in (self.input_ids, self.position_ids, self.keep, self.rows, self.cols)),
+                      self.shape)
+
+
+def sequence_lengths(batch: RolloutBatch) -> Tensor:
+    """[B] real tokens of each row: its prompt's and its response's (what a packed forward runs)."""
+    return (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).long()
+
+
+def plan_micro_batches(lengths: Tensor, max_tokens: int) -> list[Tensor]:
+    """Rows into micro-batches of at most ``max_tokens`` real tokens (first fit, longest first; a row longer than
+    the budget alone). Returns each micro-batch's row indices, in row order; every row in exactly one."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda r: (-int(lengths[r]), r)):
+        n = int(lengths[row])
+        fit = next((i for i, left in enumerate(room) if left >= n), None)
+        if fit is None:
+            bins.append([row])
+            room.append(max_tokens - n)
+        else:
+            bins[fit].append(row)
+            room[fit] -= n
+    return [torch.tensor(sorted(b), dtype=torch.long) for b in sorted(bins, key=min)]
+
+
+def pack(batch: RolloutBatch) -> Packed:
+    """Every row of ``batch`` packed: its real prompt tokens then its real response tokens. A row needs a prompt
+    token: the last one predicts its first response token."""
+    ids, positions, keep, rows, cols = [], [], [], [], []
+    offset = 0
+    for row in range(batch.shape[0]):
+        prompt = batch.prompt_ids[row][batch.prompt_mask[row].bool()]
+        length = int(batch.response_mask[row].sum())
+        if prompt.numel() == 0:
+            raise ValueError(f"row {row} has no prompt token: packing needs one to predict its first response token")
+        sequence = torch.cat([prompt, batch.response_ids[row, :length]])
+        ids.append(sequence)
+        positions.append(torch.arange(sequence.numel()))
+        keep.append(offset + prompt.numel() - 1 + torch.arange(length))
+        rows.append(torch.full((length,), row, dtype=torch.long))
+        cols.append(torch.arange(length))
+        offset += sequence.numel()
+    return Packed(torch.cat(ids).unsqueeze(0), torch.cat(positions).unsqueeze(0), torch.cat(keep), torch.cat(rows),
+                  torch.cat(cols), (batch.shape[0], batch.response_ids.shape[1]))
+
+
+def packed_logits(model, packed: Packed, hidden: bool = False) -> tuple[Tensor, Tensor | None]:
+    """One forward of a causal LM over ``packed`` sequences (on the model's device): the logits [b, T, V] predicting
+    each response token in the padded layout (0 at padding), and with ``hidden`` the last hidden states there
+    [b, T, H]. Only the kept columns go through the LM head where the model takes ``logits_to_keep``."""
+    inputs = {"input_ids": packed.input_ids, "attention_mask": None, "position_ids": packed.position_ids,
+              "output_hidden_states": hidden, "use_cache": False}
+    keep = packed.keep
+    if _keeps_logits(type(model)):
+        out = model(**inputs, logits_to_keep=keep)
+        kept = out.logits[0]
+    else:
+        out = model(**inputs)
+        kept = out.logits[0, keep]
+    rows, cols = packed.rows, packed.cols
+    logits = kept.new_zeros(*packed.shape, kept.shape[-1]).index_put((rows, cols), kept)
+    if not hidden:
+        return logits, None
+    states = out.hidden_states[-1][0, keep]
+    return logits, states.new_zeros(*packed.shape, states.shape[-1]).index_put((rows, cols), states)
+
+
 def response_forward(model, batch: RolloutBatch, temperature: float = 1.0, hidden: bool = False):
     """One forward over prompt + response.
 
@@ -209,3 +296,15 @@ def response_forward(model, batch: RolloutBatch, temperature: float = 1.0, hidde
     logits = logits.float() / temperature
     logprobs = token_logprobs(logits, batch.response_ids)
     return logprobs, logits, states
+
+
+def packed_response_logprobs(model, batch: RolloutBatch, max_tokens: int, temperature: float = 1.0) -> Tensor:
+    """[B, T] the sampled-token log-probs of ``response_forward``, computed on micro-batches of at most
+    ``max_tokens`` real tokens packed without padding (on the model's device; 0 at padding)."""
+    device = next(model.parameters()).device
+    out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
+    for part in plan_micro_batches(sequence_lengths(batch), max_tokens):
+        rows = batch[part]
+        logits, _ = packed_logits(model, pack(rows).to(device))
+        out[part] = token_logprobs(logits.float() / temperature, rows.response_ids.to(device)).cpu()
+    return out * batch.response_mask

@@ -97,12 +97,13 @@ class ActorMetrics:
 def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coef_used: float,
                      kl_target: float | None, kl: dict, sums: dict, ppo: dict, lr: float, prompt_rows: list[int],
                      batch_policy_versions: list[int], batch_kl_coefs: list[float], sync: dict,
-                     seconds: dict) -> dict:
+                     seconds: dict, packed: bool = False) -> dict:
     """One line of metrics.jsonl: what one iteration trained on and how it went.
 
     ``kl``: the batch's KL statistics (``kl_stats_from_sums``); ``sums``: the learner's additive sums over
     all ranks; ``ppo``: the PPO statistics over all ranks; ``sync``: probe_max_abs_error, actor_states,
-    resynced_actors; ``seconds``: learner, learner_forward, learner_update, weight_sync, sync_and_probe.
+    resynced_actors; ``seconds``: learner, learner_forward, learner_update, weight_sync, sync_and_probe;
+    ``packed``: the learner's forwards ran packed (``learner.max_tokens_per_microbatch``).
     """
     n = kl["num_responses"]
     episodes = {}
@@ -130,6 +131,9 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
         "score_mean": sums["score_sum"] / n,
         "reward_mean": sums["reward_sum"] / n,
         "response_length_mean": sums["length_sum"] / n,
+        # of the tokens the learner's forwards ran: padding in the [B, P + T] layout, none packed
+        "learner_padding_fraction": (0.0 if packed else
+                                     1 - sums["forward_tokens_real"] / max(sums["forward_tokens_padded"], 1)),
         "truncated_fraction": sums["truncated"] / n,
         "missing_eos_penalized_fraction": sums["missing_eos_penalized"] / n,  # reward.missing_eos_penalty
         "lr": lr,

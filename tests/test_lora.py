@@ -78,8 +78,8 @@ def test_refused_lora_settings_name_the_field(overrides, message):
 @pytest.mark.integration
 def test_a_lora_job_learns_with_the_base_model_as_reference_resumes_exactly_and_exports_both(
         ray_head, cache_dir, tiny_model_dir, tmp_path):
-    """The small job with rank-8 adapters: no reference actor starts (the learner scores the base model), the
-    first batch has no KL at all, the merged weights pass every probe, and it learns. Resumed from its checkpoint
+    """The small job with rank-8 adapters, packed in micro-batches of 96 tokens: no reference actor starts (the
+    learner scores the base model), the first batch has no KL at all, the merged weights pass every probe, and it learns. Resumed from its checkpoint
     of iteration 2 with a reference actor instead (``learner.lora.reference: actor``, which holds the base model),
     iteration 3 comes out as it did: the same optimizer and adapters, and the base model's KL whoever scores it.
     The export is the merged model, with the adapter in PEFT's format beside it; the two compute the same."""
@@ -91,7 +91,8 @@ def test_a_lora_job_learns_with_the_base_model_as_reference_resumes_exactly_and_
     def job(*extra):
         return run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
                         str(tmp_path), "--run.name", "lora", *SMALL, "--learner.lora.rank", "8", "--ppo.lr", "1e-3",
-                        "--checkpoint.every", "2", "--run.iterations", "3", *extra])
+                        "--checkpoint.every", "2", "--run.iterations", "3", "--learner.max_tokens_per_microbatch", "96",
+                        *extra])
 
     first = job("--run.eval_every", "3")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -99,6 +100,7 @@ def test_a_lora_job_learns_with_the_base_model_as_reference_resumes_exactly_and_
     run_dir = tmp_path / "lora"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["kl_response_mean"] == 0.0 and records[0]["kl_k3_response_mean"] == 0.0
+    assert all(r["learner_padding_fraction"] == 0.0 for r in records)
     probes = [r["probe_max_abs_error"] for r in records]
     assert all(0 <= p < 1e-4 for p in probes), probes
     summary = json.loads((run_dir / "summary.json").read_text())
