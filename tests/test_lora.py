@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import ray
 import torch
 from pydantic import ValidationError
 
@@ -133,86 +132,3 @@ def test_vllm_lora_ranks_are_vllms():
     assert load_config(overrides={"learner": {"lora": {"rank": 4}}}).learner.vllm_lora_rank == 8
     with pytest.raises(ValidationError, match="learner.lora.rank=600 is above vLLM's largest LoRA rank, 512"):
         load_config(overrides={"learner": {"lora": {"rank": 600}}})
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tiny_model_dir, tmp_path_factory) -> str:
-    """A random-init Llama with the randomwalks tokenizer (vLLM's Llama takes LoRA adapters; its GPT-2 does not);
-    head_dim 32, a size vLLM's CPU attention takes."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from services.models import load_tokenizer, save_model_dir
-
-    tokenizer = load_tokenizer(tiny_model_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    return str(save_model_dir(LlamaForCausalLM(config), tokenizer, tmp_path_factory.mktemp("llama") / "random"))
-
-
-@pytest.mark.integration
-def test_adapter_only_sync_on_a_llama_the_engine_generates_with_the_learners_adapter(ray_client, tiny_llama_dir,
-                                                                                     rank_pool):
-    """learner.lora on a model vLLM takes adapters for: each sync ships the adapter alone, the engine generates
-    and scores with it, and its log-probs equal the learner's (the probe) after an update that moved them; the same adapter loaded again changes nothing. The engine's base
-    weights are never touched."""
-    from actors.engines import SamplingSettings
-    from actors.rollout import RolloutActor
-    from learner.cluster import start_actor
-    from tests.test_pipeline import kill, probe_set, small_config
-
-    cfg = small_config(learner={"lora": {"rank": 8}}, ppo={"minibatch_size": 8, "epochs": 2, "lr": 3e-2})
-    engine = start_actor(RolloutActor, "rollout", 0, cfg.cluster.rollout, None, 0, "vllm", tiny_llama_dir, 0, 32, 64,
-                         "float32", 0, lora_rank=cfg.learner.vllm_lora_rank)
-    try:
-        assert ray.get(engine.takes_adapters.remote())
-        group = rank_pool.group(cfg, tiny_llama_dir, tag="lora")
-        sequences, prompt_lengths = probe_set()
-        before = ray.get(engine.probe.remote(sequences, prompt_lengths))
-        assert max(abs(a - b) for g, e in zip(before, group.probe(sequences, prompt_lengths)) for a, b in zip(g, e)) < 1e-4
-        full = ray.get(group.policy_weights(adapter=False))
-        chunks = [engine.generate.remote([[i % 20 + 1] for i in range(8)], list(range(8)), list(range(8)),
-                                         SamplingSettings(1.0, 1.0, 9), 22)]
-        scores = [ray.put(torch.linspace(0, 1, 8))]
-        result = group.train(chunks, None, scores, kl_coef=0.05, iteration=1)  # the base model as the reference
-        assert result.kl["response_mean"] == pytest.approx(0.0, abs=1e-6)  # the batch came from the base policy
-        adapter = ray.get(group.policy_weights(adapter=True))
-        # rank 8 on layers 64 wide: a fifth of this tiny model (SmolLM2-135M, all-linear at rank 16: 3.6%)
-        assert adapter.adapter_config["r"] == 8 and adapter.nbytes < full.nbytes / 4
-        assert all("lora_A" in name or "lora_B" in name for name in adapter.tensors())
-        for _ in range(2):  # a restarted engine's re-sync loads the same version again
-            ray.get(engine.update_weights.remote(adapter, 1, 0.05))
-            after = ray.get(engine.probe.remote(sequences, prompt_lengths))
-            learner = group.probe(sequences, prompt_lengths)
-            assert max(abs(a - b) for g, e in zip(after, learner) for a, b in zip(g, e)) < 1e-4
-            assert max(abs(a - b) for g, e in zip(after, before) for a, b in zip(g, e)) > 1e-3
-        chunk = ray.get(engine.generate.remote([[3], [5]], [0, 1], [7, 8], SamplingSettings(1.0, 1.0, 9), 22))
-        assert chunk.policy_version.tolist() == [1, 1]
-    finally:
-        kill(engine)
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("stage", [2, 3])
-def test_lora_on_two_zero_ranks_matches_one_rank(rank_pool, tiny_model_dir, stage):
-    """Only the adapters train, on every ZeRO stage: two ranks (ZeRO-2 or ZeRO-3, which partitions the frozen
-    base weights too) take the step one rank takes, and the base model scored as the reference is the same."""
-    from tests.test_pipeline import _fixed_batch, small_config
-
-    batch = _fixed_batch(16, 6, seed=0)
-    chunks = [ray.put(batch[:8]), ray.put(batch[8:])]
-    scores = [ray.put(torch.linspace(0, 1, 8)), ray.put(torch.linspace(1, 0, 8))]
-    results = {}
-    for world_size, zero_stage in ((1, 0), (2, stage)):
-        cfg = small_config(ppo={"minibatch_size": 16, "epochs": 1, "lr": 1e-2},
-                           learner={"world_size": world_size, "zero_stage": zero_stage, "lora": {"rank": 8}},
-                           rollout={"batch_size": 16, "chunk_size": 8, "max_new_tokens": 6})
-        group = rank_pool.group(cfg, tiny_model_dir, tag="lora-zero")
-        first = group.train(chunks, None, scores, kl_coef=0.05, iteration=1)
-        second = group.train(chunks, None, scores, kl_coef=0.05, iteration=2)  # after a step: a KL, a moved policy
-        results[world_size] = (first.kl["response_mean"], second.kl["response_mean"],
-                               sum(r.ppo["loss"] for r in second.ranks) / len(second.ranks))
-    assert results[1][0] == pytest.approx(0.0, abs=1e-6) and abs(results[1][1]) > 1e-4
-    assert results[2] == pytest.approx(results[1], rel=1e-4, abs=1e-6)

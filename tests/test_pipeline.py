@@ -340,3 +340,120 @@ def test_an_eager_engine_on_cpu_compiles_nothing(roles):
 
     assert batch.response_lengths.sum() > 0
     assert ray.get(engine.__ray_call__.remote(traced_frames)) == 0
+
+
+# ---------------------------------------------------------------- LoRA and packing on the learner ranks
+
+
+@pytest.mark.integration
+def test_adapter_only_sync_on_a_llama_the_engine_generates_with_the_learners_adapter(ray_client, tiny_llama_dir,
+                                                                                     rank_pool):
+    """learner.lora on a model vLLM takes adapters for: each sync ships the adapter alone, the engine generates
+    and scores with it, and its log-probs equal the learner's (the probe) after an update that moved them; the same adapter loaded again changes nothing. The engine's base
+    weights are never touched."""
+    from actors.engines import SamplingSettings
+    from actors.rollout import RolloutActor
+    from learner.cluster import start_actor
+    cfg = small_config(learner={"lora": {"rank": 8}}, ppo={"minibatch_size": 8, "epochs": 2, "lr": 3e-2})
+    engine = start_actor(RolloutActor, "rollout", 0, cfg.cluster.rollout, None, 0, "vllm", tiny_llama_dir, 0, 32, 64,
+                         "float32", 0, lora_rank=cfg.learner.vllm_lora_rank, tag="llama")
+    try:
+        assert ray.get(engine.takes_adapters.remote())
+        group = rank_pool.group(cfg, tiny_llama_dir, tag="lora")
+        sequences, prompt_lengths = probe_set()
+        before = ray.get(engine.probe.remote(sequences, prompt_lengths))
+        assert max(abs(a - b) for g, e in zip(before, group.probe(sequences, prompt_lengths)) for a, b in zip(g, e)) < 1e-4
+        full = ray.get(group.policy_weights(adapter=False))
+        chunks = [engine.generate.remote([[i % 20 + 1] for i in range(8)], list(range(8)), list(range(8)),
+                                         SamplingSettings(1.0, 1.0, 9), 22)]
+        scores = [ray.put(torch.linspace(0, 1, 8))]
+        result = group.train(chunks, None, scores, kl_coef=0.05, iteration=1)  # the base model as the reference
+        assert result.kl["response_mean"] == pytest.approx(0.0, abs=1e-6)  # the batch came from the base policy
+        adapter = ray.get(group.policy_weights(adapter=True))
+        # rank 8 on layers 64 wide: a fifth of this tiny model (SmolLM2-135M, all-linear at rank 16: 3.6%)
+        assert adapter.adapter_config["r"] == 8 and adapter.nbytes < full.nbytes / 4
+        assert all("lora_A" in name or "lora_B" in name for name in adapter.tensors())
+        for _ in range(2):  # a restarted engine's re-sync loads the same version again
+            ray.get(engine.update_weights.remote(adapter, 1, 0.05))
+            after = ray.get(engine.probe.remote(sequences, prompt_lengths))
+            learner = group.probe(sequences, prompt_lengths)
+            assert max(abs(a - b) for g, e in zip(after, learner) for a, b in zip(g, e)) < 1e-4
+            assert max(abs(a - b) for g, e in zip(after, before) for a, b in zip(g, e)) > 1e-3
+        chunk = ray.get(engine.generate.remote([[3], [5]], [0, 1], [7, 8], SamplingSettings(1.0, 1.0, 9), 22))
+        assert chunk.policy_version.tolist() == [1, 1]
+    finally:
+        kill(engine)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_on_two_zero_ranks_matches_one_rank(rank_pool, tiny_model_dir, stage):
+    """Only the adapters train, on every ZeRO stage: two ranks (ZeRO-2 or ZeRO-3, which partitions the frozen
+    base weights too) take the step one rank takes, and the base model scored as the reference is the same."""
+    batch = _fixed_batch(16, 6, seed=0)
+    chunks = [ray.put(batch[:8]), ray.put(batch[8:])]
+    scores = [ray.put(torch.linspace(0, 1, 8)), ray.put(torch.linspace(1, 0, 8))]
+    results = {}
+    for world_size, zero_stage in ((1, 0), (2, stage)):
+        cfg = small_config(ppo={"minibatch_size": 16, "epochs": 1, "lr": 1e-2},
+                           learner={"world_size": world_size, "zero_stage": zero_stage, "lora": {"rank": 8}},
+                           rollout={"batch_size": 16, "chunk_size": 8, "max_new_tokens": 6})
+        group = rank_pool.group(cfg, tiny_model_dir, tag="lora-zero")
+        first = group.train(chunks, None, scores, kl_coef=0.05, iteration=1)
+        second = group.train(chunks, None, scores, kl_coef=0.05, iteration=2)  # after a step: a KL, a moved policy
+        results[world_size] = (first.kl["response_mean"], second.kl["response_mean"],
+                               sum(r.ppo["loss"] for r in second.ranks) / len(second.ranks))
+    assert results[1][0] == pytest.approx(0.0, abs=1e-6) and abs(results[1][1]) > 1e-4
+    assert results[2] == pytest.approx(results[1], rel=1e-4, abs=1e-6)
+
+
+def step_of(group, chunks, refs, scores, iteration: int = 1):
+    result = group.train(chunks, refs, scores, kl_coef=0.05, iteration=iteration)
+    weights = ray.get(group.policy_weights()).tensors()
+    # the gradient's norm before clipping, each step: what the micro-batches accumulated
+    losses = {k: sum(r.ppo[k] for r in result.ranks) / len(result.ranks)
+              for k in ("loss", "policy_loss", "value_loss", "grad_norm")}
+    return result, losses, weights
+
+
+@pytest.mark.integration
+def test_packed_training_equals_padded_training_and_two_zero3_ranks_equal_one(rank_pool, tiny_model_dir):
+    """One PPO update (GAE, 2 epochs of one minibatch: the same rows a step on one rank or two) on ragged rows:
+    padded, packed with a budget that makes
+    several micro-batches per step, and packed over two ZeRO-3 ranks whose micro-batch counts differ (fillers)
+    give the same KL books and losses (1e-5 relative), the same gradient norms and the same weights after the
+    update (1e-4 relative)."""
+    from services.experience import plan_micro_batches, sequence_lengths
+    from tests.test_packing import ragged_batch
+
+    batch = ragged_batch(16, seed=5)
+    # at a budget of 12 tokens the two chunks make 4 and 6 micro-batches: on two ranks the first takes 2 fillers
+    assert [len(plan_micro_batches(sequence_lengths(c), 12)) for c in (batch[:8], batch[8:])] == [4, 6]
+    chunks = [ray.put(batch[:8]), ray.put(batch[8:])]
+    refs = [ray.put(-3.0 * batch[:8].response_mask), ray.put(-3.0 * batch[8:].response_mask)]
+    scores = [ray.put(torch.linspace(0, 1, 8)), ray.put(torch.linspace(1, 0, 8))]
+    runs = {}
+    for name, world_size, zero_stage, budget in (("padded", 1, 0, None), ("packed", 1, 0, 12),
+                                                 ("packed-zero3", 2, 3, 12)):
+        cfg = small_config(ppo={"minibatch_size": 16, "epochs": 2, "lr": 1e-3},
+                           learner={"world_size": world_size, "zero_stage": zero_stage,
+                                    "max_tokens_per_microbatch": budget},
+                           rollout={"batch_size": 16, "chunk_size": 8, "max_new_tokens": 7})
+        group = rank_pool.group(cfg, tiny_model_dir, tag="packing")
+        runs[name] = step_of(group, chunks, refs, scores)
+    padded_result, padded_losses, padded_weights = runs["padded"]
+    assert padded_result.kl["response_mean"] != 0.0
+    from services.models import load_causal_lm
+
+    initial = load_causal_lm(tiny_model_dir).state_dict()
+    assert max(float((padded_weights[k] - initial[k]).abs().max()) for k in padded_weights) > 1e-3  # it moved
+    for name in ("packed", "packed-zero3"):
+        result, losses, weights = runs[name]
+        assert result.kl["response_mean"] == pytest.approx(padded_result.kl["response_mean"], rel=1e-5), name
+        for key, value in padded_losses.items():
+            assert losses[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (name, key)
+        # Adam moves a weight by about lr whatever its gradient's size: near-zero gradients turn fp32 rounding into
+        # differences of a fraction of lr, so the weights are compared with the update, the gradients below
+        for key, tensor in padded_weights.items():
+            diff, moved = float((weights[key] - tensor).abs().max()), float((tensor - initial[key]).abs().max())
+            assert diff <= 1e-2 * max(moved, 1e-6), (name, key, diff, moved)
