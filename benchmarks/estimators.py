@@ -27,6 +27,13 @@ from _bench import RESULTS, MeasuredJob, read_records, stamp, steady_state, writ
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
 SAMPLES_PER_PROMPT = 8  # for the group estimators
+# The estimators whose advantages have unit scale whatever the score differences (GRPO's group std, REINFORCE++'s
+# global whitening), and the additions on GRPO, at ppo.lr 1e-4: at the job's 3e-4 they overstep (3 seeds, eval every
+# iteration: GRPO sync reached 0.95 at 9.0 and fell back to 0.880, async reached it in 1 of 3 seeds; REINFORCE++ sync
+# at 24.3 and async never; REINFORCE++-baseline async ended at 0.69), while GRPO at 1e-4 reaches it at 8.7 in sync
+# and 12.3 in async and holds it
+UNIT_SCALE_LR = "1e-4"
+UNIT_SCALE = ("grpo", "reinforce_pp", "reinforce_pp_baseline")
 # the additions, each on GRPO: what learner.main takes to turn it on
 ADDITIONS = {
     "gspo": ["--ppo.policy_loss", "gspo", "--ppo.correction_level", "sequence", "--ppo.loss_aggregation",
@@ -41,7 +48,8 @@ VARIANTS = (*ESTIMATORS, *ADDITIONS)
 def estimator_args(variant: str) -> list[str]:
     estimator = variant if variant in ESTIMATORS else "grpo"
     n = SAMPLES_PER_PROMPT if estimator in GROUP_ESTIMATORS else 1
-    return ["--ppo.advantage", estimator, "--rollout.samples_per_prompt", str(n), *ADDITIONS.get(variant, [])]
+    lr = ["--ppo.lr", UNIT_SCALE_LR] if estimator in UNIT_SCALE else []
+    return ["--ppo.advantage", estimator, "--rollout.samples_per_prompt", str(n), *lr, *ADDITIONS.get(variant, [])]
 
 
 def run_estimator(variant: str, name: str, cache_dir: str, out_dir: str, extra: list[str]) -> dict:
@@ -65,12 +73,12 @@ def run_estimator(variant: str, name: str, cache_dir: str, out_dir: str, extra: 
     }
 
 
-def table(results: dict, keys: list[tuple[str, str]], seeds: list[int]) -> list[str]:
-    """One row per (variant, mode): the iteration at which each seed's optimality reached 0.95 and their mean
-    (a seed that never did counts as the run's length + 1, marked >), the final optimality's mean."""
-    rows = [("| variant | mode | samples per prompt | optimality >= 0.95 at iteration, per seed | mean | final "
-             "optimality (mean) | KL final (nats, mean) | steady iteration (s) |"), "|---|---|---|---|---|---|---|---|"]
-    for variant, mode in keys:
+def table(results: dict, seeds: list[int]) -> list[str]:
+    """One row per (variant, mode) with results: the iteration at which each seed's optimality reached 0.95 and
+    their mean (a seed that never did counts as the run's length + 1, marked >), the final optimality's mean."""
+    rows = [("| variant | mode | samples per prompt | ppo.lr | optimality >= 0.95 at iteration, per seed | mean | final "
+             "optimality (mean) | KL final (nats, mean) | steady iteration (s) |"), "|---|---|---|---|---|---|---|---|---|"]
+    for variant, mode in [(v, m) for v in VARIANTS for m in ("sync", "async")]:
         runs = [results[f"{variant}/{mode}/{seed}"] for seed in seeds if f"{variant}/{mode}/{seed}" in results]
         if not runs:
             continue
@@ -78,8 +86,9 @@ def table(results: dict, keys: list[tuple[str, str]], seeds: list[int]) -> list[
         counted = [i if i is not None else r["iterations"] + 1 for i, r in zip(reached, runs, strict=True)]
         mean = sum(counted) / len(counted)
         shown = ", ".join(str(i) if i is not None else "not reached" for i in reached)
-        n = estimator_args(variant)[3]
-        rows.append(f"| {variant} | {mode} | {n} | {shown} | {'>' if None in reached else ''}{mean:.1f} | "
+        args = estimator_args(variant)
+        lr = args[args.index("--ppo.lr") + 1] if "--ppo.lr" in args else "3e-4"
+        rows.append(f"| {variant} | {mode} | {args[3]} | {lr} | {shown} | {'>' if None in reached else ''}{mean:.1f} | "
                     f"{sum(r['eval_final']['optimality'] for r in runs) / len(runs):.3f} | "
                     f"{sum(r['kl_response_mean_final'] for r in runs) / len(runs):.2f} | "
                     f"{sum(r['steady_iteration_seconds'] for r in runs) / len(runs):.2f} |")
@@ -97,9 +106,12 @@ def main() -> None:
                         "0.95 exactly)")
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
     args = parser.parse_args()
-    results, done = stamp(), []
     default = args.mode == ["sync"] and args.seeds == [None]
     name = "estimators" if default else f"estimators-{'-'.join(args.mode)}-seeds-{len(args.seeds)}"
+    # the rows of earlier runs stay (a variant run again replaces its own): one table can gather several runs
+    earlier = RESULTS / f"{name}.json"
+    results = {k: v for k, v in json.loads(earlier.read_text()).items() if "/" in k} if earlier.is_file() else {}
+    results |= stamp()
     with tempfile.TemporaryDirectory() as out:
         MeasuredJob(["--model.cache_dir", args.cache_dir, "--run.output_dir", str(Path(out) / "warmup"),
                      "--run.name", "warmup", "--run.iterations", "1"]).run()  # fill the SFT cache
@@ -115,9 +127,8 @@ def main() -> None:
                     results[f"{variant}/{mode}/{seed}"] = run_estimator(
                         variant, run, args.cache_dir, out,
                         ["--rollout.mode", mode, "--run.eval_every", str(args.eval_every), *seeded, *args.extra])
-                done.append((variant, mode))
-                write_results(RESULTS, name, results, table(results, done, args.seeds))  # a partial run keeps its rows
-    print("\n".join(table(results, done, args.seeds)))
+                write_results(RESULTS, name, results, table(results, args.seeds))  # a partial run keeps its rows
+    print("\n".join(table(results, args.seeds)))
 
 
 if __name__ == "__main__":

@@ -172,8 +172,10 @@ class LearnerRank:
         # one optimizer step per batch (one epoch, one minibatch): the policy that generated the rows is the
         # one that takes the step, so the step's own forward gives the old log-probs and values exactly, and
         # collect runs none (what TRL's GRPO does at num_iterations=1)
+        # (packing by token budget runs the step's micro-batches one at a time instead)
         self.single_step = (rollout_batch_size is not None and not off_policy and ppo_cfg.epochs == 1
-                            and ppo_cfg.minibatch_size == rollout_batch_size and not rows_per_episode_vary)
+                            and ppo_cfg.minibatch_size == rollout_batch_size and not rows_per_episode_vary
+                            and learner_cfg.max_tokens_per_microbatch is None)
         on_gpu = check_device(device, f"learner-rank-{self.rank}") == "cuda"
         yield_cpu_to_engines("cuda" if on_gpu else "cpu")
         if learner_cfg.torch_threads:
