@@ -104,10 +104,11 @@ def main() -> None:
                         "the job's)")
     parser.add_argument("--eval-every", type=int, default=5, help="run.eval_every (1: the first iteration at "
                         "0.95 exactly)")
+    parser.add_argument("--results-name", help="the results files' name (default: from the modes and seeds)")
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
     args = parser.parse_args()
     default = args.mode == ["sync"] and args.seeds == [None]
-    name = "estimators" if default else f"estimators-{'-'.join(args.mode)}-seeds-{len(args.seeds)}"
+    name = args.results_name or ("estimators" if default else f"estimators-{'-'.join(args.mode)}-seeds-{len(args.seeds)}")
     # the rows of earlier runs stay (a variant run again replaces its own): one table can gather several runs
     earlier = RESULTS / f"{name}.json"
     results = {k: v for k, v in json.loads(earlier.read_text()).items() if "/" in k} if earlier.is_file() else {}
