@@ -775,10 +775,13 @@ class JobConfig(BaseSettings):
         if lora.rank > VLLM_LORA_RANKS[-1] and self.rollout.engine == "vllm":
             raise ValueError(f"learner.lora.rank={lora.rank} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}: "
                              "an engine whose model takes adapters could not load it")
-        if self.learner.reference_in_learner and self.reference.model_fields_set:
-            raise ValueError(f"reference.{min(self.reference.model_fields_set)} is set, but with "
+        changed = sorted(k for k in self.reference.model_fields_set
+                         if getattr(self.reference, k) != ReferenceConfig.model_fields[k].default)
+        if self.learner.reference_in_learner and changed:
+            raise ValueError(f"reference.{changed[0]}={getattr(self.reference, changed[0])!r} is set, but with "
                              "learner.lora.reference='base' the learner scores the reference itself and no reference "
-                             "actor starts; set learner.lora.reference='actor' to keep them")
+                             f"actor starts; set learner.lora.reference='actor' to keep them, or reference.{changed[0]} "
+                             "back to its default")
         sync = self.learner.weight_sync
         if sync != "object_store" and (self.rollout.engine != "vllm" or not self.cluster.rollout.num_gpus
                                        or not self.cluster.learner.num_gpus):
