@@ -10,7 +10,8 @@ final one, and the wall and steady iteration time.
 The variants are the five estimators and the additions on a group estimator (``ADDITIONS``: GSPO, DAPO's
 clip-higher with dynamic sampling, the rollout correction by masking at sequence level, no correction).
 Writes benchmarks/results/estimators.json and estimators.md (with other modes or seeds than the default,
-estimators-<modes>-seeds-<n>.*); a partial run keeps its rows.
+estimators-<modes>-seeds-<n>.*, or --results-name); a partial run keeps its rows, and the rows of earlier runs in
+that file stay.
 """
 
 from __future__ import annotations
