@@ -45,6 +45,8 @@ HARMLESS_VLLM = {
     # "not loaded" in vLLM's layerwise reload, which puts the buffer back; the engine checks at every sync that
     # each of its parameters was loaded (actors/vllm_extension.py), so a real miss fails the sync instead
     "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
+    # learner.lora's adapter-only sync: each version's adapter carries no tokenizer, so the base model's is the one
+    "vllm.v1.engine.input_processor": ("vLLM has deprecated support for supporting different tokenizers",),
 }
 HARMLESS_PYTHON_WARNINGS = (
     # vLLM's triton dispatcher touches a deprecated torch alias at import
