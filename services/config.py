@@ -695,7 +695,9 @@ class JobConfig(BaseSettings):
     def _distillation(self) -> JobConfig:
         d = self.distill
         if d.teacher_path is None:
-            unused = sorted(d.model_fields_set - {"teacher_path"})
+            # set away from its default: a resolved config (--print-config, a run's config.yaml) sets every field
+            unused = sorted(k for k in d.model_fields_set - {"teacher_path"}
+                            if getattr(d, k) != DistillConfig.model_fields[k].default)
             if unused:
                 raise ValueError(f"distill.{unused[0]} is set but distill.teacher_path is not: without a teacher there "
                                  "is no distillation; set distill.teacher_path")
