@@ -539,8 +539,10 @@ class LearnerRank:
                         acc[1] = acc[1] + count
                 # the gradient's norm before clipping (ppo.max_grad_norm): DeepSpeed's optimizers under ZeRO and
                 # in bf16 report it; an fp32 step without ZeRO leaves it to the parameters' (reduced) gradients
-                grads = [p.grad for p in self.engine.module.parameters() if p.requires_grad]
-                norm = torch.nn.utils.get_total_norm(grads) if all(g is not None for g in grads) else None
+                norm = None
+                if not self.learner.zero_stage and self.learner.dtype == "float32":
+                    norm = torch.nn.utils.get_total_norm([p.grad for p in self.engine.module.parameters()
+                                                          if p.grad is not None])
                 self.engine.step()
                 norm = self.engine.get_global_grad_norm() or norm
                 if norm is not None:
