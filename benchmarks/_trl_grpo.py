@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,9 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, help="default: the task's")
     parser.add_argument("--missing-eos-penalty", type=float, help="reward of a completion without EOS")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--lora-rank", type=int, default=0, help="> 0: train PEFT LoRA adapters of this rank on "
+                        "every linear layer (the reference is then the base model, adapters disabled)")
+    parser.add_argument("--lora-alpha", type=float, default=16.0)
     args = parser.parse_args()
 
     import torch
@@ -106,8 +110,14 @@ def main() -> None:
         seed=args.seed,
         dataloader_num_workers=0,
     )
+    peft_config = None
+    if args.lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[StepTimes()])
+                          processing_class=tokenizer, callbacks=[StepTimes()], peft_config=peft_config)
     ready = time.perf_counter() - START
     t0 = time.perf_counter()
     trainer.train()
@@ -119,7 +129,8 @@ def main() -> None:
         "ready_seconds": ready, "train_seconds": train_seconds, "steps": args.steps,
         "seconds_per_step": train_seconds / args.steps, "completions_per_step": batch,
         "step_seconds": [b - a for a, b in zip([t0, *step_ends], step_ends)], "task": args.task, "beta": args.beta,
-        "dtype": args.dtype, "max_completion_length": max_completion,
+        "dtype": args.dtype, "max_completion_length": max_completion, "lora_rank": args.lora_rank,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
         "reward_by_step": [r["reward"] for r in trainer.state.log_history if "reward" in r],
         "completion_length_by_step": [r["completions/mean_length"] for r in trainer.state.log_history
                                       if "completions/mean_length" in r],

@@ -1,22 +1,29 @@
-"""Benchmark (issue 13, target 2): episodes per second on smollm2-sentiment, tether against TRL's GRPOTrainer
-on the same machine, at the same batch (64 completions of at most 32 tokens: 8 prompts x 8), one gradient
-pass over each batch for both, beta 0.05 with a reference model for both; and each against the FLOP bound.
+"""Benchmark: trained response tokens per second on smollm2-sentiment, tether against TRL's GRPOTrainer on the
+same machine, at the same batch (64 completions of at most 32 tokens: 8 prompts x 8), one gradient pass over
+each batch for both, beta 0.05 with a reference model for both; and each against the FLOP bound.
 
-    .venv/bin/python benchmarks/trl_smollm2.py [--steps 4] [--dtypes float32 bfloat16] [--readme]
+    .venv/bin/python benchmarks/trl_smollm2.py [--steps 4] [--dtypes float32 bfloat16] [--lora-rank 16] [--readme]
 
-- TRL 1.16 in its own virtualenv (``trl_compare.trl_python``), its defaults otherwise (gradient
-  checkpointing on, as TRL's GRPOConfig sets it), lr 5e-5, 2 threads, ``benchmarks/_trl_grpo.py``.
+- TRL 1.16 in its own virtualenv (``trl_compare.trl_python``, with peft), its defaults otherwise (gradient
+  checkpointing on, as TRL's GRPOConfig sets it), 2 threads, ``benchmarks/_trl_grpo.py``.
 - tether: the ``smollm2-sentiment`` preset with the GRPO estimator at the same batch and group size
   (``--rollout.batch_size 64 --rollout.samples_per_prompt 8 --ppo.advantage grpo``), one epoch of one
-  minibatch (one optimizer step on the batch, as TRL's), the preset's KL in the reward starting at beta 0.05.
+  minibatch (one optimizer step on the batch, as TRL's), the preset's KL in the reward starting at beta 0.05,
+  its forwards and backward packed by ``--pack-tokens`` (``learner.max_tokens_per_microbatch``; 0: padded).
   Its own local Ray, as ``python -m learner.main`` starts it.
-- Episodes/s: completions over the median seconds of the steps (iterations) after the first; tether's
-  iterations that evaluate are left out. Each side at each ``--dtypes`` entry.
+- ``--lora-rank R``: both sides train LoRA adapters of rank R, alpha 2R, on every linear layer, at lr
+  ``LORA_LR`` (tether ``learner.lora``, TRL ``peft_config``), and both take the reference from the base model
+  with the adapters disabled. Results go to ``trl_smollm2-lora{R}``.
+- Trained response tokens/s: the batch's response tokens over the seconds of a step, both as medians over the
+  steps (iterations) after the first; tether's iterations that evaluate are left out. Episodes/s flatters
+  whichever side writes shorter responses, so the ratio is per token, at the same dtype.
 - The FLOP bound: the best of a few SmolLM2-shaped matmuls at the dtype on 2 threads, measured here, against
   5 forward passes' worth of FLOPs per episode (2 x parameters x tokens each: generation, the reference's
   forward and a training pass of forward and backward, 3), at the prompt and response lengths measured.
+- Peak RSS: TRL's one process; tether's every process (driver, Ray, actors) and its learner rank alone.
 
-Writes ``benchmarks/results/trl_smollm2.json`` and ``.md``; with ``--readme``, the table into the README.
+Writes ``benchmarks/results/trl_smollm2[-lora{R}].json`` and ``.md``; with ``--readme``, the table into the
+README.
 """
 
 from __future__ import annotations
@@ -28,14 +35,19 @@ import statistics
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import ROOT, MeasuredJob, count_params, read_records, stamp, steady_state, write_results
 from trl_compare import TRL_VERSION, cpu_flags, parse_args, timed, trl_python, write_readme
 
-PROMPTS, SAMPLES, NEW_TOKENS, BETA, LR = 8, 8, 32, 0.05, 5e-5
-README_MARK = ("<!-- trl_smollm2:start -->", "<!-- trl_smollm2:end -->")
+PROMPTS, SAMPLES, NEW_TOKENS, BETA, LR, LORA_LR = 8, 8, 32, 0.05, 5e-5, 5e-4
+PEFT_VERSION = version("peft")  # the project's, in TRL's virtualenv too
+# the learner's micro-batch budget: about 8 of the ~60-token sequences. On CPU, SDPA runs a packed micro-batch's
+# attention as one dense [n, n] block under a mask, so its cost grows with the budget: measured here (64 sequences,
+# forward and backward, fp32) 22.3 s at 512 tokens, 25.0 at 1024, 32.7 at 2048, 49 at 4096, against 23-25 padded
+PACK_TOKENS = 512
 
 
 def matmul_gflops(dtype: str, threads: int = 2) -> float:
@@ -74,40 +86,52 @@ def prompt_tokens_mean(model: Path) -> float:
     return sum(lengths) / len(lengths)
 
 
-def run_trl(python: Path, model: Path, steps: int, dtype: str, work: Path) -> dict:
+def run_trl(python: Path, model: Path, steps: int, dtype: str, lora_rank: int, work: Path) -> dict:
     out = work / f"trl-{dtype}"
+    lora = ["--lora-rank", str(lora_rank), "--lora-alpha", str(2 * lora_rank)] if lora_rank else []
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
     seconds = timed([str(python), str(ROOT / "benchmarks" / "_trl_grpo.py"), "--task", "smollm2-sentiment",
                      "--model", str(model), "--steps", str(steps), "--prompts-per-step", str(PROMPTS),
-                     "--samples-per-prompt", str(SAMPLES), "--beta", str(BETA), "--lr", str(LR),
+                     "--samples-per-prompt", str(SAMPLES), "--beta", str(BETA), "--lr", str(LORA_LR if lora_rank else LR),
                      "--max-completion-length", str(NEW_TOKENS), "--missing-eos-penalty", "-1", "--dtype", dtype,
-                     "--out", str(out)], work / f"trl-{dtype}.log", env=env)
+                     "--out", str(out), *lora], work / f"trl-{dtype}.log", env=env)
     timings = json.loads((out / "timings.json").read_text())
     step = statistics.median(timings["step_seconds"][1:])
-    return {"side": "TRL GRPO", "dtype": dtype, "whole_process_seconds": seconds, "step_seconds": timings["step_seconds"],
-            "steady_step_seconds": step, "episodes_per_second": PROMPTS * SAMPLES / step,
-            "response_length_mean": statistics.mean(timings["completion_length_by_step"])}
+    length = statistics.mean(timings["completion_length_by_step"][1:])
+    return {"side": "TRL GRPO", "dtype": dtype, "lora_rank": lora_rank, "whole_process_seconds": seconds,
+            "step_seconds": timings["step_seconds"], "steady_step_seconds": step,
+            "episodes_per_second": PROMPTS * SAMPLES / step, "response_length_mean": length,
+            "tokens_per_second": PROMPTS * SAMPLES * length / step, "peak_rss_gib": timings["peak_rss_bytes"] / 2**30}
 
 
-def run_tether(steps: int, dtype: str, work: Path) -> dict:
+def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: Path) -> dict:
     args = ["--config", str(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml"),
             "--rollout.batch_size", str(PROMPTS * SAMPLES), "--rollout.samples_per_prompt", str(SAMPLES),
             "--rollout.chunk_size", str(PROMPTS * SAMPLES // 2), "--rollout.max_new_tokens", str(NEW_TOKENS),
             "--ppo.advantage", "grpo", "--ppo.epochs", "1", "--ppo.minibatch_size", str(PROMPTS * SAMPLES),
             "--kl.init_kl_coef", str(BETA), "--learner.dtype", dtype, "--run.iterations", str(steps + 1),
             "--run.eval_every", str(100 * steps), "--run.output_dir", str(work), "--run.name", f"tether-{dtype}"]
+    if pack_tokens:
+        args += ["--learner.max_tokens_per_microbatch", str(pack_tokens)]
+    if lora_rank:
+        args += ["--learner.lora.rank", str(lora_rank), "--learner.lora.alpha", str(2 * lora_rank),
+                 "--ppo.lr", str(LORA_LR)]
     job = MeasuredJob(args, log_path=work / f"tether-{dtype}.log").run()
     records = read_records(work / f"tether-{dtype}")
     steady = steady_state(records)
+    length = statistics.mean(r["response_length_mean"] for r in records if r["iteration"] in steady["steady_iterations"])
     synced = [r for r in records[1:] if "eval" not in r] or records[-1:]
     weight_sync = statistics.median(r["weight_sync_seconds"] for r in synced)
     probe = statistics.median(r["sync_and_probe_seconds"] - r["weight_sync_seconds"] for r in synced)
-    return {"side": "tether", "dtype": dtype, "whole_process_seconds": job.wall_seconds, "args": args,
+    return {"side": "tether", "dtype": dtype, "lora_rank": lora_rank, "whole_process_seconds": job.wall_seconds, "args": args,
             "iteration_seconds": [r["iteration_seconds"] for r in records],
             "steady_step_seconds": steady["steady_iteration_seconds"], "breakdown_seconds": steady["breakdown_seconds"],
             "episodes_per_second": steady["episodes_per_second"], "weight_sync_seconds": weight_sync,
             "probe_and_checks_seconds": probe, "probe_share": probe / steady["steady_iteration_seconds"],
-            "response_length_mean": statistics.mean(r["response_length_mean"] for r in records)}
+            "response_length_mean": length, "tokens_per_second": steady["episodes_per_second"] * length,
+            "weight_sync_bytes": records[-1].get("weight_sync_bytes"),
+            "learner_padding_fraction": statistics.mean(r["learner_padding_fraction"] for r in records),
+            "peak_rss_gib": job.peak_rss_total / 2**30, "peak_rss_gib_by_role": {k: v / 2**30 for k, v in job.peak_rss.items()}}
 
 
 def main() -> None:
@@ -115,16 +139,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steady steps (iterations) per side, after one warm-up")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--sides", nargs="+", default=["tether", "trl"], choices=["tether", "trl"])
+    parser.add_argument("--lora-rank", type=int, default=0, help="> 0: both sides train LoRA adapters of this rank")
+    parser.add_argument("--pack-tokens", type=int, default=PACK_TOKENS,
+                        help="tether's learner.max_tokens_per_microbatch; 0: the padded layout")
     args, cache = parse_args(parser)
-    python = trl_python(cache, extra=("vadersentiment>=3.3",)) if "trl" in args.sides else None
+    python = trl_python(cache, extra=("vadersentiment>=3.3", f"peft=={PEFT_VERSION}")) if "trl" in args.sides else None
     model = smollm2_model()
     params, prompt_len = count_params(model), prompt_tokens_mean(model)
     runs = []
     with tempfile.TemporaryDirectory(prefix="trl-smollm2-", dir=cache) as tmp:
         for dtype in args.dtypes:
             for side in args.sides:
-                run = (run_tether(args.steps, dtype, Path(tmp)) if side == "tether"
-                       else run_trl(python, model, args.steps + 1, dtype, Path(tmp)))
+                run = (run_tether(args.steps, dtype, args.lora_rank, args.pack_tokens, Path(tmp)) if side == "tether"
+                       else run_trl(python, model, args.steps + 1, dtype, args.lora_rank, Path(tmp)))
                 print(f"[trl_smollm2] {json.dumps({k: v for k, v in run.items() if k != 'args'})}", flush=True)
                 runs.append(run)
     bounds = {dtype: matmul_gflops(dtype) for dtype in args.dtypes}
@@ -134,30 +161,41 @@ def main() -> None:
         run["flop_bound_episodes_per_second"] = bounds[run["dtype"]] / episode_gflop
         run["times_the_bound"] = run["flop_bound_episodes_per_second"] / run["episodes_per_second"]
     trl = {r["dtype"]: r for r in runs if r["side"] == "TRL GRPO"}
-    trl_fp32 = trl.get("float32")
     results = {**stamp(), "cpu_flags": cpu_flags(), "parameters": params, "prompt_tokens_mean": prompt_len,
-               "matmul_gflops": bounds, "runs": runs}
+               "matmul_gflops": bounds, "lora_rank": args.lora_rank, "pack_tokens": args.pack_tokens, "runs": runs}
+    lora = (f"LoRA rank {args.lora_rank} (alpha {2 * args.lora_rank}, every linear layer, lr {LORA_LR}) on both "
+            f"sides, reference = the base model; TRL with peft {PEFT_VERSION}" if args.lora_rank else
+            f"full fine-tuning, lr {LR}")
+    packing = (f"tether packed ({args.pack_tokens}-token micro-batches)" if args.pack_tokens else "tether padded")
     table = [
         (f"smollm2-sentiment, {PROMPTS} prompts x {SAMPLES} completions of <= {NEW_TOKENS} tokens a step, one "
-         f"gradient pass, beta {BETA} with a reference model; tether (GRPO estimator, its own local Ray) against TRL "
-         f"{TRL_VERSION} GRPOTrainer (its defaults: gradient checkpointing), 2 threads; median step after the "
-         f"first; FLOP bound: {', '.join(f'{d} {g:.0f} GFLOP/s' for d, g in bounds.items())} (best SmolLM2-shaped "
-         f"matmul, 2 threads) over 5 forward passes of {params / 1e6:.0f}M parameters per episode; "
-         f"{results['date']}, {results['machine']}, CPU flags: {results['cpu_flags']}; "
-         "`.venv/bin/python benchmarks/trl_smollm2.py --readme`"),
+         f"gradient pass, beta {BETA} with a reference model; {lora}; tether (GRPO estimator, its own local Ray, "
+         f"{packing}) against TRL {TRL_VERSION} GRPOTrainer (its defaults: gradient checkpointing), 2 threads; "
+         f"median step after the first; FLOP bound: {', '.join(f'{d} {g:.0f} GFLOP/s' for d, g in bounds.items())} "
+         f"(best SmolLM2-shaped matmul, 2 threads) over 5 forward passes of {params / 1e6:.0f}M parameters per "
+         f"episode; {results['date']}, {results['machine']}, CPU flags: {results['cpu_flags']}; "
+         f"`.venv/bin/python benchmarks/trl_smollm2.py{f' --lora-rank {args.lora_rank}' if args.lora_rank else ''} "
+         "--readme`"),
         "",
-        "| side | dtype | steady step | episodes/s | response tokens | against TRL fp32 | times the FLOP bound |",
-        "|---|---|---|---|---|---|---|",
+        ("| side | dtype | steady step | response tokens | trained tokens/s | tether / TRL per token | episodes/s | "
+         "times the FLOP bound | peak RSS | step: generate / reference / update |"),
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
-        against = (f"{run['episodes_per_second'] / trl_fp32['episodes_per_second']:.2f}x" if trl_fp32 else "n/a")
+        base = trl.get(run["dtype"])
+        against = f"{run['tokens_per_second'] / base['tokens_per_second']:.2f}x" if base else "n/a"
+        parts = run.get("breakdown_seconds")
+        split = (f"{parts['generate_seconds']:.1f} / {parts['reference_seconds']:.1f} / "
+                 f"{parts['learner_update_seconds']:.1f} s" if parts else "one process")
         table.append(f"| {run['side']} | {run['dtype']} | {run['steady_step_seconds']:.1f} s | "
-                     f"{run['episodes_per_second']:.2f} | {run['response_length_mean']:.1f} | {against} | "
-                     f"{run['times_the_bound']:.1f}x |")
-    write_results(args.out, "trl_smollm2", results, table)
+                     f"{run['response_length_mean']:.1f} | {run['tokens_per_second']:.1f} | {against} | "
+                     f"{run['episodes_per_second']:.2f} | {run['times_the_bound']:.1f}x | "
+                     f"{run['peak_rss_gib']:.1f} GiB | {split} |")
+    name = f"trl_smollm2-lora{args.lora_rank}" if args.lora_rank else "trl_smollm2"
+    write_results(args.out, name, results, table)
     print("\n".join(table), flush=True)
     if args.readme:
-        write_readme(table, README_MARK)
+        write_readme(table, (f"<!-- {name}:start -->", f"<!-- {name}:end -->"))
 
 
 if __name__ == "__main__":

@@ -171,11 +171,12 @@ class LearnerRank:
         self.off_policy = off_policy
         # one optimizer step per batch (one epoch, one minibatch): the policy that generated the rows is the
         # one that takes the step, so the step's own forward gives the old log-probs and values exactly, and
-        # collect runs none (what TRL's GRPO does at num_iterations=1)
-        # (packing by token budget runs the step's micro-batches one at a time instead)
+        # collect runs none (what TRL's GRPO does at num_iterations=1). Packed, the step's forward runs its
+        # micro-batches one after another and keeps their graphs for the one backward; not under ZeRO-3, whose
+        # parameter gathers expect a backward after each forward
         self.single_step = (rollout_batch_size is not None and not off_policy and ppo_cfg.epochs == 1
                             and ppo_cfg.minibatch_size == rollout_batch_size and not rows_per_episode_vary
-                            and learner_cfg.max_tokens_per_microbatch is None)
+                            and not (learner_cfg.max_tokens_per_microbatch and learner_cfg.zero_stage == 3))
         on_gpu = check_device(device, f"learner-rank-{self.rank}") == "cuda"
         yield_cpu_to_engines("cuda" if on_gpu else "cpu")
         if learner_cfg.torch_threads:
@@ -456,16 +457,17 @@ class LearnerRank:
 
     def _forward(self, batch: RolloutBatch, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
         """(log-probs [B, T], values [B, T] or None, logits [B, T, V]) of ``batch``'s rows. With
-        ``learner.max_tokens_per_microbatch`` the rows run packed without padding: with gradients as one pack (the
-        PPO loop plans its micro-batches), without them in micro-batches of at most that many tokens (under ZeRO-3
-        as one pack: every forward gathers the parameters from all ranks, so their forwards must pair up)."""
+        ``learner.max_tokens_per_microbatch`` the rows run packed without padding, in micro-batches of at most that
+        many tokens (with gradients, those of the one step of ``single_step``, each graph kept for its backward;
+        the PPO loop's micro-batches already fit). Under ZeRO-3 as one pack: every forward gathers the parameters
+        from all ranks, so their forwards must pair up."""
         from services.experience import model_inputs, plan_micro_batches, sequence_lengths
 
         budget = self.learner.max_tokens_per_microbatch
-        if budget is not None and not grad and self.learner.zero_stage != 3:
+        if budget is not None and self.learner.zero_stage != 3:
             parts = plan_micro_batches(sequence_lengths(batch), budget)
             if len(parts) > 1:
-                outputs = [self._forward_packed(batch[part], grad=False) for part in parts]
+                outputs = [self._forward_packed(batch[part], grad) for part in parts]
                 order = torch.cat(parts).argsort()  # the parts' rows back in the batch's order
                 logprobs, values, logits = (None if out[0] is None else torch.cat(out)[order.to(out[0].device)]
                                             for out in zip(*outputs, strict=True))

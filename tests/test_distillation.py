@@ -5,6 +5,9 @@ group estimators, and the refused settings.
 Each credit is exactly the gradient of its own objective: ``reward_to_go`` that of the sequence-level reverse KL
 ``KL(pi(y|x) || teacher(y|x))``, ``token`` that of the per-state reverse KLs summed along the student's own
 states (which it does not differentiate: how a token changes the later states is left out).
+
+The job (a teacher actor scores every chunk, the student's KL to it falls, resume is exact) is tested with a LoRA
+student in ``tests/test_lora.py``, sharing that job's start.
 """
 
 import pytest
@@ -167,26 +170,3 @@ def test_a_teacher_with_another_vocabulary_is_refused_naming_the_field(tmp_path,
                                                       .read_text())
     with pytest.raises(ValueError, match=r"distill.teacher_path\) has another vocabulary than the policy's"):
         check_teacher(str(tmp_path / "teacher"), student)
-
-
-@pytest.mark.integration
-def test_a_student_distils_a_trained_policy_on_its_own_samples(small_run, ray_head, cache_dir, tmp_path):
-    """The job as a user runs it: the small run's export (trained 4 iterations) is the teacher, the SFT start the
-    student, the teacher's signal alone. The teacher actor scores every chunk, the student's reverse KL to the
-    teacher is logged every iteration and falls, and the task's score is logged but not trained on."""
-    import json
-
-    from tests.conftest import SMALL, run_job
-
-    teacher_dir, teacher_proc = small_run
-    assert teacher_proc.returncode == 0, teacher_proc.stderr[-3000:]
-    proc = run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
-                    str(tmp_path), "--run.name", "student", *SMALL, "--run.iterations", "3",
-                    "--distill.teacher_path", str(teacher_dir / "export"), "--no-distill.task_reward",
-                    "--no-checkpoint.export_hf"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "1 teacher, 1 learner rank(s)" in proc.stdout and "teacher kl " in proc.stdout
-    records = [json.loads(line) for line in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()]
-    teacher_kl = [r["teacher_kl_response_mean"] for r in records]
-    assert teacher_kl[0] > 0.5 and teacher_kl[-1] < 0.5 * teacher_kl[0], teacher_kl
-    assert all("score_mean" in r and r["teacher_seconds"] > 0 for r in records)

@@ -1,5 +1,6 @@
 """LoRA on the learner (``learner.lora``): only the adapters train, the engines get the merged weights, the base
-model is the reference, and a LoRA job learns, resumes exactly and exports both the merged model and the adapter."""
+model is the reference, and a LoRA job learns, resumes exactly and exports both the merged model and the adapter.
+The job test is also the distillation job test: a LoRA student of a teacher (``distill.*``)."""
 
 from __future__ import annotations
 
@@ -77,33 +78,42 @@ def test_refused_lora_settings_name_the_field(overrides, message):
 
 
 @pytest.mark.integration
-def test_a_lora_job_learns_with_the_base_model_as_reference_resumes_exactly_and_exports_both(
-        ray_head, cache_dir, tiny_model_dir, tmp_path):
-    """The small job with rank-8 adapters, packed in micro-batches of 96 tokens: no reference actor starts (the
-    learner scores the base model), the first batch has no KL at all, the merged weights pass every probe, and it learns. Resumed from its checkpoint
-    of iteration 2 with a reference actor instead (``learner.lora.reference: actor``, which holds the base model),
-    iteration 3 comes out as it did: the same optimizer and adapters, and the base model's KL whoever scores it.
-    The export is the merged model, with the adapter in PEFT's format beside it; the two compute the same."""
+def test_a_lora_student_distils_with_the_base_model_as_reference_resumes_exactly_and_exports_both(
+        small_run, ray_head, cache_dir, tiny_model_dir, tmp_path):
+    """The small job with rank-8 adapters, packed in micro-batches of 96 tokens, distilling the small run's export
+    (trained 4 iterations) beside the task's reward, as on-policy distillation into LoRA is run (Tinker's
+    cookbook): no reference actor starts (the learner scores the base model), the first batch has no KL to the
+    reference at all, the merged weights pass every probe, the teacher actor scores every chunk, and the student
+    learns the task and moves toward the teacher. Resumed from its checkpoint of iteration 2 with a reference
+    actor instead (``learner.lora.reference: actor``, which holds the base model), iteration 3 comes out as it
+    did: the same optimizer and adapters, and the base model's KL whoever scores it. The export is the merged
+    model, with the adapter in PEFT's format beside it; the two compute the same."""
     from peft import PeftModel
 
     from services.models import load_causal_lm
     from tests.conftest import SMALL, run_job
 
+    teacher_dir, teacher_proc = small_run
+    assert teacher_proc.returncode == 0, teacher_proc.stderr[-3000:]
+
     def job(*extra):
         return run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
                         str(tmp_path), "--run.name", "lora", *SMALL, "--learner.lora.rank", "8", "--ppo.lr", "1e-3",
                         "--checkpoint.every", "2", "--run.iterations", "3", "--learner.max_tokens_per_microbatch", "96",
-                        *extra])
+                        "--distill.teacher_path", str(teacher_dir / "export"), *extra])
 
     first = job("--run.eval_every", "3")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "0 reference, 1 reward, 1 learner rank(s)" in first.stdout
+    assert "0 reference, 1 reward, 1 teacher, 1 learner rank(s)" in first.stdout
+    assert "teacher kl " in first.stdout
     run_dir = tmp_path / "lora"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["kl_response_mean"] == 0.0 and records[0]["kl_k3_response_mean"] == 0.0
-    assert all(r["learner_padding_fraction"] == 0.0 for r in records)
+    assert all(r["learner_padding_fraction"] == 0.0 and r["teacher_seconds"] > 0 for r in records)
     probes = [r["probe_max_abs_error"] for r in records]
     assert all(0 <= p < 1e-4 for p in probes), probes
+    teacher_kl = [r["teacher_kl_response_mean"] for r in records]
+    assert teacher_kl[0] > 0.5 and teacher_kl[-1] < 0.5 * teacher_kl[0], teacher_kl
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["eval_final"]["optimality"] > summary["eval_start"]["optimality"] + 0.1, summary
 
@@ -116,11 +126,11 @@ def test_a_lora_job_learns_with_the_base_model_as_reference_resumes_exactly_and_
     resumed = job("--run.resume", str(run_dir / "checkpoints" / "iter-000002"), "--learner.lora.reference", "actor",
                   "--run.eval_every", "100")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "1 reference, 1 reward, 1 learner rank(s)" in resumed.stdout
+    assert "1 reference, 1 reward, 1 teacher, 1 learner rank(s)" in resumed.stdout
     again = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][2]
-    for key in ("kl_response_mean", "kl_k3_response_mean", "score_mean", "ppo_policy_loss", "kl_coef"):
+    for key in ("kl_response_mean", "kl_k3_response_mean", "teacher_kl_response_mean", "score_mean",
+                "ppo_policy_loss", "kl_coef"):
         assert again[key] == pytest.approx(records[2][key], rel=1e-5, abs=1e-7), key
-
 
 
 def test_vllm_lora_ranks_are_vllms():

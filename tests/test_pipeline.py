@@ -422,8 +422,10 @@ def test_packed_training_equals_padded_training_and_two_zero3_ranks_equal_one(ra
     padded, packed with a budget that makes
     several micro-batches per step, and packed over two ZeRO-3 ranks whose micro-batch counts differ (fillers)
     give the same KL books and losses (1e-5 relative), the same gradient norms and the same weights after the
-    update (1e-4 relative)."""
+    update (1e-4 relative). The same for one optimizer step per batch (1 epoch of one minibatch), whose own
+    forward gives the old log-probs: packed, its micro-batches' graphs all go into the one backward."""
     from services.experience import plan_micro_batches, sequence_lengths
+    from services.models import load_causal_lm
     from tests.test_packing import ragged_batch
 
     batch = ragged_batch(16, seed=5)
@@ -432,28 +434,27 @@ def test_packed_training_equals_padded_training_and_two_zero3_ranks_equal_one(ra
     chunks = [ray.put(batch[:8]), ray.put(batch[8:])]
     refs = [ray.put(-3.0 * batch[:8].response_mask), ray.put(-3.0 * batch[8:].response_mask)]
     scores = [ray.put(torch.linspace(0, 1, 8)), ray.put(torch.linspace(1, 0, 8))]
-    runs = {}
-    for name, world_size, zero_stage, budget in (("padded", 1, 0, None), ("packed", 1, 0, 12),
-                                                 ("packed-zero3", 2, 3, 12)):
-        cfg = small_config(ppo={"minibatch_size": 16, "epochs": 2, "lr": 1e-3},
-                           learner={"world_size": world_size, "zero_stage": zero_stage,
-                                    "max_tokens_per_microbatch": budget},
-                           rollout={"batch_size": 16, "chunk_size": 8, "max_new_tokens": 7})
-        group = rank_pool.group(cfg, tiny_model_dir, tag="packing")
-        runs[name] = step_of(group, chunks, refs, scores)
-    padded_result, padded_losses, padded_weights = runs["padded"]
-    assert padded_result.kl["response_mean"] != 0.0
-    from services.models import load_causal_lm
-
     initial = load_causal_lm(tiny_model_dir).state_dict()
-    assert max(float((padded_weights[k] - initial[k]).abs().max()) for k in padded_weights) > 1e-3  # it moved
-    for name in ("packed", "packed-zero3"):
-        result, losses, weights = runs[name]
-        assert result.kl["response_mean"] == pytest.approx(padded_result.kl["response_mean"], rel=1e-5), name
-        for key, value in padded_losses.items():
-            assert losses[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (name, key)
-        # Adam moves a weight by about lr whatever its gradient's size: near-zero gradients turn fp32 rounding into
-        # differences of a fraction of lr, so the weights are compared with the update, the gradients below
-        for key, tensor in padded_weights.items():
-            diff, moved = float((weights[key] - tensor).abs().max()), float((tensor - initial[key]).abs().max())
-            assert diff <= 1e-2 * max(moved, 1e-6), (name, key, diff, moved)
+    for epochs, layouts in ((2, (("padded", 1, 0, None), ("packed", 1, 0, 12), ("packed-zero3", 2, 3, 12))),
+                            (1, (("padded", 1, 0, None), ("packed", 1, 0, 12)))):
+        runs = {}
+        for name, world_size, zero_stage, budget in layouts:
+            cfg = small_config(ppo={"minibatch_size": 16, "epochs": epochs, "lr": 1e-3},
+                               learner={"world_size": world_size, "zero_stage": zero_stage,
+                                        "max_tokens_per_microbatch": budget},
+                               rollout={"batch_size": 16, "chunk_size": 8, "max_new_tokens": 7})
+            group = rank_pool.group(cfg, tiny_model_dir, tag="packing")
+            assert ray.get(group.ranks[0].__ray_call__.remote(lambda rank: rank.single_step)) == (epochs == 1)
+            runs[name] = step_of(group, chunks, refs, scores)
+        padded_result, padded_losses, padded_weights = runs.pop("padded")
+        assert padded_result.kl["response_mean"] != 0.0
+        assert max(float((padded_weights[k] - initial[k]).abs().max()) for k in padded_weights) > 1e-3  # it moved
+        for name, (result, losses, weights) in runs.items():
+            assert result.kl["response_mean"] == pytest.approx(padded_result.kl["response_mean"], rel=1e-5), name
+            for key, value in padded_losses.items():
+                assert losses[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (epochs, name, key)
+            # Adam moves a weight by about lr whatever its gradient's size: near-zero gradients turn fp32 rounding
+            # into differences of a fraction of lr, so the weights are compared with the update, the gradients above
+            for key, tensor in padded_weights.items():
+                diff, moved = float((weights[key] - tensor).abs().max()), float((tensor - initial[key]).abs().max())
+                assert diff <= 1e-2 * max(moved, 1e-6), (epochs, name, key, diff, moved)
