@@ -603,7 +603,9 @@ class LearnerConfig(Section):
     max_tokens_per_microbatch: PositiveInt | None = Field(
         None, description="pack the learner's forwards and backwards (and the reference's forward) into "
         "micro-batches of at most this many real tokens, sequences one after another without padding; one "
-        "optimizer step accumulates as many as its minibatch needs. None: padded [rows, prompt + response] blocks")
+        "optimizer step accumulates as many as its minibatch needs. None: padded [rows, prompt + response] blocks. "
+        "Attention without a variable-length kernel (SDPA, on CPU too) runs a micro-batch as one masked [N, N] "
+        "block, so keep N to a few sequences' length there")
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @property

@@ -423,7 +423,8 @@ def test_packed_training_equals_padded_training_and_two_zero3_ranks_equal_one(ra
     several micro-batches per step, and packed over two ZeRO-3 ranks whose micro-batch counts differ (fillers)
     give the same KL books and losses (1e-5 relative), the same gradient norms and the same weights after the
     update (1e-4 relative). The same for one optimizer step per batch (1 epoch of one minibatch), whose own
-    forward gives the old log-probs: packed, its micro-batches' graphs all go into the one backward."""
+    forward gives the old log-probs: packed, its micro-batches' graphs all go into the one backward, on one rank
+    and on two ZeRO-2 ranks."""
     from services.experience import plan_micro_batches, sequence_lengths
     from services.models import load_causal_lm
     from tests.test_packing import ragged_batch
@@ -436,7 +437,7 @@ def test_packed_training_equals_padded_training_and_two_zero3_ranks_equal_one(ra
     scores = [ray.put(torch.linspace(0, 1, 8)), ray.put(torch.linspace(1, 0, 8))]
     initial = load_causal_lm(tiny_model_dir).state_dict()
     for epochs, layouts in ((2, (("padded", 1, 0, None), ("packed", 1, 0, 12), ("packed-zero3", 2, 3, 12))),
-                            (1, (("padded", 1, 0, None), ("packed", 1, 0, 12)))):
+                            (1, (("padded", 1, 0, None), ("packed", 1, 0, 12), ("packed-zero2", 2, 2, 12)))):
         runs = {}
         for name, world_size, zero_stage, budget in layouts:
             cfg = small_config(ppo={"minibatch_size": 16, "epochs": epochs, "lr": 1e-3},
