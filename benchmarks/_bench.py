@@ -268,7 +268,8 @@ def steady_state(records: list[dict], warmup: int = 1) -> dict:
     import statistics
 
     steady = [r for r in records[warmup:] if "eval" not in r] or records[-1:]
-    breakdown = {k: statistics.median(r[k] for r in steady) for k in STEADY_PARTS}
+    # a part a run does not have is 0: no reference_seconds without reference actors (LoRA's base reference)
+    breakdown = {k: statistics.median(r.get(k, 0.0) for r in steady) for k in STEADY_PARTS}
     iteration = statistics.median(r["iteration_seconds"] for r in steady)
     return {
         "steady_iterations": [r["iteration"] for r in steady],

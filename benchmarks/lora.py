@@ -83,13 +83,17 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--lora-lr", type=float, default=5e-4)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--work-dir", default="~/.cache/tether/bench", help="where the run directories stay")
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --), for both runs")
     args = parser.parse_args()
     lora = ["--learner.lora.rank", str(args.rank), "--learner.lora.alpha", str(2 * args.rank), "--ppo.lr",
             str(args.lora_lr), "--reference.torch_threads", "null"]
-    with tempfile.TemporaryDirectory(prefix="lora-") as tmp:
-        runs = [run(args.preset, args.iterations, [], args.extra, Path(tmp), "full"),
-                run(args.preset, args.iterations, lora, args.extra, Path(tmp), f"lora-r{args.rank}")]
+    root = Path(args.work_dir).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="lora-", dir=root))  # the run directories stay: metrics and logs
+    print(f"[lora] run directories under {work}", flush=True)
+    runs = [run(args.preset, args.iterations, [], args.extra, work, "full"),
+            run(args.preset, args.iterations, lora, args.extra, work, f"lora-r{args.rank}")]
     metric = next(iter(next(e for e in runs[0]["eval"].values() if e)))
     results = {**stamp(), "preset": args.preset, "iterations": args.iterations, "rank": args.rank, "runs": runs}
     name = f"lora-{args.preset}"

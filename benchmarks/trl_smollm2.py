@@ -9,7 +9,7 @@ each batch for both, beta 0.05 with a reference model for both; and each against
 - tether: the ``smollm2-sentiment`` preset with the GRPO estimator at the same batch and group size
   (``--rollout.batch_size 64 --rollout.samples_per_prompt 8 --ppo.advantage grpo``), one epoch of one
   minibatch (one optimizer step on the batch, as TRL's), the preset's KL in the reward starting at beta 0.05,
-  its forwards and backward packed by ``--pack-tokens`` (``learner.max_tokens_per_microbatch``; 0: padded).
+  padded as by default, or packed by ``--pack-tokens N`` (``learner.max_tokens_per_microbatch``).
   Its own local Ray, as ``python -m learner.main`` starts it.
 - ``--lora-rank R``: both sides train LoRA adapters of rank R, alpha 2R, on every linear layer, at lr
   ``LORA_LR`` (tether ``learner.lora``, TRL ``peft_config``), and both take the reference from the base model
@@ -44,10 +44,9 @@ from trl_compare import TRL_VERSION, cpu_flags, parse_args, timed, trl_python, w
 
 PROMPTS, SAMPLES, NEW_TOKENS, BETA, LR, LORA_LR = 8, 8, 32, 0.05, 5e-5, 5e-4
 PEFT_VERSION = version("peft")  # the project's, in TRL's virtualenv too
-# the learner's micro-batch budget: about 8 of the ~60-token sequences. On CPU, SDPA runs a packed micro-batch's
-# attention as one dense [n, n] block under a mask, so its cost grows with the budget: measured here (64 sequences,
-# forward and backward, fp32) 22.3 s at 512 tokens, 25.0 at 1024, 32.7 at 2048, 49 at 4096, against 23-25 padded
-PACK_TOKENS = 512
+# tether's default layout, padded: packing (--pack-tokens N, learner.max_tokens_per_microbatch) pays where padding is
+# large; here it is ~10% and SDPA on CPU runs a pack as one masked block (benchmarks/packing.py)
+PACK_TOKENS = 0
 
 
 def matmul_gflops(dtype: str, threads: int = 2) -> float:
@@ -114,8 +113,9 @@ def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: P
     if pack_tokens:
         args += ["--learner.max_tokens_per_microbatch", str(pack_tokens)]
     if lora_rank:
+        # the base model is the reference: no reference actor, so the preset's reference threads go back to default
         args += ["--learner.lora.rank", str(lora_rank), "--learner.lora.alpha", str(2 * lora_rank),
-                 "--ppo.lr", str(LORA_LR)]
+                 "--ppo.lr", str(LORA_LR), "--reference.torch_threads", "null"]
     job = MeasuredJob(args, log_path=work / f"tether-{dtype}.log").run()
     records = read_records(work / f"tether-{dtype}")
     steady = steady_state(records)

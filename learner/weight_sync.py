@@ -36,6 +36,8 @@ class WeightSync:
         if cfg.learner.lora.rank:
             self.adapter = all(ray.get([engine.takes_adapters.remote() for engine in fleet.rollouts]))
             log("LoRA: adapter-only sync, the engines generate with each version's adapter" if self.adapter else
+                "LoRA: learner.lora.sync 'merged': the merged weights travel at each sync"
+                if cfg.learner.lora.sync == "merged" else
                 "LoRA: the engines' model takes no adapters in vLLM (or rollout.engine is 'hf'): the merged weights "
                 "travel at each sync")
         if self.transfer is not None:

@@ -571,6 +571,12 @@ class LoraConfig(Section):
         "name (a module matches when its dotted name ends with it: GPT-2's c_attn, c_proj, c_fc; Llama's q_proj, "
         "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), or ['all-linear'] (every linear layer but the "
         "output head)")
+    sync: Literal["adapter", "merged"] = Field(
+        "adapter", description="adapter: where vLLM's implementation of the model takes LoRA adapters, the engines "
+        "run with LoRA on and each sync ships the adapter alone (elsewhere the merged weights); merged: the engines "
+        "run the plain model and each sync ships the base weights with the adapters merged in. vLLM's CPU build "
+        "generates with an adapter several times slower than without (benchmarks/lora.py), so on CPU merged is "
+        "faster for small models")
     reference: Literal["base", "actor"] = Field(
         "base", description="base: the reference log-probs are the learner's own forward with the adapters "
         "disabled (the base model is the initial policy), so no reference actor or second copy of the weights; "
@@ -610,8 +616,11 @@ class LearnerConfig(Section):
 
     @property
     def vllm_lora_rank(self) -> int | None:
-        """The max_lora_rank of an engine that takes the adapters: vLLM's smallest at least lora.rank."""
-        return next((r for r in VLLM_LORA_RANKS if r >= self.lora.rank), None) if self.lora.rank else None
+        """The max_lora_rank of an engine that takes the adapters: vLLM's smallest at least lora.rank; None without
+        LoRA or with ``lora.sync: merged`` (the engines run the plain model)."""
+        if not self.lora.rank or self.lora.sync == "merged":
+            return None
+        return next((r for r in VLLM_LORA_RANKS if r >= self.lora.rank), None)
 
     @property
     def reference_in_learner(self) -> bool:
@@ -776,9 +785,10 @@ class JobConfig(BaseSettings):
             raise ValueError(f"learner.lora.rank={lora.rank} with learner.weight_sync={self.learner.weight_sync!r}: "
                              "vLLM's weight transfer announces the learner's parameters by name, and LoRA's are the "
                              "adapters; LoRA's merged weights travel through 'object_store'")
-        if lora.rank > VLLM_LORA_RANKS[-1] and self.rollout.engine == "vllm":
+        if lora.rank > VLLM_LORA_RANKS[-1] and self.rollout.engine == "vllm" and lora.sync == "adapter":
             raise ValueError(f"learner.lora.rank={lora.rank} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}: "
-                             "an engine whose model takes adapters could not load it")
+                             "an engine whose model takes adapters could not load it; learner.lora.sync='merged' "
+                             "sends the merged weights instead")
         changed = sorted(k for k in self.reference.model_fields_set
                          if getattr(self.reference, k) != ReferenceConfig.model_fields[k].default)
         if self.learner.reference_in_learner and changed:

@@ -144,3 +144,6 @@ def test_vllm_lora_ranks_are_vllms():
     assert load_config(overrides={"learner": {"lora": {"rank": 4}}}).learner.vllm_lora_rank == 8
     with pytest.raises(ValidationError, match="learner.lora.rank=600 is above vLLM's largest LoRA rank, 512"):
         load_config(overrides={"learner": {"lora": {"rank": 600}}})
+    # learner.lora.sync merged: the engines run the plain model (no LoRA in vLLM), so any rank goes
+    merged = load_config(overrides={"learner": {"lora": {"rank": 600, "sync": "merged"}}})
+    assert merged.learner.vllm_lora_rank is None
