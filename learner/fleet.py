@@ -62,7 +62,7 @@ class Fleet:
             cluster.start_actor(RolloutActor, "rollout", i, c.rollout, placement, i, cfg.rollout.engine, model,
                                 cfg.run.seed + i, max_model_len, cfg.rollout.kv_cache_mib, dtype, i,
                                 cfg.device("rollout"), cfg.rollout.vllm_engine_args(), transfer,
-                                cfg.learner.vllm_lora_rank, max_restarts=engine_restarts)
+                                cfg.engine_lora_rank, max_restarts=engine_restarts)
             for i in range(cfg.rollout.num_engines)
         ]
         self.references = [

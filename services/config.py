@@ -571,12 +571,12 @@ class LoraConfig(Section):
         "name (a module matches when its dotted name ends with it: GPT-2's c_attn, c_proj, c_fc; Llama's q_proj, "
         "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), or ['all-linear'] (every linear layer but the "
         "output head)")
-    sync: Literal["adapter", "merged"] = Field(
-        "adapter", description="adapter: where vLLM's implementation of the model takes LoRA adapters, the engines "
-        "run with LoRA on and each sync ships the adapter alone (elsewhere the merged weights); merged: the engines "
-        "run the plain model and each sync ships the base weights with the adapters merged in. vLLM's CPU build "
-        "generates with an adapter several times slower than without (benchmarks/lora.py), so on CPU merged is "
-        "faster for small models")
+    sync: Literal["auto", "adapter", "merged"] = Field(
+        "auto", description="adapter: where vLLM's implementation of the model takes LoRA adapters, the engines run "
+        "with LoRA on and each sync ships the adapter alone (elsewhere the merged weights); merged: the engines run "
+        "the plain model and each sync ships the base weights with the adapters merged in; auto: adapter when the "
+        "rollout engines have GPUs, merged on CPU, where vLLM's build generates with an adapter about 3x slower "
+        "than without (benchmarks/trl_smollm2.py)")
     reference: Literal["base", "actor"] = Field(
         "base", description="base: the reference log-probs are the learner's own forward with the adapters "
         "disabled (the base model is the initial policy), so no reference actor or second copy of the weights; "
@@ -785,7 +785,7 @@ class JobConfig(BaseSettings):
             raise ValueError(f"learner.lora.rank={lora.rank} with learner.weight_sync={self.learner.weight_sync!r}: "
                              "vLLM's weight transfer announces the learner's parameters by name, and LoRA's are the "
                              "adapters; LoRA's merged weights travel through 'object_store'")
-        if lora.rank > VLLM_LORA_RANKS[-1] and self.rollout.engine == "vllm" and lora.sync == "adapter":
+        if lora.rank > VLLM_LORA_RANKS[-1] and self.rollout.engine == "vllm" and self.adapter_sync:
             raise ValueError(f"learner.lora.rank={lora.rank} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}: "
                              "an engine whose model takes adapters could not load it; learner.lora.sync='merged' "
                              "sends the merged weights instead")
@@ -906,6 +906,19 @@ class JobConfig(BaseSettings):
     def probe_tolerance(self) -> float:
         """The probe's bound on |engine - learner| log-probs: the configured one, or the dtype's."""
         return self.run.probe_tolerance or PROBE_TOLERANCE[self.learner.dtype]
+
+    @property
+    def adapter_sync(self) -> bool:
+        """learner.lora: whether the engines start with LoRA on, to take the adapter alone at each sync (where
+        vLLM's model takes adapters): ``lora.sync`` adapter, or auto with GPUs for the rollout engines."""
+        sync = self.learner.lora.sync
+        return bool(self.learner.lora.rank) and (sync == "adapter" or (sync == "auto"
+                                                                        and self.cluster.rollout.num_gpus > 0))
+
+    @property
+    def engine_lora_rank(self) -> int | None:
+        """The engines' max_lora_rank: ``learner.vllm_lora_rank`` with ``adapter_sync``, else None (no LoRA)."""
+        return self.learner.vllm_lora_rank if self.adapter_sync else None
 
     def device(self, role: str) -> str:
         """'cuda' exactly when the role asks for GPUs; never a GPU it did not reserve."""

@@ -143,7 +143,11 @@ def test_vllm_lora_ranks_are_vllms():
     assert VLLM_LORA_RANKS == get_args(MaxLoRARanks)
     assert load_config(overrides={"learner": {"lora": {"rank": 4}}}).learner.vllm_lora_rank == 8
     with pytest.raises(ValidationError, match="learner.lora.rank=600 is above vLLM's largest LoRA rank, 512"):
-        load_config(overrides={"learner": {"lora": {"rank": 600}}})
-    # learner.lora.sync merged: the engines run the plain model (no LoRA in vLLM), so any rank goes
-    merged = load_config(overrides={"learner": {"lora": {"rank": 600, "sync": "merged"}}})
-    assert merged.learner.vllm_lora_rank is None
+        load_config(overrides={"learner": {"lora": {"rank": 600, "sync": "adapter"}}})
+    # learner.lora.sync merged, or auto with the engines on CPU: the engines run the plain model, so any rank goes
+    for sync in ("merged", "auto"):
+        cfg = load_config(overrides={"learner": {"lora": {"rank": 600, "sync": sync}}})
+        assert not cfg.adapter_sync and cfg.engine_lora_rank is None
+    assert load_config(overrides={"learner": {"lora": {"rank": 4, "sync": "adapter"}}}).engine_lora_rank == 8
+    on_gpus = {"learner": {"lora": {"rank": 4}}, "cluster": {"rollout": {"num_gpus": 1}}}
+    assert load_config(overrides=on_gpus).engine_lora_rank == 8  # auto: adapter-only sync where engines have GPUs

@@ -354,9 +354,9 @@ def test_adapter_only_sync_on_a_llama_the_engine_generates_with_the_learners_ada
     from actors.engines import SamplingSettings
     from actors.rollout import RolloutActor
     from learner.cluster import start_actor
-    cfg = small_config(learner={"lora": {"rank": 8}}, ppo={"minibatch_size": 8, "epochs": 2, "lr": 3e-2})
+    cfg = small_config(learner={"lora": {"rank": 8, "sync": "adapter"}}, ppo={"minibatch_size": 8, "epochs": 2, "lr": 3e-2})
     engine = start_actor(RolloutActor, "rollout", 0, cfg.cluster.rollout, None, 0, "vllm", tiny_llama_dir, 0, 32, 64,
-                         "float32", 0, lora_rank=cfg.learner.vllm_lora_rank, tag="llama")
+                         "float32", 0, lora_rank=cfg.engine_lora_rank, tag="llama")
     try:
         assert ray.get(engine.takes_adapters.remote())
         group = rank_pool.group(cfg, tiny_llama_dir, tag="lora")
