@@ -575,7 +575,7 @@ class LoraConfig(Section):
         "auto", description="adapter: where vLLM's implementation of the model takes LoRA adapters, the engines run "
         "with LoRA on and each sync ships the adapter alone (elsewhere the merged weights); merged: the engines run "
         "the plain model and each sync ships the base weights with the adapters merged in; auto: adapter when the "
-        "rollout engines have GPUs, merged on CPU, where vLLM's build generates with an adapter about 3x slower "
+        "rollout engines have GPUs, merged on CPU, where vLLM's build generates with an adapter 3-7x slower "
         "than without (benchmarks/trl_smollm2.py)")
     reference: Literal["base", "actor"] = Field(
         "base", description="base: the reference log-probs are the learner's own forward with the adapters "
