@@ -72,8 +72,9 @@ def main() -> None:
         (f"Each preset run twice from the same seed, {args.iterations} iterations, its own local Ray: padded "
          f"[rows, prompt + response] blocks, then packed into micro-batches of <= {args.max_tokens} real tokens; "
          "padding: the share of the forward tokens that are padding (mean over the iterations); seconds: median "
-         f"over the steady iterations; {results['date']}, {results['machine']}; "
-         "`.venv/bin/python benchmarks/packing.py`"),
+         f"over the steady iterations; extra arguments: {' '.join(args.extra) or 'none'}; {results['date']}, "
+         f"{results['machine']}; `.venv/bin/python benchmarks/packing.py --iterations {args.iterations} "
+         f"--max-tokens {args.max_tokens}{' -- ' + ' '.join(args.extra) if args.extra else ''}`"),
         "",
         ("| preset | layout | padding | learner update | reference | learner forward (waited) | steady iteration | "
         "learner peak RSS |"),

@@ -13,7 +13,8 @@ each batch for both, beta 0.05 with a reference model for both; and each against
   Its own local Ray, as ``python -m learner.main`` starts it.
 - ``--lora-rank R``: both sides train LoRA adapters of rank R, alpha 2R, on every linear layer, at lr
   ``LORA_LR`` (tether ``learner.lora``, TRL ``peft_config``), and both take the reference from the base model
-  with the adapters disabled. Results go to ``trl_smollm2-lora{R}``.
+  with the adapters disabled; ``--lora-sync`` sets tether's ``learner.lora.sync``. Results go to
+  ``trl_smollm2-lora{R}-{sync}-sync`` (with ``-tether-only`` or ``-trl-only`` for one side).
 - Trained response tokens/s: the batch's response tokens over the seconds of a step, both as medians over the
   steps (iterations) after the first; tether's iterations that evaluate are left out. Episodes/s flatters
   whichever side writes shorter responses, so the ratio is per token, at the same dtype.
@@ -103,7 +104,7 @@ def run_trl(python: Path, model: Path, steps: int, dtype: str, lora_rank: int, w
             "tokens_per_second": PROMPTS * SAMPLES * length / step, "peak_rss_gib": timings["peak_rss_bytes"] / 2**30}
 
 
-def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: Path) -> dict:
+def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: Path, lora_sync: str = "auto") -> dict:
     args = ["--config", str(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml"),
             "--rollout.batch_size", str(PROMPTS * SAMPLES), "--rollout.samples_per_prompt", str(SAMPLES),
             "--rollout.chunk_size", str(PROMPTS * SAMPLES // 2), "--rollout.max_new_tokens", str(NEW_TOKENS),
@@ -115,7 +116,7 @@ def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: P
     if lora_rank:
         # the base model is the reference: no reference actor, so the preset's reference threads go back to default
         args += ["--learner.lora.rank", str(lora_rank), "--learner.lora.alpha", str(2 * lora_rank),
-                 "--ppo.lr", str(LORA_LR), "--reference.torch_threads", "null"]
+                 "--ppo.lr", str(LORA_LR), "--reference.torch_threads", "null", "--learner.lora.sync", lora_sync]
     job = MeasuredJob(args, log_path=work / f"tether-{dtype}.log").run()
     records = read_records(work / f"tether-{dtype}")
     steady = steady_state(records)
@@ -140,6 +141,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--sides", nargs="+", default=["tether", "trl"], choices=["tether", "trl"])
     parser.add_argument("--lora-rank", type=int, default=0, help="> 0: both sides train LoRA adapters of this rank")
+    parser.add_argument("--lora-sync", choices=["auto", "adapter", "merged"], default="auto",
+                        help="tether's learner.lora.sync (auto: merged weights on CPU)")
     parser.add_argument("--pack-tokens", type=int, default=PACK_TOKENS,
                         help="tether's learner.max_tokens_per_microbatch; 0: the padded layout")
     args, cache = parse_args(parser)
@@ -150,7 +153,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="trl-smollm2-", dir=cache) as tmp:
         for dtype in args.dtypes:
             for side in args.sides:
-                run = (run_tether(args.steps, dtype, args.lora_rank, args.pack_tokens, Path(tmp)) if side == "tether"
+                run = (run_tether(args.steps, dtype, args.lora_rank, args.pack_tokens, Path(tmp), args.lora_sync) if side == "tether"
                        else run_trl(python, model, args.steps + 1, dtype, args.lora_rank, Path(tmp)))
                 print(f"[trl_smollm2] {json.dumps({k: v for k, v in run.items() if k != 'args'})}", flush=True)
                 runs.append(run)
@@ -164,7 +167,8 @@ def main() -> None:
     results = {**stamp(), "cpu_flags": cpu_flags(), "parameters": params, "prompt_tokens_mean": prompt_len,
                "matmul_gflops": bounds, "lora_rank": args.lora_rank, "pack_tokens": args.pack_tokens, "runs": runs}
     lora = (f"LoRA rank {args.lora_rank} (alpha {2 * args.lora_rank}, every linear layer, lr {LORA_LR}) on both "
-            f"sides, reference = the base model; TRL with peft {PEFT_VERSION}" if args.lora_rank else
+            f"sides, reference = the base model, tether's learner.lora.sync {args.lora_sync}; TRL with peft "
+            f"{PEFT_VERSION}" if args.lora_rank else
             f"full fine-tuning, lr {LR}")
     packing = (f"tether packed ({args.pack_tokens}-token micro-batches)" if args.pack_tokens else "tether padded")
     table = [
@@ -191,7 +195,8 @@ def main() -> None:
                      f"{run['response_length_mean']:.1f} | {run['tokens_per_second']:.1f} | {against} | "
                      f"{run['episodes_per_second']:.2f} | {run['times_the_bound']:.1f}x | "
                      f"{run['peak_rss_gib']:.1f} GiB | {split} |")
-    name = f"trl_smollm2-lora{args.lora_rank}" if args.lora_rank else "trl_smollm2"
+    name = f"trl_smollm2-lora{args.lora_rank}-{args.lora_sync}-sync" if args.lora_rank else "trl_smollm2"
+    name += "" if set(args.sides) == {"tether", "trl"} else f"-{args.sides[0]}-only"
     write_results(args.out, name, results, table)
     print("\n".join(table), flush=True)
     if args.readme:
