@@ -35,13 +35,15 @@ class WeightSync:
         self.adapter = False
         if cfg.learner.lora.rank:
             self.adapter = all(ray.get([engine.takes_adapters.remote() for engine in fleet.rollouts]))
-            log("LoRA: adapter-only sync, the engines generate with each version's adapter" if self.adapter else
-                f"LoRA: learner.lora.sync {cfg.learner.lora.sync!r}: the merged weights travel at each sync"
-                + (" (the engines run on CPU, where vLLM generates with an adapter 3-7x slower)"
-                   if cfg.learner.lora.sync == "auto" else "")
-                if not cfg.adapter_sync else
-                "LoRA: the engines' model takes no adapters in vLLM (or rollout.engine is 'hf'): the merged weights "
-                "travel at each sync")
+            if self.adapter:
+                log("LoRA: adapter-only sync, the engines generate with each version's adapter")
+            elif cfg.adapter_sync:
+                log("LoRA: the engines' model takes no adapters in vLLM (or rollout.engine is 'hf'): the merged "
+                    "weights travel at each sync")
+            else:
+                why = " (float32 engines on CPU, where vLLM generates with an adapter 3-7x slower)"
+                log(f"LoRA: learner.lora.sync {cfg.learner.lora.sync!r}: the merged weights travel at each sync"
+                    + (why if cfg.learner.lora.sync == "auto" else ""))
         if self.transfer is not None:
             from learner.weight_transfer import largest_parameter, packed_buffer_bytes
 

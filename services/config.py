@@ -574,9 +574,9 @@ class LoraConfig(Section):
     sync: Literal["auto", "adapter", "merged"] = Field(
         "auto", description="adapter: where vLLM's implementation of the model takes LoRA adapters, the engines run "
         "with LoRA on and each sync ships the adapter alone (elsewhere the merged weights); merged: the engines run "
-        "the plain model and each sync ships the base weights with the adapters merged in; auto: adapter when the "
-        "rollout engines have GPUs, merged on CPU, where vLLM's build generates with an adapter 3-7x slower "
-        "than without (benchmarks/trl_smollm2.py)")
+        "the plain model and each sync ships the base weights with the adapters merged in (float32 only: in bf16 "
+        "W + BA rounds the adapters' updates away); auto: merged for float32 engines on CPU, where vLLM's build "
+        "generates with an adapter 3-7x slower than without (benchmarks/trl_smollm2.py), else adapter")
     reference: Literal["base", "actor"] = Field(
         "base", description="base: the reference log-probs are the learner's own forward with the adapters "
         "disabled (the base model is the initial policy), so no reference actor or second copy of the weights; "
@@ -616,11 +616,9 @@ class LearnerConfig(Section):
 
     @property
     def vllm_lora_rank(self) -> int | None:
-        """The max_lora_rank of an engine that takes the adapters: vLLM's smallest at least lora.rank; None without
-        LoRA or with ``lora.sync: merged`` (the engines run the plain model)."""
-        if not self.lora.rank or self.lora.sync == "merged":
-            return None
-        return next((r for r in VLLM_LORA_RANKS if r >= self.lora.rank), None)
+        """The max_lora_rank of an engine that takes the adapters: vLLM's smallest at least lora.rank (whether the
+        engines take them is ``JobConfig.adapter_sync``)."""
+        return next((r for r in VLLM_LORA_RANKS if r >= self.lora.rank), None) if self.lora.rank else None
 
     @property
     def reference_in_learner(self) -> bool:
@@ -785,6 +783,11 @@ class JobConfig(BaseSettings):
             raise ValueError(f"learner.lora.rank={lora.rank} with learner.weight_sync={self.learner.weight_sync!r}: "
                              "vLLM's weight transfer announces the learner's parameters by name, and LoRA's are the "
                              "adapters; LoRA's merged weights travel through 'object_store'")
+        if lora.rank and lora.sync == "merged" and self.learner.dtype != "float32":
+            raise ValueError(f"learner.lora.sync='merged' with learner.dtype={self.learner.dtype!r}: merged into "
+                             "bf16 weights, the adapters' updates round away (W + BA rounds to W), so the engines "
+                             "would sample another policy than the learner trains (measured on SmolLM2: the probe "
+                             "1.39 > 1.0 at iteration 5); use learner.lora.sync 'adapter' or 'auto', or float32")
         if lora.rank > VLLM_LORA_RANKS[-1] and self.rollout.engine == "vllm" and self.adapter_sync:
             raise ValueError(f"learner.lora.rank={lora.rank} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}: "
                              "an engine whose model takes adapters could not load it; learner.lora.sync='merged' "
@@ -910,10 +913,10 @@ class JobConfig(BaseSettings):
     @property
     def adapter_sync(self) -> bool:
         """learner.lora: whether the engines start with LoRA on, to take the adapter alone at each sync (where
-        vLLM's model takes adapters): ``lora.sync`` adapter, or auto with GPUs for the rollout engines."""
+        vLLM's model takes adapters): ``lora.sync`` adapter, or auto unless the engines are float32 on CPU."""
         sync = self.learner.lora.sync
-        return bool(self.learner.lora.rank) and (sync == "adapter" or (sync == "auto"
-                                                                        and self.cluster.rollout.num_gpus > 0))
+        return bool(self.learner.lora.rank) and (sync == "adapter" or (sync == "auto" and (
+            self.cluster.rollout.num_gpus > 0 or self.learner.dtype != "float32")))
 
     @property
     def engine_lora_rank(self) -> int | None:

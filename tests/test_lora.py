@@ -151,3 +151,7 @@ def test_vllm_lora_ranks_are_vllms():
     assert load_config(overrides={"learner": {"lora": {"rank": 4, "sync": "adapter"}}}).engine_lora_rank == 8
     on_gpus = {"learner": {"lora": {"rank": 4}}, "cluster": {"rollout": {"num_gpus": 1}}}
     assert load_config(overrides=on_gpus).engine_lora_rank == 8  # auto: adapter-only sync where engines have GPUs
+    in_bf16 = {"learner": {"lora": {"rank": 4}, "dtype": "bfloat16"}}
+    assert load_config(overrides=in_bf16).engine_lora_rank == 8  # and in bf16, where a merge would round it away
+    with pytest.raises(ValidationError, match="learner.lora.sync='merged' with learner.dtype='bfloat16'"):
+        load_config(overrides={"learner": {"lora": {"rank": 4, "sync": "merged"}, "dtype": "bfloat16"}})
