@@ -278,4 +278,8 @@ def steady_state(records: list[dict], warmup: int = 1) -> dict:
         "overhead_ratio": iteration / sum(breakdown.values()),
         "episodes_per_iteration": steady[0]["episodes"],
         "episodes_per_second": statistics.median(r["episodes"] / r["iteration_seconds"] for r in steady),
+        # per token: episodes/s flatters whichever run writes shorter responses
+        "response_length_mean": statistics.mean(r["response_length_mean"] for r in steady),
+        "tokens_per_second": statistics.median(r["episodes"] * r["response_length_mean"] / r["iteration_seconds"]
+                                               for r in steady),
     }

@@ -40,7 +40,6 @@ def run(preset: str, iterations: int, lora: list[str], extra: list[str], work: P
     job = MeasuredJob(args, log_path=work / f"{name}.log").run()
     records = read_records(work / name)
     steady = steady_state(records)
-    length = statistics.mean(r["response_length_mean"] for r in records if r["iteration"] in steady["steady_iterations"])
     synced = [r for r in records if r.get("weight_sync_bytes")]
     return {
         "name": name, "args": args, "wall_seconds": job.wall_seconds,
@@ -52,7 +51,7 @@ def run(preset: str, iterations: int, lora: list[str], extra: list[str], work: P
         "peak_rss_gib": {role: job.peak_rss.get(role, 0) / 2**30 for role in ROLES},
         "peak_rss_gib_total": job.peak_rss_total / 2**30,
         "steady_iteration_seconds": steady["steady_iteration_seconds"], "breakdown_seconds": steady["breakdown_seconds"],
-        "tokens_per_second": steady["episodes_per_second"] * length, "response_length_mean": length,
+        "tokens_per_second": steady["tokens_per_second"], "response_length_mean": steady["response_length_mean"],
     }
 
 

@@ -46,8 +46,7 @@ def run(preset: str, iterations: int, max_tokens: int | None, extra: list[str], 
             "padding_fraction_by_iteration": [r["learner_padding_fraction"] for r in records],
             "response_length_mean": statistics.mean(r["response_length_mean"] for r in records),
             "steady_iterations": steady["steady_iterations"],
-            "seconds": {k: statistics.median(r[k] for r in records if r["iteration"] in steady["steady_iterations"])
-                        for k in PARTS},
+            "seconds": {k: steady["breakdown_seconds"][k] for k in PARTS},
             "steady_iteration_seconds": steady["steady_iteration_seconds"],
             "peak_rss_gib_learner": job.peak_rss.get("learner", 0) / 2**30, "wall_seconds": job.wall_seconds}
 

@@ -120,7 +120,6 @@ def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: P
     job = MeasuredJob(args, log_path=work / f"tether-{dtype}.log").run()
     records = read_records(work / f"tether-{dtype}")
     steady = steady_state(records)
-    length = statistics.mean(r["response_length_mean"] for r in records if r["iteration"] in steady["steady_iterations"])
     synced = [r for r in records[1:] if "eval" not in r] or records[-1:]
     weight_sync = statistics.median(r["weight_sync_seconds"] for r in synced)
     probe = statistics.median(r["sync_and_probe_seconds"] - r["weight_sync_seconds"] for r in synced)
@@ -129,7 +128,7 @@ def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: P
             "steady_step_seconds": steady["steady_iteration_seconds"], "breakdown_seconds": steady["breakdown_seconds"],
             "episodes_per_second": steady["episodes_per_second"], "weight_sync_seconds": weight_sync,
             "probe_and_checks_seconds": probe, "probe_share": probe / steady["steady_iteration_seconds"],
-            "response_length_mean": length, "tokens_per_second": steady["episodes_per_second"] * length,
+            "response_length_mean": steady["response_length_mean"], "tokens_per_second": steady["tokens_per_second"],
             "weight_sync_bytes": records[-1].get("weight_sync_bytes"),
             "learner_padding_fraction": statistics.mean(r["learner_padding_fraction"] for r in records),
             "peak_rss_gib": job.peak_rss_total / 2**30, "peak_rss_gib_by_role": {k: v / 2**30 for k, v in job.peak_rss.items()}}

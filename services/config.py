@@ -32,6 +32,11 @@ class Section(BaseModel):
     # unknown fields are typos, never silently ignored
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    def changed_fields(self) -> list[str]:
+        """The fields set away from their default, sorted: a resolved config (--print-config, a run's
+        config.yaml) sets every field, so being set alone says nothing."""
+        return sorted(k for k in self.model_fields_set if getattr(self, k) != type(self).model_fields[k].default)
+
 
 class ModelConfig(Section):
     path: str | None = Field(None, description="HF model dir (config, weights, tokenizer); none = task recipe + SFT")
@@ -704,9 +709,7 @@ class JobConfig(BaseSettings):
     def _distillation(self) -> JobConfig:
         d = self.distill
         if d.teacher_path is None:
-            # set away from its default: a resolved config (--print-config, a run's config.yaml) sets every field
-            unused = sorted(k for k in d.model_fields_set - {"teacher_path"}
-                            if getattr(d, k) != DistillConfig.model_fields[k].default)
+            unused = [k for k in d.changed_fields() if k != "teacher_path"]
             if unused:
                 raise ValueError(f"distill.{unused[0]} is set but distill.teacher_path is not: without a teacher there "
                                  "is no distillation; set distill.teacher_path")
@@ -792,8 +795,7 @@ class JobConfig(BaseSettings):
             raise ValueError(f"learner.lora.rank={lora.rank} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}: "
                              "an engine whose model takes adapters could not load it; learner.lora.sync='merged' "
                              "sends the merged weights instead")
-        changed = sorted(k for k in self.reference.model_fields_set
-                         if getattr(self.reference, k) != ReferenceConfig.model_fields[k].default)
+        changed = self.reference.changed_fields()
         if self.learner.reference_in_learner and changed:
             raise ValueError(f"reference.{changed[0]}={getattr(self.reference, changed[0])!r} is set, but with "
                              "learner.lora.reference='base' the learner scores the reference itself and no reference "
