@@ -1,7 +1,8 @@
 """Agent programs on one rollout engine (``rollout.agent``): each episode's agent talks to the policy through
 the engine's OpenAI-compatible endpoint (``actors/agent_endpoint.py``), which records every token it was
-given and sampled. Each trajectory of an episode's calls becomes a training row that carries the episode's
-reward; a failed episode is generated again, and counted.
+given and sampled. Each trajectory of an episode's calls becomes a training row with the episode's index; the
+episode's reward lands on the last model token of its last row, once, as on one trajectory (the learner lays the
+rows end to end: ``learner.algorithm.EpisodeView``). A failed episode is generated again, and counted.
 """
 
 from __future__ import annotations
@@ -97,13 +98,15 @@ class AgentRunner:
         tool_calls = sum(len(parse_tool_calls(self.tokenizer.decode(c.completion_ids, skip_special_tokens=True))[1])
                          for c in outcome.calls)
         rows = []
-        for n, trajectory in enumerate(merge_calls(outcome.calls)):
+        trajectories = merge_calls(outcome.calls)
+        # the last row with a model token gets the episode's reward, on that token
+        masks = [t.action_mask[:limit] for t in trajectories]
+        rewarded = max((n for n, mask in enumerate(masks) if any(mask)), default=None)
+        for n, (trajectory, mask) in enumerate(zip(trajectories, masks, strict=True)):
             cut = len(trajectory.ids) > limit
-            mask = trajectory.action_mask[:limit]
             rewards = [0.0] * len(mask)
-            last = max((t for t, sampled in enumerate(mask) if sampled), default=None)
-            if last is not None:  # the episode's reward on the row's last model token
-                rewards[last] = outcome.reward
+            if n == rewarded:
+                rewards[max(t for t, sampled in enumerate(mask) if sampled)] = outcome.reward
             rows.append(AgentRow(episode, trajectory.prompt_ids, trajectory.ids[:limit], mask,
                                  trajectory.logprobs[:limit], FINISH_LENGTH if cut else trajectory.finish_reason,
                                  rewards, trajectory.calls,

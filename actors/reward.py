@@ -181,7 +181,8 @@ class RewardActor(VersionedActor):
             returns = batch.turn_rewards.sum(-1)
             for sample, score in zip(kept, returns.tolist()):
                 sample["score"] = float(score)
-            return {"count": float(len(prompts)), "samples": kept,
+            # per episode: an agent's episode may be several rows, its reward on the last one
+            return {"count": float(torch.unique(batch.episode_index).numel()), "samples": kept,
                     "sums": {self.task.metric: float(returns.sum()), "turns": float(batch.num_turns.sum()),
                              "tool_calls": float(batch.tool_calls.sum())}}
         if kept:

@@ -79,8 +79,8 @@ class RolloutActor(VersionedActor):
                    pad_id: int, group_index: list[int] | None, settings: AgentSettings) -> RolloutBatch:
         """One agent episode per row, all at once, served by this engine through its OpenAI-compatible
         endpoint. Each trajectory of an episode's model calls is a row (calls merge into one when the next
-        prompt extends the last call token for token); an episode's rows share its reward, at each row's last
-        model token, and its group."""
+        prompt extends the last call token for token); an episode's rows share its episode index and group, and
+        its reward lands on the last model token of its last row (the learner lays the rows end to end)."""
         from actors.agents import AgentRunner
         from services.models import load_tokenizer
 
@@ -107,7 +107,7 @@ class RolloutActor(VersionedActor):
             prompt_index=[prompt_index[t.episode] for t in trajectories], pad_id=pad_id,
             policy_version=self.policy_version, kl_coef=self.kl_coef, response_width=width,
             group_index=None if group_index is None else [group_index[t.episode] for t in trajectories],
-            action_masks=[t.action_mask for t in trajectories],
+            action_masks=[t.action_mask for t in trajectories], episode_index=[t.episode for t in trajectories],
             episodes=Episodes([t.turn_rewards for t in trajectories], [t.turns for t in trajectories],
                               [t.tool_calls for t in trajectories], [t.seconds for t in trajectories],
                               [t.failures for t in trajectories]))

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from learner.kl import last_token_index
-from learner.ppo import gae_advantages, global_whiten
+from learner.ppo import LOCAL, Reducer, gae_advantages, global_whiten
 
 GRPO_EPS = 1e-6
 
@@ -43,15 +43,15 @@ def sequence_returns(rewards: Tensor, mask: Tensor) -> Tensor:
     return (rewards * mask).sum(dim=-1)
 
 
-def check_whole_groups(group_index: Tensor, samples_per_prompt: int, where: str = "", at_least: bool = False) -> None:
-    """Raise ValueError unless every group in ``group_index`` [B] holds exactly ``samples_per_prompt``
-    rows (``at_least``: that many or more, when an episode may give several rows, as an agent's model calls
-    do): a group split over chunks or ranks would get a baseline from part of its samples."""
+def check_whole_groups(group_index: Tensor, samples_per_prompt: int, where: str = "") -> None:
+    """Raise ValueError unless every group in ``group_index`` [B] (one entry per episode) holds exactly
+    ``samples_per_prompt`` episodes: a group split over chunks or ranks would get a baseline from part of its
+    samples."""
     if bool((group_index < 0).any()):
         raise ValueError(f"{where}{int((group_index < 0).sum())} rows carry no group (group_index -1): a group "
                          "estimator needs the prompt group of every row (rollout.samples_per_prompt)")
     ids, counts = torch.unique(group_index, return_counts=True)
-    bad = counts < samples_per_prompt if at_least else counts != samples_per_prompt
+    bad = counts != samples_per_prompt
     if bool(bad.any()):
         shown = ", ".join(f"group {int(g)}: {int(c)} rows" for g, c in zip(ids[bad][:5], counts[bad][:5], strict=True))
         raise ValueError(f"{where}a prompt group is split or incomplete ({shown}; rollout.samples_per_prompt="
@@ -186,20 +186,19 @@ def reward_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
     return out
 
 
-def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0,
-                            device: torch.device | str = "cpu") -> Tensor:
+def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0, reducer: Reducer = LOCAL) -> Tensor:
     """REINFORCE++: the reward-to-go of the per-token rewards (score at the last token, ``-beta * kl_t``
     on every token) with discount ``gamma``, whitened (zero mean, unit variance over every response token)
-    over the global batch: all ranks of the default ``torch.distributed`` group, so W ranks compute what
-    one would (``learner.ppo.global_whiten``; every rank must call it).
+    over the global batch: all ranks ``reducer`` sums over, so W ranks compute what one would
+    (``learner.ppo.global_whiten``; every rank must call it).
 
     Args: rewards, mask: [B, T]. Returns: [B, T] advantages, 0 where ``mask`` is 0.
     """
-    return global_whiten(reward_to_go(rewards, mask, gamma), mask, device)
+    return global_whiten(reward_to_go(rewards, mask, gamma), mask, reducer)
 
 
 def reinforce_pp_baseline_advantages(rewards: Tensor, mask: Tensor, group_index: Tensor, gamma: float = 1.0,
-                                     device: torch.device | str = "cpu") -> Tensor:
+                                     reducer: Reducer = LOCAL) -> Tensor:
     """REINFORCE++-baseline: the group mean of the sequence return R is subtracted first (from the reward
     at the last token, so the return-to-go of every token is its own minus ``mean_group R``), then
     REINFORCE++'s reward-to-go and global whitening.
@@ -219,7 +218,7 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, mask: Tensor, group_index:
     rows = (last >= 0).nonzero().squeeze(-1)
     shifted = rewards.clone()
     shifted[rows, last[rows]] -= (total / count)[rows].to(rewards.dtype)
-    return reinforce_pp_advantages(shifted, mask, gamma, device)
+    return reinforce_pp_advantages(shifted, mask, gamma, reducer)
 
 
 # ---------------------------------------------------------------- the registry
@@ -229,13 +228,13 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, mask: Tensor, group_index:
 class Settings:
     """What the estimators read besides the batch: ``ppo.gamma``, ``ppo.lam``, GAE's optional whitening
     (``ppo.whiten_advantages``, ``ppo.whiten_rewards``), what GRPO normalises (``ppo.grpo_normalize``) and the
-    device of the global whitening's all-reduce."""
+    ranks the global whitening sums over (``reducer``)."""
 
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True
     whiten_rewards: bool = False
-    device: torch.device | str = "cpu"
+    reducer: Reducer = LOCAL
     grpo_normalize: str = "score"
 
 
@@ -251,10 +250,10 @@ def _gae(rewards: Tensor, mask: Tensor, values: Tensor | None, _groups: Tensor |
         raise ValueError("ppo.advantage='gae' needs the critic's values")
     # lm-human-preferences scales the rewards GAE sees, never the reported reward or the controller's KL
     if s.whiten_rewards:
-        rewards = global_whiten(rewards, mask, s.device, shift_mean=False)
+        rewards = global_whiten(rewards, mask, s.reducer, shift_mean=False)
     advantages, returns = gae_advantages(rewards, values, mask, s.gamma, s.lam)
     if s.whiten_advantages:
-        advantages = global_whiten(advantages, mask, s.device)
+        advantages = global_whiten(advantages, mask, s.reducer)
     return advantages, returns
 
 
@@ -272,13 +271,13 @@ def _grpo(rewards: Tensor, mask: Tensor, _values, group_index: Tensor | None, kl
 
 
 def _reinforce_pp(rewards: Tensor, mask: Tensor, _values, _groups, _kl, s: Settings) -> tuple[Tensor, None]:
-    return reinforce_pp_advantages(rewards, mask, s.gamma, s.device), None
+    return reinforce_pp_advantages(rewards, mask, s.gamma, s.reducer), None
 
 
 def _reinforce_pp_baseline(rewards: Tensor, mask: Tensor, _values, group_index: Tensor | None, _kl,
                            s: Settings) -> tuple[Tensor, None]:
     groups = _checked_groups(group_index, rewards)
-    return reinforce_pp_baseline_advantages(rewards, mask, groups, s.gamma, s.device), None
+    return reinforce_pp_baseline_advantages(rewards, mask, groups, s.gamma, s.reducer), None
 
 
 def _checked_groups(group_index: Tensor | None, rewards: Tensor) -> Tensor:
@@ -301,7 +300,7 @@ ESTIMATORS: dict[str, EstimatorFn] = {
 def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values: Tensor | None = None,
                        group_index: Tensor | None = None, gamma: float = 1.0, lam: float = 0.95,
                        whiten_advantages: bool = True, whiten_rewards: bool = False,
-                       device: torch.device | str = "cpu", kl_rewards: Tensor | None = None,
+                       reducer: Reducer = LOCAL, kl_rewards: Tensor | None = None,
                        grpo_normalize: str = "score", teacher: Tensor | None = None,
                        teacher_credit: str = "reward_to_go") -> tuple[Tensor, Tensor | None]:
     """Advantages of ``estimator`` (``ppo.advantage``) for a batch.
@@ -312,7 +311,7 @@ def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values:
         gamma, lam: discount (GAE, REINFORCE++) and GAE lambda.
         whiten_advantages, whiten_rewards: GAE's optional global whitening (``ppo.whiten_*``); the other
             estimators normalise as their definitions say and ignore both.
-        device: where the global whitening all-reduces its moments (NCCL: CUDA only).
+        reducer: the ranks the global whitening sums its moments over (``learner.ppo.Reducer``).
         kl_rewards: [B, T] the KL penalty's share of ``rewards`` (``-beta * kl_t``), None when the KL is in
             the loss; read by ``grpo`` alone, which normalises the score without it (``grpo_normalize``).
         teacher: [B, T] on-policy distillation's per-token penalties (``learner.kl.teacher_penalties``) or None.
@@ -331,7 +330,7 @@ def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values:
     if teacher is not None and teacher.shape != rewards.shape:
         raise ValueError(f"teacher {tuple(teacher.shape)} and rewards {tuple(rewards.shape)} must share one [B, T] "
                          "shape")
-    settings = Settings(gamma, lam, whiten_advantages, whiten_rewards, device, grpo_normalize)
+    settings = Settings(gamma, lam, whiten_advantages, whiten_rewards, reducer, grpo_normalize)
     if teacher is not None and teacher_credit == "reward_to_go":
         rewards = rewards + teacher * mask
         kl_rewards = teacher * mask if kl_rewards is None else kl_rewards + teacher * mask

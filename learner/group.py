@@ -6,6 +6,7 @@ import time
 
 import ray
 
+from learner.algorithm import Algorithm
 from learner.cluster import ClusterError, Placement, start_actor
 from learner.rank import LearnerRank
 from learner.results import UpdateResult
@@ -35,17 +36,12 @@ class LearnerGroup:
             for i in range(self.world_size)
         ]
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
-        reward = cfg.reward  # DAPO's soft overlong penalty, measured back from rollout.max_new_tokens
-        overlong = None if reward.overlong_buffer is None else (cfg.rollout.max_new_tokens, reward.overlong_buffer,
-                                                                reward.overlong_penalty)
+        algorithm = Algorithm.from_config(cfg)  # the layer between the ranks' forwards and their optimizer steps
         setups = [
-            rank.setup.remote(master_addr, master_port, model, cfg.learner, cfg.ppo,
-                              cfg.kl, cfg.rollout.temperature, cfg.run.seed, cfg.device("learner"),
-                              run_iterations=cfg.run.iterations, missing_eos_penalty=cfg.reward.missing_eos_penalty,
-                              samples_per_prompt=cfg.rollout.samples_per_prompt, off_policy=cfg.rollout.mode == "async",
-                              rollout_batch_size=cfg.rollout.batch_size, rows_per_episode_vary=cfg.rollout.agent is not None,
-                              overlong=overlong, dynamic_sampling=cfg.rollout.dynamic_sampling,
-                              distill=cfg.distill if cfg.distill.teacher_path else None)
+            rank.setup.remote(master_addr, master_port, model, cfg.learner, algorithm, cfg.rollout.temperature,
+                              cfg.run.seed, cfg.device("learner"), run_iterations=cfg.run.iterations,
+                              rollout_batch_size=cfg.rollout.batch_size,
+                              rows_per_episode_vary=cfg.rollout.agent is not None)
             for rank in self.ranks
         ]
         self._get(setups, "setup")

@@ -331,15 +331,35 @@ def grpo_token_k3_loss(
 # ---------------------------------------------------------------- statistics (exact across ranks)
 
 
-def kl_sums(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1") -> dict[str, float]:
+def prefix_log_weights(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """[B, T] detached ``log W_t = sum_{s <= t} (log pi(y_s) - log pi_behav(y_s))`` over the ``mask``: the
+    likelihood ratio of each token's prefix, which turns an expectation under the sampler into one under pi.
+    Args: logprobs, behaviour_logprobs, mask: [B, T] (the environment's tokens, 0, carry no ratio)."""
+    return torch.cumsum((logprobs - behaviour_logprobs).detach().double() * mask, dim=-1)
+
+
+def kl_sums(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1",
+            behaviour_logprobs: Tensor | None = None) -> dict[str, float]:
     """Additive sums behind ``kl_stats``; summing these over disjoint shards then calling
-    ``kl_stats_from_sums`` gives the exact statistics of the whole batch."""
+    ``kl_stats_from_sums`` gives the exact statistics of the whole batch.
+
+    Each row is one episode (an agent's several rows laid end to end: ``learner.algorithm.EpisodeView``); its
+    value is ``x_b = sum_t W_t k(r_t)``. ``behaviour_logprobs`` None (the rows were sampled by ``logprobs``' own
+    policy): W = 1, and ``x_b`` is the response KL the reward penalises. Given (async: the engine's, an older
+    version's): W is the prefix likelihood ratio pi / pi_behav (``prefix_log_weights``), so ``E_behav[x_b]`` is
+    KL(pi || pi_ref) exactly for k1 and k3, the policy being optimised, not the sampler. ``response_sq_sum``
+    (the sum of ``x_b^2``) gives the mean's standard error.
+    """
     check_estimator(estimator)
     m = check_response_mask(mask, logprobs.shape)
+    weights = None if behaviour_logprobs is None else prefix_log_weights(logprobs, behaviour_logprobs, m).exp()
     sums: dict[str, float] = {}
     for k in ESTIMATORS:
-        per_token = kl_estimate(logprobs, ref_logprobs, k) * m.to(logprobs.dtype)  # type: ignore[arg-type]
-        sums[f"{k}_response_sum"] = float(per_token.sum(dtype=torch.float64))
+        per_token = kl_estimate(logprobs, ref_logprobs, k).double() * m  # type: ignore[arg-type]
+        values = (per_token if weights is None else weights * per_token).sum(dim=-1)
+        sums[f"{k}_response_sum"] = float(values.sum())
+        if k == estimator:
+            sums["response_sq_sum"] = float(values.square().sum())
     lengths = m.sum(dim=-1)
     sums["response_sum"] = sums[f"{estimator}_response_sum"]
     sums["num_tokens"] = float(lengths.sum())
@@ -354,9 +374,12 @@ def kl_stats_from_sums(sums: dict[str, float]) -> dict[str, float]:
     if n <= 0:
         raise ValueError("kl statistics need at least one response; the batch is empty")
     response_mean = sums["response_sum"] / n
+    variance = max(sums.get("response_sq_sum", float("nan")) / n - response_mean**2, 0.0) * n / max(n - 1, 1)
     stats = {
-        # the controller's statistic: mean over responses of the response KL, in nats
+        # the controller's statistic: mean over episodes of the response KL, in nats
         "response_mean": response_mean,
+        # its standard error over the batch's episodes
+        "response_stderr": math.sqrt(variance / n) if n > 1 else float("nan"),
         # diagnostics only: per-token mean (what other frameworks feed their controllers)
         "token_mean": sums["response_sum"] / sums["num_tokens"] if sums["num_tokens"] > 0 else 0.0,
         # sqrt(KL) as Anthropic reports it; k1's sample mean can dip below 0, so clamp at 0
@@ -367,6 +390,8 @@ def kl_stats_from_sums(sums: dict[str, float]) -> dict[str, float]:
     }
     for k in ESTIMATORS:
         stats[f"{k}_response_mean"] = sums[f"{k}_response_sum"] / n
+    if sums.get("penalty_episodes"):  # the unweighted response KL of the trained episodes: what the reward penalised
+        stats["penalty_mean"] = sums["penalty_sum"] / sums["penalty_episodes"]
     return stats
 
 

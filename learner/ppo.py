@@ -21,17 +21,19 @@ def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum()
 
 
-def loss_denominator(mask: Tensor, aggregation: Aggregation = "token_mean") -> Tensor:
+def loss_denominator(mask: Tensor, aggregation: Aggregation = "token_mean", width: int | None = None) -> Tensor:
     """Scalar count a mean over ``mask`` [B, T] divides by: its tokens (``token_mean``), its rows with
     any token (``sequence_mean``), or B * T (``seq_mean_token_sum_norm``: Dr. GRPO's constant normaliser T
-    per row, every row counted; T is the response width, which the engines pad to rollout.max_new_tokens).
+    per row, every row counted; T is the response width, which the engines pad to rollout.max_new_tokens; ``width``
+    gives it where the rows are an episode's laid end to end, wider than one response).
     Additive, so W ranks all-reduce theirs into the global count."""
     if aggregation == "token_mean":
         return mask.sum()
     if aggregation == "sequence_mean":
         return (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
     if aggregation == "seq_mean_token_sum_norm":
-        return torch.tensor(float(mask.numel()), dtype=mask.dtype, device=mask.device)
+        row_width = mask.shape[-1] if width is None else width
+        return torch.tensor(float(mask.shape[0] * row_width), dtype=mask.dtype, device=mask.device)
     raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
 
 
@@ -57,23 +59,52 @@ def masked_mean(x: Tensor, mask: Tensor, aggregation: Aggregation = "token_mean"
     raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
 
 
-def global_loss_denominator(mask: Tensor, aggregation: Aggregation = "token_mean",
-                            device: torch.device | str = "cpu") -> Tensor:
-    """This rank's share (global count / W) of the token or row count of a minibatch split over the W
-    ranks of the default ``torch.distributed`` group (this batch's own count when there is none).
+class Reducer:
+    """The algorithm layer's collectives: sums over the learner's ranks. This one is a single process (a test,
+    or one rank); ``DistributedReducer`` sums over torch.distributed's default group."""
+
+    world_size = 1
+
+    def sum(self, x: Tensor) -> Tensor:
+        """``x`` summed over every rank (here: ``x`` itself)."""
+        return x
+
+
+class DistributedReducer(Reducer):
+    """Sums over the default ``torch.distributed`` group (one process when there is none), all-reduced on
+    ``device``: NCCL takes only CUDA tensors, gloo CPU ones. Every rank must make the same calls."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        import torch.distributed as dist
+
+        self.device = device
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if self.distributed else 1
+
+    def sum(self, x: Tensor) -> Tensor:
+        if not self.distributed:
+            return x
+        import torch.distributed as dist
+
+        total = x.to(self.device).clone()
+        dist.all_reduce(total)
+        return total.to(x.device)
+
+
+LOCAL = Reducer()
+
+
+def global_loss_denominator(mask: Tensor, aggregation: Aggregation = "token_mean", reducer: Reducer = LOCAL,
+                            width: int | None = None) -> Tensor:
+    """This rank's share (global count / W) of the token or row count of a minibatch split over the W ranks
+    ``reducer`` sums over (this batch's own count for the local one).
 
     DeepSpeed averages gradients over the W ranks, so ``masked_mean(..., denominator=this)`` on each rank
     gives the gradient of the global mean: tokens weigh the same whichever rank holds them. Every rank
-    must call it once per minibatch (an all-reduce, on ``device``: NCCL takes only CUDA tensors).
+    must call it once per minibatch. ``width``: ``loss_denominator``'s.
     """
-    import torch.distributed as dist
-
-    count = loss_denominator(mask, aggregation).to(device, torch.float64)
-    world_size = 1
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(count)
-        world_size = dist.get_world_size()
-    return (count.clamp(min=1) / world_size).to(torch.float32)
+    count = reducer.sum(loss_denominator(mask, aggregation, width).to(torch.float64))
+    return (count.clamp(min=1) / reducer.world_size).to(torch.float32)
 
 
 def masked_var(x: Tensor, mask: Tensor) -> Tensor:
@@ -114,15 +145,10 @@ def whiten_from_moments(x: Tensor, mask: Tensor, moments: Tensor, eps: float = 1
     return (whitened * mask).to(x.dtype)
 
 
-def global_whiten(x: Tensor, mask: Tensor, device: torch.device | str = "cpu", shift_mean: bool = True) -> Tensor:
-    """``masked_whiten`` over the whole batch of every rank of the default ``torch.distributed`` group
-    (this batch alone when there is none). The moments are all-reduced on ``device``: NCCL takes only
-    CUDA tensors, gloo CPU ones."""
-    import torch.distributed as dist
-
-    moments = whiten_moments(x, mask).to(device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(moments)
+def global_whiten(x: Tensor, mask: Tensor, reducer: Reducer = LOCAL, shift_mean: bool = True) -> Tensor:
+    """``masked_whiten`` over the whole batch of every rank ``reducer`` sums over (this batch alone for the
+    local one)."""
+    moments = reducer.sum(whiten_moments(x, mask))
     return whiten_from_moments(x, mask, moments, shift_mean=shift_mean)
 
 

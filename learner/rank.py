@@ -18,43 +18,17 @@ import torch
 from torch import Tensor, nn
 
 from actors.base import starting_up, yield_cpu_to_engines
-from learner.advantages import (
-    check_whole_groups,
-    compute_advantages,
-    differing_groups,
-    dynamic_sampling_rows,
-    uses_critic,
-)
-from learner.kl import (
-    check_finite,
-    grpo_token_k3_loss,
-    kl_logprob_roles,
-    kl_loss_aggregation,
-    kl_penalized_rewards,
-    kl_sums,
-    response_kl_loss,
-    teacher_penalties,
-)
+from learner.algorithm import Algorithm, episode_view
 from learner.lora import adapter_state, merged_state_dict
 from learner.ppo import (
-    RATIO_LEVELS,
-    entropy_from_logits,
+    DistributedReducer,
     explained_variance_moments,
-    global_loss_denominator,
     importance_log_weights,
-    masked_mean,
-    overlong_penalty,
-    penalize_missing_eos,
-    policy_loss,
     ppo_stats_from_sums,
-    rollout_correction_weights,
     scheduled_lr,
-    truncated_loss_mask,
-    value_loss,
 )
 from learner.results import RankUpdate
-from services.choices import GROUP_ESTIMATORS
-from services.config import DistillConfig, KLConfig, LearnerConfig, PPOConfig
+from services.config import LearnerConfig
 from services.logprobs import token_logprobs
 from services.model_source import ModelSource, as_source
 
@@ -128,11 +102,10 @@ class LearnerRank:
 
     @starting_up()
     def setup(self, master_addr: str, master_port: int, model: ModelSource | str, learner_cfg: LearnerConfig,
-              ppo_cfg: PPOConfig, kl_cfg: KLConfig, temperature: float, seed: int, device: str = "cpu",
-              run_iterations: int = 1, missing_eos_penalty: float | None = None, samples_per_prompt: int = 1,
-              off_policy: bool = False, rollout_batch_size: int | None = None,
-              rows_per_episode_vary: bool = False, overlong: tuple[int, int, float] | None = None,
-              dynamic_sampling: bool = False, distill: DistillConfig | None = None) -> int:
+              algorithm: Algorithm, temperature: float, seed: int, device: str = "cpu", run_iterations: int = 1,
+              rollout_batch_size: int | None = None, rows_per_episode_vary: bool = False) -> int:
+        """``algorithm``: the layer between the forwards and the optimizer step (``learner.algorithm``), with the
+        settings it reads (``Algorithm.from_config``)."""
         if getattr(self, "engine", None) is not None:
             self._set_up_again(learner_cfg)
         else:
@@ -152,23 +125,21 @@ class LearnerRank:
         from actors.engines import check_device
 
         world_size = self.world_size
-        self.ppo, self.kl, self.learner = ppo_cfg, kl_cfg, learner_cfg
+        ppo_cfg = algorithm.ppo
+        self.algorithm, self.ppo, self.learner = algorithm, ppo_cfg, learner_cfg
         self.temperature = temperature
         self.seed = seed
-        self.run_iterations, self.missing_eos_penalty = run_iterations, missing_eos_penalty
-        self.distill = distill  # on-policy distillation: the teacher's penalty (distill.teacher_path), or None
-        self.overlong = overlong  # (rollout.max_new_tokens, reward.overlong_buffer, reward.overlong_penalty) or None
+        self.run_iterations = run_iterations
         # DAPO's dynamic sampling: this rank trains on its share of the batch in whole groups whose scores differ
-        self.dynamic_sampling, self.rollout_batch_size = dynamic_sampling, rollout_batch_size
-        if dynamic_sampling and rollout_batch_size is None:
+        self.rollout_batch_size = rollout_batch_size
+        if algorithm.dynamic_sampling and rollout_batch_size is None:
             raise ValueError("dynamic sampling needs rollout_batch_size: each rank keeps its share of the batch")
-        self.samples_per_prompt = samples_per_prompt
         # rollout.agent: an episode gives one row per trajectory its model calls make, so a rank's rows vary; the
         # optimizer steps per epoch are counted in episodes then, the same on every rank (collectives in step)
         self.rows_per_episode_vary = rows_per_episode_vary
         self.minibatches = (rollout_batch_size or ppo_cfg.minibatch_size) // ppo_cfg.minibatch_size
         # rollout.mode async: rows may be a few versions old; the engine's log-probs are the behaviour policy
-        self.off_policy = off_policy
+        off_policy = algorithm.off_policy
         # one optimizer step per batch (one epoch, one minibatch): the policy that generated the rows is the
         # one that takes the step, so the step's own forward gives the old log-probs and values exactly, and
         # collect runs none (what TRL's GRPO does at num_iterations=1). Packed, the step's forward runs its
@@ -196,7 +167,7 @@ class LearnerRank:
         torch.manual_seed(seed)  # same value-head init on every rank
         # fp32 master weights; with learner.dtype bfloat16 DeepSpeed trains a bf16 copy of them
         # the critic (value head, or a separate LM) exists only for GAE
-        self.has_critic = uses_critic(ppo_cfg.advantage)
+        self.has_critic = algorithm.has_critic
         separate = self.has_critic and learner_cfg.critic == "separate"
         critic = load_causal_lm(self.model_dir, "float32") if separate else None
         lm = load_causal_lm(self.model_dir, "float32")
@@ -223,6 +194,7 @@ class LearnerRank:
             "wall_clock_breakdown": False,
         }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.reducer = DistributedReducer(self.device)  # the algorithm layer's collectives: over every rank
         self.updates = 0
         self.collected: dict[int, RolloutBatch] = {}  # slot -> chunk with its old_logprobs, old_values, ref_logprobs, scores
         self.forward_version: int | None = None  # the version of the last collect's forwards, when the driver said
@@ -313,97 +285,64 @@ class LearnerRank:
         return logprobs * chunk.action_mask
 
     def update(self, kl_coef: float, iteration: int) -> RankUpdate:
-        """KL-penalised rewards at ``kl_coef``, advantages (``ppo.advantage``) and the PPO epochs on
-        everything collected; returns additive sums so the driver's statistics are exact over all ranks."""
+        """The algorithm layer on everything collected (the controller's statistic, KL-penalised rewards at
+        ``kl_coef``, advantages), then the PPO epochs; returns additive sums so the driver's statistics are exact
+        over all ranks."""
         from services.experience import concat_batches, sequence_lengths
 
+        algorithm = self.algorithm
         batch = concat_batches([self.collected[slot] for slot in sorted(self.collected)])
         timings, self.collected, self.timings = self.timings, {}, {}
         t0 = time.perf_counter()
-        group_counts = {}
-        if self.dynamic_sampling:  # DAPO: this rank's share of the batch, in whole groups whose scores differ
-            share = self.rollout_batch_size // (self.world_size * self.samples_per_prompt)
-            keep, group_counts = dynamic_sampling_rows(self._final_scores(batch)[0], batch.group_index, share)
-            batch = batch[keep.nonzero().squeeze(-1)]
+        group_counts, dropped = {}, None
+        if algorithm.dynamic_sampling:  # DAPO: this rank's share of the batch, in whole groups whose scores differ
+            share = self.rollout_batch_size // (self.world_size * algorithm.samples_per_prompt)
+            keep, group_counts = algorithm.select(batch, share)
+            dropped, batch = batch[(~keep).nonzero().squeeze(-1)], batch[keep.nonzero().squeeze(-1)]
+            if self.single_step:  # no forward has run on the dropped rows: the statistic needs their log-probs
+                self._forward_dropped(dropped)
         step_forward = None
         if self.single_step:  # the one step's forward, before any update: the old log-probs and values too
             step_forward = self._forward(batch, grad=True)
             batch.old_logprobs = step_forward[0].detach().cpu()
             batch.old_values = step_forward[1].detach().cpu() if step_forward[1] is not None else None
-        mask = batch.action_mask  # the model's tokens: a trajectory's environment tokens are context only
-        batch.old_logprobs, batch.ref_logprobs = batch.old_logprobs * mask, batch.ref_logprobs * mask
-        if self.has_critic:
-            batch.old_values = batch.old_values * mask
-            check_finite(f"rank {self.rank} values", batch.old_values)
-        batch.scores, missing_eos, overlong = self._final_scores(batch)
-        task_scores = batch.scores
-        if self.distill is not None and not self.distill.task_reward:  # the teacher alone: no score is trained on
-            batch.scores = torch.zeros_like(batch.scores)
-
-        # the KL penalised (and fed to the controller): of the policy being optimised, the learner's own log-probs
-        # at the start of the update, in both modes (async: not the engine's, an older version's)
-        penalised, _ = kl_logprob_roles(batch.old_logprobs, batch.rollout_logprobs * mask, self.off_policy)
-        in_reward = self.kl.placement == "reward"
-        rewards, kl = kl_penalized_rewards(batch.scores, penalised, batch.ref_logprobs, mask,
-                                           kl_coef if in_reward else 0.0, self.kl.estimator, batch.turn_rewards)
-        teacher = None
-        if self.distill is not None:  # the student's log-probs are the learner's, as for the KL to the reference
-            teacher = teacher_penalties(penalised, batch.teacher_logprobs * mask, mask, self.distill.coef)
-        estimator = self.ppo.advantage
-        if estimator in GROUP_ESTIMATORS:  # whole chunks go to a rank, and a chunk holds whole groups
-            check_whole_groups(batch.group_index, self.samples_per_prompt, f"rank {self.rank}: ",
-                               at_least=self.rows_per_episode_vary)
-        batch.advantages, batch.returns = compute_advantages(
-            estimator, rewards, mask, values=batch.old_values, group_index=batch.group_index, gamma=self.ppo.gamma,
-            lam=self.ppo.lam, whiten_advantages=self.ppo.whiten_advantages,
-            whiten_rewards=self.ppo.whiten_rewards, device=self.device,
-            kl_rewards=-kl_coef * kl if in_reward else None, grpo_normalize=self.ppo.grpo_normalize,
-            teacher=teacher, teacher_credit=self.distill.credit if self.distill is not None else "reward_to_go")
+        # the controller's statistic over every episode sampled, the dropped groups' too: not a selection on scores
+        sums = algorithm.controller_sums(batch)
+        if dropped is not None and dropped.shape[0]:
+            sums = {k: v + algorithm.controller_sums(dropped)[k] for k, v in sums.items()}
+        mask = batch.action_mask  # the model's tokens; prepare may take the truncated rows out of the loss's
+        sums |= algorithm.prepare(batch, kl_coef, self.reducer)
 
         lr = scheduled_lr(self.ppo.lr, self.ppo.lr_schedule, iteration, self.run_iterations)
         for group in self.engine.optimizer.param_groups:  # after any checkpoint load: the schedule decides
             group["lr"] = lr
-        if self.ppo.mask_truncated:  # DAPO's overlong filtering: out of the losses; the KL sums below keep them
-            batch.action_mask = truncated_loss_mask(mask, batch.finish_reason)
         ppo_sums = self._ppo_epochs(batch, kl_coef, iteration, step_forward)
         if self.has_critic:  # values before the update against their targets, as CleanRL logs it
-            ppo_sums["explained_variance_moments"] = explained_variance_moments(batch.old_values, batch.returns,
+            ppo_sums["explained_variance_moments"] = explained_variance_moments(batch.old_values * mask, batch.returns,
                                                                                 mask).tolist()
         timings["update_seconds"] = time.perf_counter() - t0
         self.updates += 1
 
-        lengths = mask.sum(-1)
-        mismatch = (batch.old_logprobs - batch.rollout_logprobs).abs() * mask
+        old_logprobs, behaviour = batch.old_logprobs * mask, batch.rollout_logprobs * mask
+        mismatch = (old_logprobs - behaviour).abs() * mask
         # rows an older version generated (async): their mismatch is mostly the policy's move since, reported
         # apart from the engine-learner numeric difference, which only rows of the learner's version measure
         version = self.forward_version
         stale = torch.zeros_like(mask) if version is None else mask * (batch.policy_version != version).unsqueeze(-1)
-        sums = kl_sums(penalised, batch.ref_logprobs, mask, self.kl.estimator)  # exactly the penalty applied
         sums.update({
-            "score_sum": float(task_scores.sum()),
-            "reward_sum": float((rewards * mask).sum()),  # penalty plus score, per episode summed
-            "length_sum": float(lengths.sum()),
+            "length_sum": float(mask.sum()),
             # the tokens a forward of these rows runs: the real ones, and in the padded [B, P + T] layout
             "forward_tokens_real": float(sequence_lengths(batch).sum()),
             "forward_tokens_padded": float(batch.shape[0] * (batch.prompt_ids.shape[1] + batch.response_ids.shape[1])),
-            "truncated": float((batch.finish_reason == 1).sum()),
-            "missing_eos_penalized": float(missing_eos.sum()),
             "mismatch_abs_sum": float(mismatch.sum()),  # all rows: the stale rows' share is apart below
             "mismatch_max": float((mismatch * (1 - stale)).max()) if mask.any() else 0.0,  # same-version rows
             "stale_tokens": float(stale.sum()),
             "stale_mismatch_abs_sum": float((mismatch * stale).sum()),
-            **self._correction_sums(batch.old_logprobs, batch.rollout_logprobs * mask, mask, stale),
+            **self._correction_sums(old_logprobs, behaviour, mask, stale),
             # no critic: no values and no returns (the driver's value_mean is nan)
             "value_sum": float((batch.old_values * mask).sum()) if self.has_critic else float("nan"),
             "return_sum": float((batch.returns * mask).sum()) if batch.returns is not None else float("nan"),
         })
-        if teacher is not None:  # k1 of the reverse KL to the teacher, summed per response (the penalty / -coef)
-            sums["teacher_kl_sum"] = float(teacher.sum(dtype=torch.float64)) / -self.distill.coef
-        if self.ppo.mask_truncated:
-            sums["truncated_masked"] = float(((mask - batch.action_mask).sum(-1) > 0).sum())
-        if overlong is not None:
-            sums.update({"overlong_penalty_sum": float(overlong.sum()),
-                         "overlong_penalized": float((overlong < 0).sum())})
         sums.update({f"dynamic_sampling_{name}_groups": float(count) for name, count in group_counts.items()})
         if batch.num_turns is not None:  # multi-turn episodes: what the environment added
             sums.update({
@@ -424,6 +363,14 @@ class LearnerRank:
             rank=self.rank,
         )
 
+    def _forward_dropped(self, dropped: RolloutBatch) -> None:
+        """The old log-probs of dynamic sampling's dropped rows, for the controller's statistic: one forward on
+        every rank (a one-token placeholder where a rank dropped none), so ZeRO-3's gathers pair up."""
+        if dropped.shape[0]:
+            dropped.old_logprobs, _, _ = self._forward(dropped, grad=False)
+        else:
+            self._forward(_placeholder_batch(), grad=False)
+
     def _correction_sums(self, old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, stale: Tensor) -> dict:
         """The rollout correction's sums over this rank's batch (all [B, T]; ``stale``: 1 on rows of an older
         version than the learner's): ``correction_mismatch_k3_sum``, the k3 estimate of KL(engine || learner)
@@ -436,24 +383,13 @@ class LearnerRank:
                 "correction_truncated_tokens": beyond if self.ppo.correction == "tis" else 0.0,
                 "correction_masked_tokens": beyond if self.ppo.correction == "mis" else 0.0}
 
-    def _final_scores(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The scores the advantages read: ``reward.missing_eos_penalty``'s replacement, or DAPO's soft overlong
-        penalty added (``reward.overlong_buffer``). Returns (scores [B], missing-EOS rows [B] bool, the overlong
-        penalties [B] or None)."""
-        scores, missing_eos = penalize_missing_eos(batch.scores, batch.finish_reason, self.missing_eos_penalty)
-        if self.overlong is None:
-            return scores, missing_eos, None
-        penalty = overlong_penalty(batch.action_mask.sum(-1), *self.overlong)
-        return scores + penalty.to(scores.dtype), missing_eos, penalty
-
     def differing_groups(self) -> int:
         """Dynamic sampling: how many whole groups with scores that differ (penalties applied) this rank holds."""
         from services.experience import concat_batches
 
         if not self.collected:
             return 0
-        batch = concat_batches([self.collected[slot] for slot in sorted(self.collected)])
-        return differing_groups(self._final_scores(batch)[0], batch.group_index)
+        return self.algorithm.differing_groups(concat_batches([self.collected[slot] for slot in sorted(self.collected)]))
 
     def _forward(self, batch: RolloutBatch, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
         """(log-probs [B, T], values [B, T] or None, logits [B, T, V]) of ``batch``'s rows. With
@@ -506,18 +442,17 @@ class LearnerRank:
             raise ValueError(f"rank {self.rank}: {n} rows for one optimizer step of {micro} (ppo.minibatch_size "
                              f"{self.ppo.minibatch_size} over {self.world_size} ranks)")
         generator = torch.Generator().manual_seed(self.seed * 100_003 + iteration)
-        clip_low, clip_high = self.ppo.ratio_clip_range()  # ppo: clip_range_low/high; gspo: gspo_clip_low/high
         totals: dict[str, list] = {}  # name -> [sum, count] (tensors until the end), additive over ranks
         steps = 0
         for _ in range(self.ppo.epochs):
             order = torch.arange(n) if step_forward is not None else torch.randperm(n, generator=generator)
-            # ppo.minibatch_size episodes a step: micro rows on this rank, or this rank's share of them when
-            # an episode's rows vary (rollout.agent), so every rank takes as many steps
-            for rows in (order.tensor_split(self.minibatches) if self.rows_per_episode_vary else order.split(micro)):
+            # ppo.minibatch_size episodes a step: micro rows on this rank, or, when an episode's rows vary
+            # (rollout.agent), this rank's share of its episodes, each whole, so every rank takes as many steps
+            minibatches = self._episode_minibatches(batch, generator) if self.rows_per_episode_vary else order.split(micro)
+            for rows in minibatches:
                 mb = batch[rows]
-                mask = mb.action_mask.to(self.device)
-                # global token (or row) counts over all ranks: W ranks compute what one would
-                counts = self._loss_counts(mask)
+                # global token (or episode) counts over all ranks: W ranks compute what one would
+                counts = self.algorithm.loss_counts(mb, self.reducer)
                 parts = self._micro_batches(mb) if step_forward is None else [None]
                 losses: dict[str, Tensor] = {}
                 for i, part in enumerate(parts):
@@ -528,8 +463,7 @@ class LearnerRank:
                     else:
                         micro_batch = mb if part is None else mb[part]
                         forward = step_forward or self._forward(micro_batch, grad=True)
-                        loss, step_stats = self._micro_batch_loss(micro_batch, forward, counts, kl_coef, clip_low,
-                                                                  clip_high)
+                        loss, step_stats = self.algorithm.loss(micro_batch, forward, counts, kl_coef)
                         for key in [k for k, (_, count) in step_stats.items() if count is None]:
                             losses[key] = losses.get(key, 0.0) + step_stats.pop(key)[0]
                     if len(parts) > 1:  # one optimizer step accumulates the minibatch's micro-batches
@@ -558,19 +492,12 @@ class LearnerRank:
         return {"stats": {key: [float(total), float(count)] for key, (total, count) in totals.items()},
                 "optimizer_steps": steps}
 
-    def _loss_counts(self, mask: Tensor) -> dict[str, Tensor]:
-        """A minibatch's global counts over all ranks (each an all-reduce, so every rank calls this once per
-        minibatch): the policy term's denominator, and with the KL in the loss the responses and the KL's count.
-        Taken before its micro-batches, each of which divides its sums by these: their losses add up to the
-        minibatch's."""
-        counts = {"denominator": global_loss_denominator(mask, self.ppo.loss_aggregation, self.device)}
-        if self.kl.placement == "loss" and self.kl.loss_form != "grpo_token_k3":
-            # per response over all ranks' responses, empty ones too, as the controller's mean
-            counts["responses"] = global_loss_denominator(torch.ones_like(mask[:, :1]), "sequence_mean", self.device)
-            # its gradient over the policy term's tokens: beta weighs it as in the reward
-            counts["kl_count"] = global_loss_denominator(mask, kl_loss_aggregation(self.ppo.loss_aggregation),
-                                                         self.device)
-        return counts
+    def _episode_minibatches(self, batch: RolloutBatch, generator: torch.Generator) -> list[Tensor]:
+        """The rows of each of the epoch's ``self.minibatches`` minibatches: this rank's episodes shuffled and split
+        as evenly as they go, each episode's rows together (the loss lays them end to end)."""
+        view = episode_view(batch)
+        episodes = torch.randperm(view.episodes, generator=generator).tensor_split(self.minibatches)
+        return [torch.isin(view.episode, part).nonzero().squeeze(-1) for part in episodes]
 
     def _micro_batches(self, mb: RolloutBatch) -> list[Tensor | None]:
         """The micro-batches of one optimizer step: the whole minibatch ([None]), or with
@@ -582,7 +509,11 @@ class LearnerRank:
             return [None]
         from services.experience import plan_micro_batches, sequence_lengths
 
-        parts = plan_micro_batches(sequence_lengths(mb), budget)
+        # whole episodes: an episode's rows share its sequence-level terms (learner.algorithm.EpisodeView)
+        view = episode_view(mb)
+        episode_lengths = torch.zeros(view.episodes, dtype=torch.long).index_add(0, view.episode, sequence_lengths(mb))
+        parts = [torch.isin(view.episode, episodes).nonzero().squeeze(-1)
+                 for episodes in plan_micro_batches(episode_lengths, budget)]
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -590,44 +521,6 @@ class LearnerRank:
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
             parts += [torch.zeros(0, dtype=torch.long)] * (int(most) - len(parts))
         return parts
-
-    def _micro_batch_loss(self, mb: RolloutBatch, forward: tuple[Tensor, Tensor, Tensor], counts: dict[str, Tensor],
-                          kl_coef: float, clip_low: float, clip_high: float) -> tuple[Tensor, dict]:
-        """The PPO loss of the rows ``mb`` (a minibatch or one of its micro-batches), each term's sum over them
-        divided by the minibatch's global ``counts``. Returns (loss, {name: (value, count)}): the losses with
-        count None (summed over the micro-batches, one count a step), token statistics with this micro-batch's
-        tokens."""
-        aggregation, denominator = self.ppo.loss_aggregation, counts["denominator"]
-        logprobs, values, logits = forward
-        mask = mb.action_mask.to(self.device)
-        old_logprobs = mb.old_logprobs.to(self.device)
-        # the rollout correction, both modes: ratio against pi_old (async: pi_prox, decoupled PPO), each
-        # token's term times pi_old / pi_behav, truncated (tis) or masked (mis) at ppo.is_cap
-        weights, is_stats = rollout_correction_weights(old_logprobs, mb.rollout_logprobs.to(self.device), mask,
-                                                       self.ppo.correction, self.ppo.correction_level, self.ppo.is_cap)
-        pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, mb.advantages.to(self.device), mask, clip_low,
-                                        aggregation, denominator, weights, clip_range_high=clip_high,
-                                        ratio_level=RATIO_LEVELS[self.ppo.policy_loss])
-        loss, losses, stats = pg_loss, {"policy_loss": pg_loss}, {**pg_stats, **is_stats}
-        if self.has_critic:  # GAE's critic; the other estimators have none
-            vf_loss, vf_stats = value_loss(values, mb.old_values.to(self.device), mb.returns.to(self.device), mask,
-                                           self.ppo.clip_range_value, aggregation, denominator)
-            loss, losses["value_loss"] = loss + self.ppo.vf_coef * vf_loss, vf_loss
-            stats |= vf_stats
-        if self.kl.placement == "loss":
-            ref_mb = mb.ref_logprobs.to(self.device)
-            if self.kl.loss_form == "grpo_token_k3":
-                kl_term = grpo_token_k3_loss(logprobs, ref_mb, mask, aggregation, denominator)
-            else:  # importance weights against the policy that sampled the rows (async: the engine)
-                _, sampler = kl_logprob_roles(old_logprobs, mb.rollout_logprobs.to(self.device) * mask, self.off_policy)
-                kl_term = response_kl_loss(logprobs, sampler, ref_mb, mask, self.kl.loss_form, counts["responses"],
-                                           counts["kl_count"])
-            loss, losses["kl_loss"] = loss + kl_coef * kl_term, kl_term
-        losses["loss"] = loss
-        with torch.no_grad():
-            stats["entropy"] = masked_mean(entropy_from_logits(logits), mask)
-        tokens = mask.sum().double()  # stays on the device: the stats reach the host once, at the end
-        return loss, {**{k: (v, None) for k, v in losses.items()}, **{k: (v, tokens) for k, v in stats.items()}}
 
     # ------------------------------------------------------------------ weights, probes, fixed-batch checks
 

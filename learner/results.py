@@ -58,5 +58,6 @@ class UpdateResult:
         return kl_stats_from_sums(self.sums)
 
     @property
-    def num_responses(self) -> int:
-        return int(self.sums["num_responses"])
+    def trained_episodes(self) -> int:
+        """The episodes the update trained on (the controller's statistic also counts dynamic sampling's dropped)."""
+        return int(self.sums["trained_episodes"])

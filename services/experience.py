@@ -44,6 +44,7 @@ class RolloutBatch:
     kl_coef: Tensor  # [B] float: beta in force when the row was generated
     prompt_index: Tensor  # [B] long: index into the task's prompt list
     group_index: Tensor  # [B] long: the episodes of one prompt's samples_per_prompt group share it; -1: none
+    episode_index: Tensor  # [B] long: the rows of one episode share it (an agent's calls may give several rows)
     # multi-turn episodes only (an environment's task); None for single responses
     turn_rewards: Tensor | None = None  # [B, T] each turn's reward at the turn's last model token (0 elsewhere)
     num_turns: Tensor | None = None  # [B] long: the model's turns in the episode
@@ -96,11 +97,12 @@ def make_batch(
     group_index: list[int] | None = None,
     action_masks: list[list[int]] | None = None,
     episodes: Episodes | None = None,
+    episode_index: list[int] | None = None,
 ) -> RolloutBatch:
     """Assemble engine outputs into a RolloutBatch (``response_width`` pads T to a fixed size, so chunks
     of one iteration concatenate; ``group_index`` None: the rows belong to no group, -1). A trajectory
     gives ``action_masks`` (1 on the ids the model sampled; ``logprobs`` 0 elsewhere) and ``episodes``;
-    without them every response token is the model's."""
+    without them every response token is the model's. ``episode_index`` None: every row is an episode of its own."""
     b = len(prompts)
     batch = RolloutBatch(
         prompt_ids=pad_left(prompts, pad_id),
@@ -115,6 +117,7 @@ def make_batch(
         kl_coef=torch.full((b,), kl_coef, dtype=torch.float32),
         prompt_index=torch.tensor(prompt_index, dtype=torch.long),
         group_index=torch.tensor(group_index if group_index is not None else [-1] * b, dtype=torch.long),
+        episode_index=torch.tensor(episode_index if episode_index is not None else range(b), dtype=torch.long),
         batch_size=[b],
     )
     if episodes is not None:
@@ -150,13 +153,16 @@ def stale_rows(batch: RolloutBatch, policy_version: int, kl_coef: float | None, 
 
 
 def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
-    """Concatenate chunks, left-padding prompts to a common width first."""
+    """Concatenate chunks, left-padding prompts to a common width first; each chunk's episode ids are moved past
+    the last chunk's, so an id names one episode of the whole batch."""
     width = max(b.prompt_ids.shape[1] for b in batches)
-    aligned = []
+    aligned, first_id = [], 0
     for b in batches:
         extra = width - b.prompt_ids.shape[1]
+        b = b.clone()
+        b.episode_index = b.episode_index - b.episode_index.min() + first_id if b.shape[0] else b.episode_index
+        first_id = int(b.episode_index.max()) + 1 if b.shape[0] else first_id
         if extra:
-            b = b.clone()
             # the pad id never matters: padded positions are masked out of attention
             b.prompt_ids = torch.nn.functional.pad(b.prompt_ids, (extra, 0), value=0)
             b.prompt_mask = torch.nn.functional.pad(b.prompt_mask, (extra, 0), value=0.0)

@@ -24,6 +24,7 @@ def run_name() -> str:
 DRIVER_GAUGES = {
     "kl_coef": ("kl_coef", "beta after this iteration's controller update"),
     "kl_response_mean": ("kl_response_mean", "mean response KL, nats (the controller's statistic)"),
+    "kl_response_mean_stderr": ("kl_response_mean_stderr", "standard error of the controller's statistic, nats"),
     "kl_token_mean": ("kl_token_mean", "per-token mean KL, nats (diagnostic)"),
     "kl_target": ("kl_target", "the controller's target response KL, nats"),
     "reward_mean": ("reward_mean", "mean per-episode reward: score minus beta * KL"),
@@ -105,7 +106,7 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
     resynced_actors; ``seconds``: learner, learner_forward, learner_update, weight_sync, sync_and_probe;
     ``packed``: the learner's forwards ran packed (``learner.max_tokens_per_microbatch``).
     """
-    n = kl["num_responses"]
+    n, tokens = sums["trained_episodes"], sums["length_sum"]  # what the update trained on
     episodes = {}
     if "turns_sum" in sums:  # multi-turn episodes
         episodes = {"turns_mean": sums["turns_sum"] / n, "tool_calls_mean": sums["tool_calls_sum"] / n,
@@ -119,7 +120,12 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
         "kl_coef": kl_coef,
         "kl_coef_used": kl_coef_used,
         "kl_target": kl_target,
+        # the controller's statistic: an unbiased estimate of the response KL of the learner's policy, over every
+        # episode sampled (dynamic sampling's dropped groups too; async: prefix-weighted), and its standard error
         "kl_response_mean": kl["response_mean"],
+        "kl_response_mean_stderr": kl["response_stderr"],
+        # the unweighted response KL the reward penalised, over the trained episodes (sync: the statistic itself)
+        "kl_penalty_mean": kl.get("penalty_mean"),
         "kl_token_mean": kl["token_mean"],
         "kl_response_sqrt": kl["response_sqrt"],
         "kl_k1_response_mean": kl["k1_response_mean"],
@@ -140,17 +146,16 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
         # the engine-learner numeric difference, on rows of the learner's own version (none: null); on stale rows
         # (async) the difference is mostly the policy's move since, reported apart
         "rollout_learner_logprob_mismatch": ((sums["mismatch_abs_sum"] - sums["stale_mismatch_abs_sum"])
-                                             / (kl["num_tokens"] - sums["stale_tokens"])
-                                             if kl["num_tokens"] > sums["stale_tokens"] else None),
+                                             / (tokens - sums["stale_tokens"]) if tokens > sums["stale_tokens"] else None),
         "rollout_learner_logprob_mismatch_max": sums["mismatch_max"],
         "rollout_stale_logprob_shift": sums["stale_mismatch_abs_sum"] / max(sums["stale_tokens"], 1),
         # the rollout correction (ppo.correction): k3 of KL(engine || learner) per token on the rows of the learner's
         # version, and the fractions of tokens whose weight pi_old / pi_behav it truncated (tis) or masked (mis)
         "rollout_correction_mismatch_k3": (sums["correction_mismatch_k3_sum"]
-                                           / max(kl["num_tokens"] - sums["stale_tokens"], 1)),
-        "rollout_correction_truncated_fraction": sums["correction_truncated_tokens"] / max(kl["num_tokens"], 1),
-        "rollout_correction_masked_fraction": sums["correction_masked_tokens"] / max(kl["num_tokens"], 1),
-        "value_mean": sums["value_sum"] / max(kl["num_tokens"], 1),
+                                           / max(tokens - sums["stale_tokens"], 1)),
+        "rollout_correction_truncated_fraction": sums["correction_truncated_tokens"] / max(tokens, 1),
+        "rollout_correction_masked_fraction": sums["correction_masked_tokens"] / max(tokens, 1),
+        "value_mean": sums["value_sum"] / max(tokens, 1),
         "probe_max_abs_error": sync["probe_max_abs_error"],
         "batch_policy_versions": batch_policy_versions,
         "batch_kl_coefs": batch_kl_coefs,

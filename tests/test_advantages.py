@@ -23,7 +23,7 @@ from learner.advantages import (
     sequence_returns,
 )
 from learner.kl import kl_penalized_rewards
-from learner.ppo import gae_advantages, masked_whiten
+from learner.ppo import DistributedReducer, gae_advantages, masked_whiten
 
 # two rows, lengths 3 and 2; gamma 1: reward-to-go [[0.7, 0.8, 1.0], [0.2, 0.5, 0]], returns R = [0.7, 0.2]
 REWARDS = torch.tensor([[-0.1, -0.2, 1.0], [-0.3, 0.5, 9.0]], dtype=torch.float64)
@@ -234,7 +234,9 @@ def _reinforce_pp_shard_in_gloo_group(rank: int, world_size: int, store_path: st
     try:
         rewards, mask, groups = _contiguous_groups()
         rows = slice(0, 4) if rank == 0 else slice(4, 12)  # unequal shards, whole groups of 2 on each
-        out = {name: compute_advantages(name, rewards[rows], mask[rows], group_index=groups[rows], gamma=gamma)[0]
+        reducer = DistributedReducer()  # the rank's: the whitening sums its moments over both processes
+        out = {name: compute_advantages(name, rewards[rows], mask[rows], group_index=groups[rows], gamma=gamma,
+                                        reducer=reducer)[0]
                for name, gamma in WHITENED_GAMMAS.items()}
         torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:

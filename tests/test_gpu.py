@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, also without pytest
 from learner.ppo import (
+    DistributedReducer,
     global_loss_denominator,
     global_whiten,
     loss_denominator,
@@ -81,8 +82,9 @@ def test_whitening_and_loss_counts_all_reduce_on_cuda_in_an_nccl_group():
     require_cuda()
     x, mask = ragged_batch("cuda")
     with one_rank_nccl_group():
-        whitened = global_whiten(x, mask, device=x.device)
-        counts = {a: global_loss_denominator(mask, a, device=x.device) for a in ("token_mean", "sequence_mean")}
+        reducer = DistributedReducer(x.device)
+        whitened = global_whiten(x, mask, reducer)
+        counts = {a: global_loss_denominator(mask, a, reducer) for a in ("token_mean", "sequence_mean")}
     expected = masked_whiten(x.double().cpu(), mask.double().cpu()).float()
     assert whitened.device.type == "cuda"
     assert torch.allclose(whitened.cpu(), expected, atol=1e-5), float((whitened.cpu() - expected).abs().max())

@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from learner.ppo import (
+    DistributedReducer,
     global_whiten,
     masked_whiten,
     penalize_missing_eos,
@@ -64,7 +65,8 @@ def _whiten_shard_in_gloo_group(rank: int, world_size: int, store_path: str, out
     try:
         rewards, mask = _ragged_rewards()
         rows = slice(0, 3) if rank == 0 else slice(3, 8)
-        torch.save(global_whiten(rewards[rows], mask[rows], shift_mean=False), os.path.join(out_dir, f"{rank}.pt"))
+        whitened = global_whiten(rewards[rows], mask[rows], DistributedReducer(), shift_mean=False)
+        torch.save(whitened, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
