@@ -43,6 +43,10 @@ class ReferenceActor(VersionedActor):
             # on CPU in bf16 a forward over weights without it took twice as long (torch 2.13, SmolLM2-135M over
             # 32 x 76 tokens, 2 threads: 2.3 against 1.1 s; fp32 3.4 against 3.2 s)
             self.model = load_causal_lm(model_dir, dtype).to(self.device)
+            if max_tokens_per_microbatch is not None:  # packed scoring relies on the model masking across sequences
+                from services.packing_check import check_packing_isolation
+
+                check_packing_isolation(self.model, self.model.config.vocab_size, f"{self.role}-{index}")
         elif backend == "vllm":
             from actors.engines import VLLMEngine
 

@@ -47,6 +47,7 @@ from learner.advantages import (
 )
 from learner.kl import (
     check_finite,
+    episode_kl,
     grpo_token_k3_loss,
     kl_logprob_roles,
     kl_loss_aggregation,
@@ -191,14 +192,28 @@ class Algorithm:
 
     # ------------------------------------------------------------------ the controller's statistic
 
-    def controller_sums(self, batch: RolloutBatch) -> dict[str, float]:
-        """``kl_sums`` over the episodes of ``batch`` (with ``old_logprobs`` and ``ref_logprobs``): every episode
-        sampled, trained on or not. Async: weighted by the prefix ratio of the learner's log-probs to the
-        engine's, so its expectation is the KL of the learner's policy (the module's docstring)."""
+    def _controller_inputs(self, batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """(log-probs, reference log-probs, mask, the sampler's log-probs or None), [E, K * T] on the episode view:
+        the learner's log-probs at the start of the update, and in async mode the engine's, which sampled."""
         view, mask = episode_view(batch), batch.action_mask
         behaviour = view.merge(batch.rollout_logprobs * mask) if self.off_policy else None
-        return kl_sums(view.merge(batch.old_logprobs * mask), view.merge(batch.ref_logprobs * mask), view.merge(mask),
-                       self.kl.estimator, behaviour)
+        return view.merge(batch.old_logprobs * mask), view.merge(batch.ref_logprobs * mask), view.merge(mask), behaviour
+
+    def controller_values(self, batch: RolloutBatch) -> Tensor:
+        """[E] each episode's term of the controller's statistic (``learner.kl.episode_kl``), episodes in order of
+        their first row: async, weighted by the prefix ratio of the learner's log-probs to the engine's, so its
+        expectation is the KL of the learner's policy (the module's docstring)."""
+        logprobs, ref_logprobs, mask, behaviour = self._controller_inputs(batch)
+        return episode_kl(logprobs, ref_logprobs, mask, self.kl.estimator, behaviour)
+
+    def controller_sums(self, batch: RolloutBatch, dropped: RolloutBatch | None = None) -> dict[str, float]:
+        """``kl_sums`` over every episode sampled: the rows trained on (``batch``, with ``old_logprobs`` and
+        ``ref_logprobs``) and dynamic sampling's ``dropped`` ones, which are not a selection on scores."""
+        sums = []
+        for part in [b for b in (batch, dropped) if b is not None and b.shape[0]]:
+            logprobs, ref_logprobs, mask, behaviour = self._controller_inputs(part)
+            sums.append(kl_sums(logprobs, ref_logprobs, mask, self.kl.estimator, behaviour))
+        return {k: sum(part[k] for part in sums) for k in sums[0]}
 
     # ------------------------------------------------------------------ rewards and advantages
 

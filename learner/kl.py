@@ -338,25 +338,33 @@ def prefix_log_weights(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tenso
     return torch.cumsum((logprobs - behaviour_logprobs).detach().double() * mask, dim=-1)
 
 
+def episode_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1",
+               behaviour_logprobs: Tensor | None = None) -> Tensor:
+    """[B] float64 ``x_b = sum_t W_t k(r_t)`` over the ``mask`` of each row, one row an episode (an agent's several
+    rows laid end to end: ``learner.algorithm.EpisodeView``).
+
+    ``behaviour_logprobs`` None (the rows were sampled by ``logprobs``' own policy): W = 1, and ``x_b`` is the
+    response KL the reward penalises. Given (async: the engine's, an older version's): W is the prefix likelihood
+    ratio pi / pi_behav (``prefix_log_weights``), so ``E_behav[x_b]`` is KL(pi || pi_ref) exactly for k1 and k3:
+    the KL of the policy being optimised, not of the sampler.
+    """
+    m = check_response_mask(mask, logprobs.shape)
+    per_token = kl_estimate(logprobs, ref_logprobs, estimator).double() * m
+    if behaviour_logprobs is not None:
+        per_token = per_token * prefix_log_weights(logprobs, behaviour_logprobs, m).exp()
+    return per_token.sum(dim=-1)
+
+
 def kl_sums(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1",
             behaviour_logprobs: Tensor | None = None) -> dict[str, float]:
-    """Additive sums behind ``kl_stats``; summing these over disjoint shards then calling
-    ``kl_stats_from_sums`` gives the exact statistics of the whole batch.
-
-    Each row is one episode (an agent's several rows laid end to end: ``learner.algorithm.EpisodeView``); its
-    value is ``x_b = sum_t W_t k(r_t)``. ``behaviour_logprobs`` None (the rows were sampled by ``logprobs``' own
-    policy): W = 1, and ``x_b`` is the response KL the reward penalises. Given (async: the engine's, an older
-    version's): W is the prefix likelihood ratio pi / pi_behav (``prefix_log_weights``), so ``E_behav[x_b]`` is
-    KL(pi || pi_ref) exactly for k1 and k3, the policy being optimised, not the sampler. ``response_sq_sum``
-    (the sum of ``x_b^2``) gives the mean's standard error.
-    """
+    """Additive sums behind ``kl_stats`` of the rows' ``episode_kl`` for every estimator; summing these over
+    disjoint shards then calling ``kl_stats_from_sums`` gives the exact statistics of the whole batch.
+    ``response_sq_sum`` (the sum of the configured estimator's ``x_b^2``) gives the mean's standard error."""
     check_estimator(estimator)
     m = check_response_mask(mask, logprobs.shape)
-    weights = None if behaviour_logprobs is None else prefix_log_weights(logprobs, behaviour_logprobs, m).exp()
     sums: dict[str, float] = {}
     for k in ESTIMATORS:
-        per_token = kl_estimate(logprobs, ref_logprobs, k).double() * m  # type: ignore[arg-type]
-        values = (per_token if weights is None else weights * per_token).sum(dim=-1)
+        values = episode_kl(logprobs, ref_logprobs, m, k, behaviour_logprobs)  # type: ignore[arg-type]
         sums[f"{k}_response_sum"] = float(values.sum())
         if k == estimator:
             sums["response_sq_sum"] = float(values.square().sum())

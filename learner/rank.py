@@ -194,6 +194,11 @@ class LearnerRank:
             "wall_clock_breakdown": False,
         }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        if learner_cfg.max_tokens_per_microbatch:  # packed forwards rely on the model masking across sequences
+            from services.packing_check import check_packing_isolation
+
+            check_packing_isolation(self.engine.module.lm, self.engine.module.lm.config.vocab_size,
+                                    f"learner-rank-{self.rank}")
         self.reducer = DistributedReducer(self.device)  # the algorithm layer's collectives: over every rank
         self.updates = 0
         self.collected: dict[int, RolloutBatch] = {}  # slot -> chunk with its old_logprobs, old_values, ref_logprobs, scores
@@ -307,9 +312,7 @@ class LearnerRank:
             batch.old_logprobs = step_forward[0].detach().cpu()
             batch.old_values = step_forward[1].detach().cpu() if step_forward[1] is not None else None
         # the controller's statistic over every episode sampled, the dropped groups' too: not a selection on scores
-        sums = algorithm.controller_sums(batch)
-        if dropped is not None and dropped.shape[0]:
-            sums = {k: v + algorithm.controller_sums(dropped)[k] for k, v in sums.items()}
+        sums = algorithm.controller_sums(batch, dropped)
         mask = batch.action_mask  # the model's tokens; prepare may take the truncated rows out of the loss's
         sums |= algorithm.prepare(batch, kl_coef, self.reducer)
 

@@ -214,6 +214,15 @@ class RolloutConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _staleness_is_async(self) -> RolloutConfig:
+        default = RolloutConfig.model_fields["max_staleness"].default
+        if self.mode == "sync" and self.max_staleness != default:
+            raise ValueError(f"rollout.max_staleness={self.max_staleness} is set but rollout.mode='sync' ignores it: "
+                             "sync trains each batch on the policy version that generated it; set "
+                             f"rollout.mode='async', or rollout.max_staleness={default} (its default)")
+        return self
+
+    @model_validator(mode="after")
     def _no_truncated_sampling(self) -> RolloutConfig:
         if self.top_p < 1:
             raise ValueError(
@@ -397,6 +406,23 @@ class RewardConfig(Section):
 PRETRAINED_PARAMETERS = 20_000_000
 
 
+# what only GAE reads (learner/advantages.py's _gae; the critic's value loss, learner/algorithm.py), and what it is
+GAE_ONLY_FIELDS = {
+    "lam": "GAE's lambda",
+    "whiten_rewards": "the whitening of the per-token rewards GAE sees",
+    "whiten_advantages": "the whitening of GAE's advantages (the other estimators normalise theirs as they define)",
+    "vf_coef": "the weight of the critic's value loss",
+    "clip_range_value": "the clip of the critic's values in its value loss",
+}
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as the YAML and the command line write it: true, false, null, 'text', 0.5."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else repr(value)
+
+
 class PPOConfig(Section):
     advantage: Estimator = Field(
         "gae", description="advantage estimator (learner.advantages): gae (with a critic), or the critic-free "
@@ -465,6 +491,19 @@ class PPOConfig(Section):
         if self.grpo_normalize != "score" and self.advantage != "grpo":
             raise ValueError(f"ppo.grpo_normalize={self.grpo_normalize!r} is set but ppo.advantage="
                              f"{self.advantage!r} ignores it; set ppo.grpo_normalize='score' or ppo.advantage='grpo'")
+        defaults = type(self).model_fields
+        if self.advantage != "gae":
+            # by value, not by which fields were given: a dumped config (config.yaml, --print-config) holds them all
+            for name, what in GAE_ONLY_FIELDS.items():
+                value, default = getattr(self, name), defaults[name].default
+                if value != default:
+                    raise ValueError(f"ppo.{name}={_shown(value)} is set but ppo.advantage={self.advantage!r} ignores "
+                                     f"it: {what} is read only by ppo.advantage='gae'; set ppo.{name}="
+                                     f"{_shown(default)} (its default) or ppo.advantage='gae'")
+        if self.advantage in ("grpo", "rloo") and self.gamma != defaults["gamma"].default:
+            raise ValueError(f"ppo.gamma={self.gamma} is set but ppo.advantage={self.advantage!r} ignores it: "
+                             f"{self.advantage} scores each response by its undiscounted return; set ppo.gamma=1.0 "
+                             "(its default), or ppo.advantage 'gae' or 'reinforce_pp', which discount")
         return self
 
     def ratio_clip_range(self) -> tuple[float, float]:
@@ -483,6 +522,11 @@ class PPOConfig(Section):
                 raise ValueError(f"ppo.{name} is set but ppo.policy_loss={self.policy_loss!r} clips its sequence ratio "
                                  "with ppo.gspo_clip_low and ppo.gspo_clip_high; set it to null")
         defaults = type(self).model_fields
+        if gspo and self.clip_range != defaults["clip_range"].default:
+            raise ValueError(f"ppo.clip_range={self.clip_range} is set but ppo.policy_loss={self.policy_loss!r} "
+                             "ignores it: it clips its sequence ratio with ppo.gspo_clip_low and ppo.gspo_clip_high; "
+                             f"set those, and ppo.clip_range={defaults['clip_range'].default} (its default), or "
+                             "ppo.policy_loss='ppo'")
         for name in ("gspo_clip_low", "gspo_clip_high"):
             if not gspo and getattr(self, name) != defaults[name].default:
                 raise ValueError(f"ppo.{name}={getattr(self, name)} is set but ppo.policy_loss='ppo' ignores it; set "
@@ -683,7 +727,8 @@ class JobConfig(BaseSettings):
     model_config = SettingsConfigDict(
         extra="forbid",
         validate_assignment=True,
-        cli_parse_args=False,
+        # no cli_parse_args: set (even to False) it makes every JobConfig build an argparse parser of the whole tree
+        # (pydantic-settings 2.x, 40 ms a config); the command line is learner.main's CliApp.run
         cli_implicit_flags=True,
         nested_model_default_partial_update=True,
     )
@@ -892,6 +937,19 @@ class JobConfig(BaseSettings):
         if self.reward.kind != "model" and self.reward.label is not None:
             raise ValueError(f"reward.label={self.reward.label!r} is set but reward.kind={self.reward.kind!r} has no labels; "
                              "set reward.label=null")
+        return self
+
+    @model_validator(mode="after")
+    def _scored_as_sampled(self) -> JobConfig:
+        """The reference scores at the temperature the engines sampled at."""
+        temperature = self.rollout.temperature
+        if self.reference.backend == "vllm" and temperature != 1:
+            # the reference actor refuses it too (actors/reference.py): vLLM's prompt_logprobs are at temperature 1
+            raise ValueError(f"rollout.temperature={temperature} is refused with reference.backend='vllm': vLLM's "
+                             "prompt_logprobs score at temperature 1, while the engines sample and the learner scores "
+                             f"at {temperature}, so the KL would be taken to another distribution than the reference "
+                             "policy's; use reference.backend='hf' (it scores at rollout.temperature) or "
+                             "rollout.temperature=1.0")
         return self
 
     def tiny_model_settings_notice(self, parameters: int | None) -> str | None:

@@ -444,8 +444,9 @@ def check_trajectory_records(records: list[dict]) -> None:
         assert r["trajectory_model_tokens_mean"] >= r["turns_mean"]  # at least a token a turn
         assert 0 <= r["truncated_fraction"] <= 1
         assert r["response_length_mean"] == r["trajectory_model_tokens_mean"]
-        # sum_t reward_t = score - beta * KL over the model's tokens of the whole trajectory
-        assert r["reward_mean"] == pytest.approx(r["score_mean"] - r["kl_coef_used"] * r["kl_response_mean"],
+        # sum_t reward_t = score - beta * KL over the model's tokens of the whole trajectory: the penalty's KL (in
+        # sync mode the controller's statistic itself; async: the statistic is prefix-weighted, the penalty not)
+        assert r["reward_mean"] == pytest.approx(r["score_mean"] - r["kl_coef_used"] * r["kl_penalty_mean"],
                                                  rel=1e-5, abs=1e-7)
     # the environment's tokens were there: observations after the first turn
     assert sum(r["trajectory_environment_tokens_mean"] for r in records) > 0
@@ -470,6 +471,7 @@ def test_interactive_randomwalks_job_learns_and_keeps_exact_books(randomwalks_ru
         assert r["probe_max_abs_error"] < 1e-4
         assert r["rollout_learner_logprob_mismatch_max"] < 1e-3
         assert r["batch_staleness_max"] == 0
+        assert r["kl_response_mean"] == pytest.approx(r["kl_penalty_mean"], rel=1e-9)  # sync: the same KL
     start, final = summary["eval_start"]["optimality"], summary["eval_final"]["optimality"]
     assert final > start + 0.15, (start, final)  # seen after 6 iterations: 0.14 -> 0.41 (seed 1), 0.30 -> 0.68 (seed 2)
     assert 1 <= summary["eval_final"]["turns"] <= 9
@@ -488,6 +490,7 @@ def test_async_group_estimator_job_on_trajectories(shared_runs):
     for r in records:
         assert r["episodes"] == 32 and len(r["prompt_rows"]) == 8  # 8 prompts, 4 episodes each
         assert r["probe_max_abs_error"] < 1e-4
+        assert math.isfinite(r["kl_response_mean_stderr"]) and r["kl_response_mean_stderr"] > 0
     assert math.isfinite(summary["eval_final"]["optimality"])
 
 

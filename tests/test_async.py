@@ -102,7 +102,7 @@ def test_a_stale_row_is_never_trained_on(ray_client, tiny_model_dir):
     finally:
         for rank in group.ranks:
             ray.kill(rank)
-    assert result.num_responses == 16 and result.policy_versions == [2, 3]
+    assert result.trained_episodes == 16 and result.policy_versions == [2, 3]
     # slot 0's weights pi_prox / pi_behav are huge and capped; slot 1's are below 1
     assert result.ppo["is_capped_fraction"] == pytest.approx(0.5)
     assert 1.0 < result.ppo["is_weight_mean"] < 1.5

@@ -123,7 +123,7 @@ def test_zero3_lost_chunk_finishes_within_the_timeout_and_the_retry_trains(ray_c
         for rank in group.ranks:
             ray.kill(rank)
     assert sorted(r.rank for r in result.ranks) == [0, 1]
-    assert result.num_responses == 16
+    assert result.trained_episodes == 16
     assert all(r.ppo["optimizer_steps"] == 2 for r in result.ranks)
 
 

@@ -280,7 +280,7 @@ def test_chunk_from_an_engine_restarted_after_the_version_check_is_regenerated(r
         result = group.update(0.2, iteration=1)
     finally:
         kill(engine)
-    assert result.num_responses == 8 and result.policy_versions == [3]
+    assert result.trained_episodes == 8 and result.policy_versions == [3]
 
 
 def test_on_cpu_every_actor_but_the_engines_runs_below_their_priority(roles):

@@ -1,0 +1,581 @@
+"""The settings-space harness: every accepted combination of the algorithm's settings, run through the algorithm
+layer (``learner.algorithm``, the functions the learner rank calls) on exact tabular problems.
+
+The problem: a vocabulary {0, 1, EOS}, every response of up to 3 model tokens (15 of them), policies given by a
+logit table per prefix. Behaviour (the engine), proximal (the learner at the start of the update), current (the
+policy being stepped), reference and teacher policies all differ; in sync mode the engine holds the learner's
+version, so behaviour = proximal there. Expectations are exact sums over every response (and every pair of
+responses for the group estimators, whose baselines couple a group), weighted by the behaviour's probabilities.
+
+Three task shapes: one response; a multi-turn trajectory (an environment token after the first model token, a
+reward at each turn's end); an agent episode split into two rows (the environment's token opens the second row,
+the episode's reward on the last row's last token).
+
+For every combination ``JobConfig`` accepts, the harness checks
+- the controller's statistic: its expectation is KL(pi || ref) per episode, pi the proximal policy (the one the
+  learner optimises), or it is classed biased by design (k2, ``kl.scope: token_mean``) with its bias printed;
+- the penalty identity: the rewards the layer builds are the scores minus beta times the per-episode KL sum it
+  logs (``kl.placement: reward``), or the scores alone (``loss``);
+- the expected gradient of each term of the objective (the task score, the KL to the reference, the reverse KL to
+  the teacher) against the gradient of that term: exact (relative error < 1e-6), bounded (token-level rollout
+  correction in async mode: within ``TOKEN_CORRECTION_BOUND``), or biased by design (peers' forms and the
+  normalisations and selections that change the objective on purpose), with the measured error printed;
+and for every refused combination, that the message names the fields.
+
+Axes and the reduction: the full product of the axes is about 80k combinations. The harness takes the full
+product of the axes that reach the controller's statistic (mode, placement, estimator, scope, task shape, dynamic
+sampling, distillation: 432) and a pairwise covering array over all the axes (every pair of two axes' values in at
+least one combination), the other axes of each controller combination taken from the covering array in turn.
+
+Fixed settings: GAE at gamma = lambda = 1 without whitening (the variance reductions that trade bias are axes of
+their own elsewhere: whitening is REINFORCE++'s and is classed there), an uncapped importance weight
+(``ppo.is_cap`` 1e6: a cap is a bias by its own definition; ``test_default_token_cap_error`` measures the default),
+and clip ranges wide enough that no ratio is clipped at the step the gradient is taken.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import torch
+from pydantic import ValidationError
+from torch import Tensor
+
+from learner.algorithm import Algorithm, episode_view
+from learner.kl import kl_stats_from_sums
+from services.config import JobConfig, load_config
+from services.experience import FINISH_LENGTH, FINISH_STOP, Episodes, RolloutBatch, make_batch, pad_right
+
+EOS, ENV = 2, 3
+WIDTH = 4  # response positions: a, ENV, b, c at most
+BETA, DISTILL_COEF = 0.3, 0.2
+TOKEN_CORRECTION_BOUND = 0.5  # relative gradient error of token-level correction at the harness's version shift
+EXACT = 1e-6
+
+AXES: dict[str, tuple] = {
+    "mode": ("sync", "async"),
+    "placement": ("reward", "loss"),
+    "estimator": ("k1", "k2", "k3"),
+    "loss_form": (None, "kl_to_go", "response_k2", "grpo_token_k3"),
+    "scope": ("response_sum", "token_mean"),
+    "advantage": ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"),
+    "policy_loss": ("ppo", "gspo", "gspo_token"),
+    "aggregation": ("token_mean", "sequence_mean", "seq_mean_token_sum_norm"),
+    "correction": (("tis", "token"), ("tis", "sequence"), ("mis", "token"), ("mis", "sequence"), ("none", "token")),
+    "grpo_normalize": ("score", "return"),
+    "mask_truncated": (False, True),
+    "dynamic_sampling": (False, True),
+    "distill": ("off", "with_task", "without_task"),
+    "shape": ("single", "multi_turn", "agent_split"),
+}
+CONTROLLER_AXES = ("mode", "placement", "estimator", "scope", "shape", "dynamic_sampling", "distill")
+
+
+# ---------------------------------------------------------------------------- combinations and the config
+
+
+def repaired(c: dict, fixed: set[str]) -> dict:
+    """``c`` with the axes outside ``fixed`` moved to values the others allow (the config's own rules, so that a
+    covering row tests what it was drawn for rather than a refusal)."""
+    c = dict(c)
+
+    def put(axis, value):
+        if axis not in fixed:
+            c[axis] = value
+
+    put("loss_form", None if c["placement"] == "reward" else c["loss_form"] or "kl_to_go")
+    if c["advantage"] != "grpo" or c["placement"] == "loss":
+        put("grpo_normalize", "score")
+    if c["advantage"] not in ("grpo", "rloo", "reinforce_pp_baseline") or c["shape"] != "single" \
+            or c["distill"] == "without_task":
+        put("dynamic_sampling", False)
+    if c["shape"] != "single" or c["placement"] == "loss":
+        put("mask_truncated", False)
+    if c["mode"] == "async" and c["correction"][0] == "none":
+        put("correction", ("tis", c["correction"][1]))
+    if c["policy_loss"] == "gspo":
+        put("advantage", "grpo" if c["advantage"] == "gae" else c["advantage"])
+        if c["correction"][1] == "token":
+            put("correction", (c["correction"][0], "sequence") if c["correction"][0] != "none" else ("none", "token"))
+    return c
+
+
+def covering_array(axes: dict[str, tuple], seed: int = 0, tries: int = 32) -> tuple[list[dict], list[dict]]:
+    """Accepted combinations covering every pair of two axes' values that some accepted combination holds (greedy:
+    each new one is the candidate, of ``tries`` drawn around a pair still missing and repaired, that covers the
+    most pairs not yet covered). Returns (the combinations, one refused combination per pair none could hold)."""
+    names = list(axes)
+    pairs = lambda c: {(x, c[x], y, c[y]) for i, x in enumerate(names) for y in names[i + 1:]}
+    uncovered = {(a, va, b, vb) for i, a in enumerate(names) for b in names[i + 1:] for va in axes[a] for vb in axes[b]}
+    rng = torch.Generator().manual_seed(seed)
+    rows, refused = [], []
+    while uncovered:
+        a, va, b, vb = min(uncovered, key=repr)
+        candidates = []
+        for _ in range(tries):
+            cand = {n: axes[n][int(torch.randint(len(axes[n]), (1,), generator=rng))] for n in names} | {a: va, b: vb}
+            cand = repaired(cand, {a, b})
+            candidates.append((len(pairs(cand) & uncovered), len(candidates), cand))
+        best = example = None
+        for _, _, cand in sorted(candidates, key=lambda t: (-t[0], t[1])):  # the config asked in order of gain
+            if resolve(cand)[0] is not None:
+                best = cand
+                break
+            example = example or cand
+        if best is None:  # no accepted combination holds this pair: the config refuses it
+            refused.append(example)
+            uncovered.discard((a, va, b, vb))
+            continue
+        rows.append(best)
+        uncovered -= pairs(best)
+    return rows, refused
+
+
+def combinations() -> tuple[list[dict], list[dict]]:
+    """(the covering rows and the full product of the controller's axes, each product row's other axes from a
+    covering row and repaired; the refused pairs' examples)."""
+    pairwise, refused = covering_array(AXES)
+    product = [dict(zip(CONTROLLER_AXES, values, strict=True))
+               for values in itertools.product(*(AXES[a] for a in CONTROLLER_AXES))]
+    filled = [repaired({**pairwise[i % len(pairwise)], **controller}, set(CONTROLLER_AXES))
+              for i, controller in enumerate(product)]
+    return pairwise + filled, refused
+
+
+def overrides(c: dict) -> dict:
+    """The JobConfig settings of a combination."""
+    correction, level = c["correction"]
+    ppo = {"advantage": c["advantage"], "policy_loss": c["policy_loss"], "loss_aggregation": c["aggregation"],
+           "correction": correction, "grpo_normalize": c["grpo_normalize"], "mask_truncated": c["mask_truncated"]}
+    if correction != "none":
+        ppo |= {"correction_level": level, "is_cap": 1e6}
+    if c["advantage"] == "gae":
+        ppo |= {"lam": 1.0, "whiten_advantages": False}
+    if c["policy_loss"] == "ppo":
+        ppo |= {"clip_range": 0.9}
+    else:
+        ppo |= {"gspo_clip_low": 0.9, "gspo_clip_high": 0.9}
+    out = {"ppo": ppo, "kl": {"placement": c["placement"], "estimator": c["estimator"], "scope": c["scope"],
+                              "loss_form": c["loss_form"]},
+           "rollout": {"mode": c["mode"], "dynamic_sampling": c["dynamic_sampling"]}}
+    if c["advantage"] in ("grpo", "rloo", "reinforce_pp_baseline"):
+        out["rollout"]["samples_per_prompt"] = 2
+    if c["distill"] != "off":
+        out["distill"] = {"teacher_path": "teacher-dir", "task_reward": c["distill"] == "with_task",
+                          "coef": DISTILL_COEF}
+    if c["shape"] == "multi_turn":
+        out["task"] = {"name": "environment", "environment": "tests.agent_envs:make"}
+    if c["shape"] == "agent_split":
+        out["task"] = {"name": "agent", "path": "rows.jsonl"}
+        out["rollout"]["agent"] = "tests.agent_programs:agent"
+        out["model"] = {"path": "policy-dir"}
+    return out
+
+
+def resolve(c: dict) -> tuple[JobConfig | None, str | None]:
+    """``JobConfig``'s answer for a combination: (the config, None), or (None, its refusal)."""
+    key = tuple(sorted((k, repr(v)) for k, v in c.items()))
+    if key not in _RESOLVED:
+        _RESOLVED[key] = _resolve(c)
+    return _RESOLVED[key]
+
+
+_RESOLVED: dict = {}
+
+
+def _resolve(c: dict) -> tuple[JobConfig | None, str | None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # token_mean and grpo_token_k3 warn by design
+        try:
+            return load_config(None, overrides(c)), None
+        except ValidationError as err:
+            return None, str(err)
+
+
+FIELD = re.compile(r"\b(rollout|ppo|kl|distill|task|reward|learner|model|reference)\.[a-z_]+")
+
+
+# ---------------------------------------------------------------------------- the tabular problem
+
+
+def all_responses() -> list[tuple[int, ...]]:
+    """Every response of up to 3 model tokens over {0, 1, EOS}: EOS ends it, 3 tokens without EOS are cut."""
+    out = [(EOS,)]
+    for n in (1, 2):
+        for prefix in itertools.product((0, 1), repeat=n):
+            out += [(*prefix, EOS)] if n == 1 else [(*prefix, EOS)] + [(*prefix, t) for t in (0, 1)]
+    return out
+
+
+STATES = {prefix: i for i, prefix in enumerate([(), (0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)])}
+
+
+def sequence_logprob(table: torch.Tensor, y: tuple[int, ...]) -> torch.Tensor:
+    logp = torch.log_softmax(table, -1)
+    return sum(logp[STATES[y[:t]], y[t]] for t in range(len(y)))
+
+
+@dataclass
+class Problem:
+    """Logit tables [7 states, 3 tokens] of every policy, and the task's rewards."""
+
+    behaviour: torch.Tensor
+    proximal: torch.Tensor
+    current: torch.Tensor
+    reference: torch.Tensor
+    teacher: torch.Tensor
+    values: torch.Tensor  # [7] the critic's value of each state
+    turn_reward: torch.Tensor  # [2] the first turn's reward by its token (multi-turn shapes)
+    score: dict  # response -> final score, 0 or 1
+
+    @classmethod
+    def make(cls, seed: int, mode: str) -> Problem:
+        g = torch.Generator().manual_seed(seed)
+
+        def table(scale=1.0):
+            return (scale * torch.randn(7, 3, generator=g)).double()
+
+        proximal = table()
+        behaviour = proximal + 0.35 * table() if mode == "async" else proximal.clone()
+        current = proximal + 0.1 * table()
+        return cls(behaviour, proximal, current, table(), table(), torch.randn(7, generator=g).double(),
+                   torch.randn(2, generator=g).double(),
+                   # 0 or 1, as a verifier scores: groups of different responses tie, as dynamic sampling needs
+                   {y: float(torch.rand(1, generator=g) < 0.5) for y in all_responses()})
+
+
+def rows_of(y: tuple[int, ...], shape: str) -> list[tuple[list[int], list[int], list[tuple | None]]]:
+    """One episode's rows: (ids, action mask, the model prefix of each position's token or None)."""
+    states = [y[:t] for t in range(len(y))]
+    if shape == "single" or len(y) == 1:
+        return [(list(y), [1] * len(y), states)]
+    if shape == "multi_turn":
+        return [([y[0], ENV, *y[1:]], [1, 0] + [1] * (len(y) - 1), [states[0], None, *states[1:]])]
+    return [([y[0]], [1], [states[0]]), ([ENV, *y[1:]], [0] + [1] * (len(y) - 1), [None, *states[1:]])]
+
+
+def episode_rewards(problem: Problem, y: tuple[int, ...], shape: str) -> list[list[float]]:
+    """Each row's per-position rewards: the first turn's at its token (multi-turn), the final score at the last
+    model token of the episode (an agent's: of its last row)."""
+    rows = rows_of(y, shape)
+    out = [[0.0] * len(ids) for ids, _, _ in rows]
+    final = problem.score[y]
+    if shape == "single":
+        out[0][-1] = final
+        return out
+    if len(y) > 1:
+        first = float(problem.turn_reward[y[0]])
+        if shape == "multi_turn":
+            out[0][0] = first
+        else:  # an agent: one reward, the episode's, on its last row's last token
+            final += first
+    out[-1][len(rows[-1][0]) - 1] += final
+    return out
+
+
+def logprob_rows(table: torch.Tensor, states: list[list], ids: list[list[int]]) -> torch.Tensor:
+    """[R, WIDTH] log-probs of each row's tokens under ``table`` (one table, or [R, 7, 3] one per row); 0 off the
+    model's tokens."""
+    logp = torch.log_softmax(table, -1)
+    out = []
+    for r, (row_states, row_ids) in enumerate(zip(states, ids, strict=True)):
+        row_table = logp if logp.dim() == 2 else logp[r]
+        values = [row_table[STATES[s], t] if s is not None else row_table.new_zeros(()) for s, t in
+                  zip(row_states, row_ids, strict=True)]
+        out.append(torch.stack(values + [row_table.new_zeros(())] * (WIDTH - len(values))))
+    return torch.stack(out)
+
+
+@dataclass
+class Enumeration:
+    """Every episode (every pair of episodes for a group estimator) as one batch, with each row's weight."""
+
+    batch: RolloutBatch
+    states: list[list]
+    ids: list[list[int]]
+    weight: torch.Tensor  # [R] the probability under the behaviour policy of the row's group
+    group_size: int
+    responses: list[tuple[int, ...]]  # [R] the episode's response
+
+
+def enumerate_batch(problem: Problem, shape: str, group_size: int) -> Enumeration:
+    responses = all_responses()
+    groups = [(y,) for y in responses] if group_size == 1 else list(itertools.product(responses, repeat=2))
+    prompts, ids, masks, states, rewards, finish, group_index, episode_index, weight, of = ([] for _ in range(10))
+    episode = 0
+    for g, members in enumerate(groups):
+        w = math.exp(sum(float(sequence_logprob(problem.behaviour, y)) for y in members))
+        for y in members:
+            for (row_ids, row_mask, row_states), row_rewards in zip(rows_of(y, shape), episode_rewards(problem, y, shape),
+                                                                     strict=True):
+                prompts.append([0])
+                ids.append(row_ids), masks.append(row_mask), states.append(row_states), rewards.append(row_rewards)
+                finish.append(FINISH_STOP if y[-1] == EOS else FINISH_LENGTH)
+                group_index.append(g if group_size > 1 else -1), episode_index.append(episode)
+                weight.append(w), of.append(y)
+            episode += 1
+    behaviour = logprob_rows(problem.behaviour, states, ids)
+    episodic = shape != "single"
+    batch = make_batch(prompts, ids, [row[: len(i)].tolist() for row, i in zip(behaviour, ids, strict=True)], finish,
+                       list(range(len(ids))), 0, 0, BETA, response_width=WIDTH, group_index=group_index,
+                       action_masks=masks, episode_index=episode_index,
+                       episodes=Episodes(rewards, [1] * len(ids), [0] * len(ids), [0.0] * len(ids), [0] * len(ids))
+                       if episodic else None)
+    batch.rollout_logprobs = behaviour  # the harness is float64 throughout
+    batch.action_mask = batch.action_mask.double()
+    batch.response_mask = batch.response_mask.double()
+    if batch.turn_rewards is not None:  # exact: make_batch's float32 would round them
+        batch.turn_rewards = pad_right(rewards, 0.0, WIDTH, dtype=torch.float64)
+    batch.scores = torch.tensor([sum(r) for r in rewards], dtype=torch.float64)
+    batch.old_logprobs = logprob_rows(problem.proximal, states, ids)
+    batch.ref_logprobs = logprob_rows(problem.reference, states, ids)
+    batch.teacher_logprobs = logprob_rows(problem.teacher, states, ids)
+    batch.old_values = torch.stack([torch.stack([problem.values[STATES[s]] if s is not None else problem.values.new_zeros(())
+                                                 for s in row] + [problem.values.new_zeros(())] * (WIDTH - len(row)))
+                                    for row in states])
+    return Enumeration(batch, states, ids, torch.tensor(weight, dtype=torch.float64), group_size, of)
+
+
+# ---------------------------------------------------------------------------- exact objectives
+
+
+def exact_kl(table: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """KL(pi_table || pi_other) of whole responses, by enumeration (differentiable in ``table``)."""
+    return sum(sequence_logprob(table, y).exp() * (sequence_logprob(table, y) - sequence_logprob(other, y))
+               for y in all_responses())
+
+
+def exact_score(table: torch.Tensor, problem: Problem, shape: str) -> torch.Tensor:
+    return sum(sequence_logprob(table, y).exp() * sum(sum(r) for r in episode_rewards(problem, y, shape))
+               for y in all_responses())
+
+
+def objective_gradient(fn, at: torch.Tensor) -> torch.Tensor:
+    theta = at.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(fn(theta), theta)
+    return grad
+
+
+# ---------------------------------------------------------------------------- running the layer
+
+
+def trained_rows(algorithm: Algorithm, batch: RolloutBatch) -> tuple[Tensor, Tensor | None]:
+    """The rank's dynamic sampling (``Algorithm.select``, keeping every group whose scores differ): (the rows it
+    trains on, the rows it drops or None)."""
+    if not algorithm.dynamic_sampling:
+        return torch.arange(batch.shape[0]), None
+    keep, _ = algorithm.select(batch, algorithm.differing_groups(batch))
+    return keep.nonzero().squeeze(-1), (~keep).nonzero().squeeze(-1)
+
+
+def fed_statistic(algorithm: Algorithm, e: Enumeration) -> float:
+    """The expectation of the statistic the controller is fed, exact, through the rank's path: dynamic sampling's
+    selection, ``Algorithm.controller_values`` over the trained and the dropped episodes, the driver's scope
+    (``kl.scope``). A ratio statistic (``token_mean``) is taken at its large-batch limit, E[sum] / E[tokens]."""
+    from learner.kl import controller_statistic
+
+    kept, dropped = trained_rows(algorithm, e.batch)
+    total = {"response_sum": 0.0, "num_responses": 0.0, "num_tokens": 0.0, "empty_responses": 0.0,
+             **{f"{k}_response_sum": 0.0 for k in ("k1", "k2", "k3")}}
+    for rows in [r for r in (kept, dropped) if r is not None and r.numel()]:
+        part = e.batch[rows]
+        view = episode_view(part)
+        w = view.first(e.weight[rows]) / e.group_size
+        x = algorithm.controller_values(part)
+        total["response_sum"] += float((w * x).sum())
+        total["num_responses"] += float(w.sum())
+        total["num_tokens"] += float((w * view.total(part.action_mask.sum(-1))).sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return controller_statistic(kl_stats_from_sums(total), algorithm.kl.scope)
+
+
+def layer_gradient(algorithm: Algorithm, e: Enumeration, at: torch.Tensor, kl_coef: float) -> tuple[Tensor, dict]:
+    """The expected gradient of the objective the layer's loss descends, at the policy ``at`` (a logit table),
+    exact: every row has its own copy of the table, so one backward gives each row's gradient, which the rows'
+    behaviour weights average. The loss divides its sum over episodes by a count over the batch (its tokens, or
+    episodes, ``Algorithm.loss_counts``), a constant per episode as the batch grows: the expectation is taken of
+    the sum per episode, the gradient of the documented objective. Returns (minus the loss's expected gradient per
+    episode [7, 3], prepare's sums on the enumeration batch)."""
+    rows, _ = trained_rows(algorithm, e.batch)
+    batch, weight = e.batch[rows], e.weight[rows]
+    states, ids = [e.states[i] for i in rows.tolist()], [e.ids[i] for i in rows.tolist()]
+    sums = algorithm.prepare(batch, kl_coef)
+    counts = algorithm.loss_counts(batch)
+    theta = at.expand(batch.shape[0], *at.shape).clone().requires_grad_(True)
+    logprobs = logprob_rows(theta, states, ids)
+    values = batch.old_values.clone() if algorithm.has_critic else None
+    logits = torch.zeros(*logprobs.shape, 3, dtype=torch.float64)
+    loss, _ = algorithm.loss(batch, (logprobs, values, logits), counts, kl_coef)
+    (per_row,) = torch.autograd.grad(loss, theta)
+    expected = torch.einsum("r,rsv->sv", weight, per_row) / e.group_size
+    kl_only = "kl_count" in counts and kl_coef > 0 and algorithm.kl.placement == "loss"
+    return -expected * float(counts["kl_count"] if kl_only else counts["denominator"]), sums
+
+
+def relative_error(got: Tensor, want: Tensor) -> float:
+    scale = float(want.norm())
+    return float((got - want).norm()) / scale if scale > 1e-12 else float((got - want).norm())
+
+
+# ---------------------------------------------------------------------------- what each combination should be
+
+
+def expected_classes(c: dict) -> dict[str, str]:
+    """The documented class of each check: exact, bounded, or biased (by design)."""
+    statistic = "exact" if c["estimator"] in ("k1", "k3") and c["scope"] == "response_sum" else "biased"
+    # the token-level correction weighs a token by its own ratio, not its prefix's: bounded, in async mode only
+    base = "bounded" if c["mode"] == "async" and c["correction"][1] == "token" else "exact"
+
+    def policy_term(per_token_advantages: bool) -> str:
+        """What the policy loss makes of a term: 1 / length weights (sequence_mean), rows left out (DAPO's
+        overlong filtering) and whitening change the objective; GSPO's one ratio per response averages a term's
+        advantages over the response, exact only where they are one per response."""
+        if c["aggregation"] == "sequence_mean" or c["mask_truncated"]:
+            return "biased"
+        if c["advantage"] in ("reinforce_pp", "reinforce_pp_baseline") or (c["policy_loss"] == "gspo"
+                                                                           and per_token_advantages):
+            return "biased"
+        return base
+
+    normalised_return = c["advantage"] == "grpo" and c["grpo_normalize"] == "return"
+    if c["distill"] == "without_task":  # no task reward reaches the gradient at all (issue A)
+        score = "exact"
+    elif c["advantage"] == "grpo" or (c["dynamic_sampling"] and c["advantage"] != "rloo"):
+        score = "biased"  # the group's std; a selection on scores (RLOO's tied groups carry 0 anyway)
+    else:
+        score = policy_term(c["advantage"] == "gae")
+    if c["dynamic_sampling"]:  # dropped groups' KL is left out of the gradient: a selection on scores
+        kl = "biased"
+    elif c["placement"] == "loss":
+        kl = "biased" if c["loss_form"] == "grpo_token_k3" else "exact"
+    else:
+        kl = "biased" if c["estimator"] != "k1" or normalised_return else policy_term(c["advantage"] != "rloo")
+    out = {"statistic": statistic, "score": score, "kl": kl}
+    if c["distill"] != "off":
+        out["teacher"] = "biased" if normalised_return or c["dynamic_sampling"] else \
+            policy_term(c["advantage"] != "rloo")
+    return out
+
+
+def zeroed_scores(e: Enumeration) -> Enumeration:
+    batch = e.batch.clone()
+    batch.scores = torch.zeros_like(batch.scores)
+    if batch.turn_rewards is not None:
+        batch.turn_rewards = torch.zeros_like(batch.turn_rewards)
+    return Enumeration(batch, e.states, e.ids, e.weight, e.group_size, e.responses)
+
+
+def with_logprobs(e: Enumeration, **tables) -> Enumeration:
+    batch = e.batch.clone()
+    for name, table in tables.items():
+        setattr(batch, name, logprob_rows(table, e.states, e.ids) if table is not None else
+                torch.zeros_like(batch.old_values))
+    return Enumeration(batch, e.states, e.ids, e.weight, e.group_size, e.responses)
+
+
+def check_combination(c: dict, cfg: JobConfig, problems: dict) -> dict[str, tuple[str, float]]:
+    """Run the layer on the tabular problem of ``c``; returns {check: (measured class, error)}."""
+    algorithm = Algorithm.from_config(cfg)
+    group = 2 if cfg.rollout.samples_per_prompt > 1 else 1
+    problem, e = problems[(c["mode"], c["shape"], group)]
+    measured = {}
+    distill = c["distill"] != "off"
+
+    # the controller's statistic against KL(proximal || reference)
+    fed = fed_statistic(algorithm, e)
+    truth = float(exact_kl(problem.proximal, problem.reference))
+    error = abs(fed - truth) / truth
+    measured["statistic"] = error
+
+    # the penalty identity on the trained rows, with the teacher switched off (its log-probs = the learner's)
+    quiet = with_logprobs(e, teacher_logprobs=problem.proximal)
+    rows, _ = trained_rows(algorithm, quiet.batch)
+    batch = quiet.batch[rows]
+    sums = algorithm.prepare(batch, BETA)
+    trained_scores = 0.0 if c["distill"] == "without_task" else float(algorithm.final_scores(batch)[0].sum())
+    penalty = BETA * sums["penalty_sum"] if c["placement"] == "reward" else 0.0
+    identity = abs(sums["reward_sum"] - (trained_scores - penalty))
+    assert identity < 1e-9, (c, sums, trained_scores)
+
+    # each term's expected gradient against that term's own gradient, at the proximal policy (the first step) for
+    # the terms in the policy loss, at the current policy for the KL in the loss (its weights are exact anywhere)
+    got, _ = layer_gradient(algorithm, quiet, problem.proximal, 0.0)
+    if c["distill"] == "without_task":  # the task's scores and turn rewards reach nothing: as if they were 0
+        score_target = torch.zeros_like(problem.proximal)
+        measured["score"] = relative_error(got, layer_gradient(algorithm, zeroed_scores(quiet), problem.proximal,
+                                                               0.0)[0])
+    else:
+        score_target = objective_gradient(lambda t: exact_score(t, problem, c["shape"]), problem.proximal)
+        measured["score"] = relative_error(got, score_target)
+
+    no_values = with_logprobs(zeroed_scores(quiet), old_values=None) if c["placement"] == "loss" else zeroed_scores(quiet)
+    at = problem.current if c["placement"] == "loss" else problem.proximal
+    kl_target = -BETA * objective_gradient(lambda t: exact_kl(t, problem.reference), at)
+    if c["dynamic_sampling"]:  # no score, no group kept: the selection is the bias; measured with the scores on
+        got, _ = layer_gradient(algorithm, quiet, at, BETA)
+        kl_target = kl_target + score_target
+    else:
+        got, _ = layer_gradient(algorithm, no_values, at, BETA)
+    measured["kl"] = relative_error(got, kl_target)
+
+    if distill:  # the reverse KL to the teacher, the task score and the reference KL switched off
+        teaching = with_logprobs(zeroed_scores(e), teacher_logprobs=problem.teacher)
+        target = -DISTILL_COEF * objective_gradient(lambda t: exact_kl(t, problem.teacher), problem.proximal)
+        got, _ = layer_gradient(algorithm, teaching if not c["dynamic_sampling"] else e, problem.proximal, 0.0)
+        measured["teacher"] = relative_error(got, target + (score_target if c["dynamic_sampling"] else 0))
+    return measured
+
+
+def meets(expected: str, error: float) -> bool:
+    """Whether a measured error fits its documented class: exact below ``EXACT``; bounded within
+    ``TOKEN_CORRECTION_BOUND``; biased by design never silently exact."""
+    if expected == "exact":
+        return error < EXACT
+    if expected == "bounded":
+        return error <= TOKEN_CORRECTION_BOUND
+    return error >= EXACT
+
+
+# ---------------------------------------------------------------------------- the harness
+
+
+@pytest.fixture(scope="module")
+def problems() -> dict:
+    out = {}
+    for mode in AXES["mode"]:
+        for shape in AXES["shape"]:
+            problem = Problem.make(7, mode)
+            for group in (1, 2):
+                out[(mode, shape, group)] = (problem, enumerate_batch(problem, shape, group))
+    return out
+
+
+def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_every_refusal_names_its_fields(problems):
+    combos, refused_pairs = combinations()
+    table: dict[tuple, list[float]] = {}
+    refused = 0
+    failures = []
+    for c in refused_pairs + combos:
+        cfg, error = resolve(c)
+        if cfg is None:
+            refused += 1
+            named = {m.group(0) for m in FIELD.finditer(error)}
+            assert named, f"refusal names no field: {error}"
+            continue
+        expected = expected_classes(c)
+        for check, err in check_combination(c, cfg, problems).items():
+            table.setdefault((check, expected[check]), []).append(err)
+            if not meets(expected[check], err):
+                failures.append((check, expected[check], err, c))
+    print(f"\n{len(combos) + len(refused_pairs)} combinations: {len(combos) + len(refused_pairs) - refused} accepted, "
+          f"{refused} refused ({len(refused_pairs)} pairs of values no accepted combination holds)")
+    print("| check | class | combinations | error (min .. max) |\n|---|---|---|---|")
+    for (check, cls), errors in sorted(table.items()):
+        print(f"| {check} | {cls} | {len(errors)} | {min(errors):.2e} .. {max(errors):.2e} |")
+    assert not failures, "\n".join(map(repr, failures[:10])) + f"\n... {len(failures)} in all"
