@@ -206,14 +206,20 @@ class Algorithm:
         logprobs, ref_logprobs, mask, behaviour = self._controller_inputs(batch)
         return episode_kl(logprobs, ref_logprobs, mask, self.kl.estimator, behaviour)
 
+    @staticmethod
+    def sampled(batch: RolloutBatch, dropped: RolloutBatch | None = None) -> RolloutBatch:
+        """Every episode sampled, which the controller's statistic is taken over: the rows trained on and dynamic
+        sampling's ``dropped`` ones (leaving them out would make the statistic a selection on scores)."""
+        from services.experience import concat_batches
+
+        if dropped is None or not dropped.shape[0]:
+            return batch
+        return concat_batches([batch, dropped])
+
     def controller_sums(self, batch: RolloutBatch, dropped: RolloutBatch | None = None) -> dict[str, float]:
-        """``kl_sums`` over every episode sampled: the rows trained on (``batch``, with ``old_logprobs`` and
-        ``ref_logprobs``) and dynamic sampling's ``dropped`` ones, which are not a selection on scores."""
-        sums = []
-        for part in [b for b in (batch, dropped) if b is not None and b.shape[0]]:
-            logprobs, ref_logprobs, mask, behaviour = self._controller_inputs(part)
-            sums.append(kl_sums(logprobs, ref_logprobs, mask, self.kl.estimator, behaviour))
-        return {k: sum(part[k] for part in sums) for k in sums[0]}
+        """``kl_sums`` over every episode sampled (``sampled``), with ``old_logprobs`` and ``ref_logprobs``."""
+        logprobs, ref_logprobs, mask, behaviour = self._controller_inputs(self.sampled(batch, dropped))
+        return kl_sums(logprobs, ref_logprobs, mask, self.kl.estimator, behaviour)
 
     # ------------------------------------------------------------------ rewards and advantages
 

@@ -156,18 +156,25 @@ class Fleet:
                         if self.teachers else None)
         return ref_refs, score_refs, teacher_refs
 
-    def evaluate(self, eval_prompts: list[list[int]], iteration: int,
-                 resync: Callable[[], object] | None = None) -> tuple[dict, list]:
-        """The task's eval metrics on sampled responses to the eval prompts, and the first
-        ``metrics.eval_samples_saved`` of those samples as text. An actor that dies is re-synced with
-        ``resync`` (``WeightSync.bring_up_to_date``) and the evaluation retried; without it, it fails."""
+    def evaluate(self, eval_prompts: list[list[int]], iteration: int, resync: Callable[[], object] | None = None,
+                 learner=None) -> tuple[dict, list, dict | None]:
+        """The task's eval metrics on sampled responses to the eval prompts, the first
+        ``metrics.eval_samples_saved`` of those samples as text, and with ``learner`` (a ``LearnerGroup``) the
+        KL of the current policy to the reference on these fresh samples (``kl_stats_from_sums``: per episode, the
+        learner's log-probs against the reference's; on-policy in every mode). An actor that dies is re-synced
+        with ``resync`` (``WeightSync.bring_up_to_date``) and the evaluation retried; without it, it fails."""
         keep = self.cfg.metrics.eval_samples_saved
         rows = [r for r in range(len(eval_prompts)) for _ in range(self.cfg.rollout.eval_samples_per_prompt)]
         for attempt in range(self.cfg.run.max_chunk_retries + 1):
             chunks = self.generate(rows, eval_prompts, -1 - iteration, samples_per_prompt=1)
             try:
-                parts = ray.get([self.rewards[i % len(self.rewards)].evaluate.remote(ch, i, keep)
-                                 for i, ch in chunks.items()])
+                calls = [self.rewards[i % len(self.rewards)].evaluate.remote(ch, i, keep) for i, ch in chunks.items()]
+                kl = None
+                if learner is not None:  # none with learner.lora.reference 'base': the ranks score the base model
+                    ref_refs = ({i: self.references[i % len(self.references)].score.remote(ch)
+                                 for i, ch in chunks.items()} if self.references else None)
+                    kl = learner.evaluation_kl(chunks, ref_refs)
+                parts = ray.get(calls)
                 break
             except ray.exceptions.RayActorError:
                 if attempt == self.cfg.run.max_chunk_retries or resync is None:
@@ -175,7 +182,7 @@ class Fleet:
                 resync()
         count = sum(p["count"] for p in parts)
         metrics = {k: sum(p["sums"][k] for p in parts) / count for k in parts[0]["sums"]}
-        return metrics, [s for p in parts for s in p["samples"]][:keep]
+        return metrics, [s for p in parts for s in p["samples"]][:keep], kl
 
     # ------------------------------------------------------------------ versions, weights, probes
 

@@ -8,6 +8,7 @@ import ray
 
 from learner.algorithm import Algorithm
 from learner.cluster import ClusterError, Placement, start_actor
+from learner.kl import kl_stats_from_sums
 from learner.rank import LearnerRank
 from learner.results import UpdateResult
 from services.config import JobConfig
@@ -87,6 +88,18 @@ class LearnerGroup:
                                      None if teacher_logprob_refs is None else [teacher_logprob_refs[s] for s in slots])
                  for rank, slots in zip(self.ranks, by_rank, strict=True)]
         return sorted(s for result in self._get(calls, "collect") for s in result["failed"])
+
+    def evaluation_kl(self, chunk_refs: dict[int, object], ref_logprob_refs: dict[int, object] | None) -> dict:
+        """The KL of the current policy to the reference on evaluation chunks (``kl_stats_from_sums``, k1 per
+        episode): chunk slot i goes to rank i % W, as in ``collect``."""
+        by_rank = rank_slots(chunk_refs, self.world_size)
+        forwards = max(len(slots) for slots in by_rank)
+        calls = [rank.evaluation_kl.remote([chunk_refs[s] for s in slots],
+                                           None if ref_logprob_refs is None else [ref_logprob_refs[s] for s in slots],
+                                           forwards)
+                 for rank, slots in zip(self.ranks, by_rank, strict=True)]
+        parts = [part for part in self._get(calls, "the evaluation's KL") if part]
+        return kl_stats_from_sums({k: sum(part[k] for part in parts) for k in parts[0]})
 
     def differing_groups(self) -> list[int]:
         """Dynamic sampling: per rank, the whole groups it has collected whose scores differ (penalties applied)."""

@@ -122,6 +122,7 @@ class Job:
     log: Callable[[str], None]  # one line to the job log
     ahead: Started | None = None  # async: the next batch, generating while the learner trains
     eval_samples: list[dict] | None = None  # the last evaluation's samples, until the tracker takes them
+    eval_kl: float | None = None  # the last evaluation's KL of the policy to the reference, nats per episode
 
     # ------------------------------------------------------------------ the steps of one iteration
 
@@ -260,9 +261,12 @@ class Job:
         record.update(dapo_metrics(result.sums, collected.extra_rounds))
         record["weight_sync_bytes"] = self.learner.weights_bytes  # object store: what one sync sends (LoRA: less)
         if iteration % cfg.run.eval_every == 0 or iteration == cfg.run.iterations:
-            self.eval_metrics, samples = self.fleet.evaluate(self.eval_prompts, iteration,
-                                                             self.weights.bring_up_to_date)
+            self.eval_metrics, samples, kl = self.fleet.evaluate(self.eval_prompts, iteration,
+                                                                 self.weights.bring_up_to_date, self.learner)
             record["eval"] = self.eval_metrics
+            # the current policy's KL to the reference on the evaluation's own samples: on-policy in every mode
+            record["eval_kl_response_mean"], record["eval_kl_response_stderr"] = kl["response_mean"], kl["response_stderr"]
+            self.eval_kl = kl["response_mean"]
             rundir.write_samples(self.run_path, iteration, samples)
             self.eval_samples = samples
         record["iteration_seconds"] = time.perf_counter() - collected.started
@@ -311,6 +315,7 @@ class Job:
             "kl_response_mean_final": records[-1]["kl_response_mean"] if records else None,
             "kl_token_mean_final": records[-1]["kl_token_mean"] if records else None,
             "kl_target": cfg.kl.target,
+            "eval_kl_response_mean_final": self.eval_kl,  # the last evaluation's on-policy KL to the reference
             "wall_seconds": time.perf_counter() - self.wall_start,
         }
         if cfg.checkpoint.export_hf:
@@ -454,7 +459,7 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     if resume_state:
         start_eval = resume_state["eval_start"]
     else:
-        start_eval, samples = fleet.evaluate(eval_prompts, 0)
+        start_eval, samples, _ = fleet.evaluate(eval_prompts, 0)
         rundir.write_samples(run_path, 0, samples)
     log("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in start_eval.items()))
     fleet.take_counts()

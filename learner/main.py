@@ -83,6 +83,7 @@ class Progress:
                 + (f"judge unparseable {r['reward_judge_unparseable']}/{r['reward_judge_answers']} | "
                    if r.get("reward_judge_answers") else "")
                 + "".join(f"eval {k} {v:.3f} | " for k, v in r.get("eval", {}).items())
+                + (f"eval kl {r['eval_kl_response_mean']:.3f} | " if "eval_kl_response_mean" in r else "")
                 + f"{r['iteration_seconds']:.2f}s")
         if self.bar.disable:
             log(line)

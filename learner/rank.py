@@ -282,6 +282,29 @@ class LearnerRank:
         self.timings["forward_seconds"] = self.timings.get("forward_seconds", 0.0) + time.perf_counter() - start - wait
         return {"failed": failed, "collected": len(self.collected)}
 
+    def evaluation_kl(self, chunk_refs: list, ref_logprob_refs: list | None, forwards: int) -> dict:
+        """``kl_sums`` (k1, per episode) of the current policy against the reference on evaluation chunks: this
+        rank's log-probs of samples the engines drew with the same weights, so the KL is on-policy in every mode.
+        ``forwards``: the most chunks any rank got; under ZeRO-3 a rank with fewer joins with placeholders."""
+        import ray
+
+        from learner.kl import kl_sums
+
+        ref_refs = ref_logprob_refs if ref_logprob_refs is not None else [None] * len(chunk_refs)
+        per_chunk = 1 + (ref_logprob_refs is None)
+        sums: dict[str, float] = {}
+        for chunk_ref, ref_ref in zip(chunk_refs, ref_refs, strict=True):
+            chunk = ray.get(chunk_ref)
+            logprobs, _, _ = self._forward(chunk, grad=False)
+            ref = ray.get(ref_ref) if ref_ref is not None else self._base_logprobs(chunk)
+            view, mask = episode_view(chunk), chunk.action_mask
+            part = kl_sums(view.merge(logprobs * mask), view.merge(ref * mask), view.merge(mask), "k1")
+            sums = {k: sums.get(k, 0.0) + v for k, v in part.items()}
+        if self.learner.zero_stage == 3:
+            for _ in range((forwards - len(chunk_refs)) * per_chunk):
+                self._forward(_placeholder_batch(), grad=False)  # keeps the ZeRO-3 gathers in step
+        return sums
+
     def _base_logprobs(self, chunk: RolloutBatch) -> Tensor:
         """[B, T] the base model's log-probs of the sampled tokens (the adapters disabled: the initial policy), as
         a reference actor scores them: at the rollout temperature, 0 off the action mask."""
@@ -349,6 +372,7 @@ class LearnerRank:
         sums.update({f"dynamic_sampling_{name}_groups": float(count) for name, count in group_counts.items()})
         if batch.num_turns is not None:  # multi-turn episodes: what the environment added
             sums.update({
+                "rows": float(batch.shape[0]),  # an agent's episode may be several rows
                 "turns_sum": float(batch.num_turns.sum()),
                 "tool_calls_sum": float(batch.tool_calls.sum()),
                 "environment_seconds_sum": float(batch.environment_seconds.sum()),

@@ -113,7 +113,7 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
                     "environment_seconds": sums["environment_seconds_sum"],
                     "trajectory_model_tokens_mean": sums["length_sum"] / n,
                     "trajectory_environment_tokens_mean": sums["environment_tokens_sum"] / n,
-                    "environment_failures": sums["environment_failures"]}
+                    "environment_failures": sums["environment_failures"], "rows_per_episode": sums["rows"] / n}
     return {
         "iteration": iteration,
         "policy_version": policy_version,

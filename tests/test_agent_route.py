@@ -1,6 +1,7 @@
 """rollout.agent: any agent program trained through the rollout engine's OpenAI-compatible endpoint, as a
 job on the real stack. The program (tests/agent_programs.py) walks randomwalks with the ``openai`` client in
-two calls; the second extends the first token for token, so an episode is one trajectory of two calls. An
+two calls; for half the rows the second extends the first token for token, so the episode is one trajectory of two
+calls, and for the other half it starts again from the walk's last node, so the episode gives two rows. An
 agent past its failure limit is tested on an engine actor (tests/test_agents.py): the driver reports the
 error it raises as it does an environment's."""
 
@@ -28,7 +29,7 @@ def agent_args(root, tiny_model_dir, agent: str) -> list[str]:
 @pytest.fixture(scope="module")
 def agent_run(shared_runs, tiny_model_dir):
     return shared_runs.get("agent-two-calls", *agent_args(shared_runs.root, tiny_model_dir,
-                                                          "tests.agent_programs:walk_in_two_calls"),
+                                                          "tests.agent_programs:walk_in_two_calls_or_two_rows"),
                            "--run.iterations", "2", "--run.eval_every", "2")
 
 
@@ -38,17 +39,20 @@ def test_an_agent_program_trains_through_the_endpoint(agent_run):
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for r in records:
-        # two calls merged into one trajectory per episode (the second prompt extends the first exactly),
-        # or one call when the walk ended within the first
-        assert r["episodes"] == 32 and 1.0 <= r["turns_mean"] <= 2.0
+        # two calls per episode, merged into one trajectory or two rows, or one call when the walk ended within the
+        # first: the episode is the unit, whatever its rows
+        assert r["episodes"] == 32 and 1.0 <= r["turns_mean"] <= 2.0 and 1.0 <= r["rows_per_episode"] <= 2.0
         assert r["trajectory_environment_tokens_mean"] == 0.0  # nothing between the calls
-        # the KL the reward penalised is the controller's statistic, on these trajectories too
+        # the KL the reward penalised is the controller's statistic, on these trajectories too, per episode
+        assert r["kl_response_mean"] == pytest.approx(r["kl_penalty_mean"], rel=1e-9)
         assert r["reward_mean"] == pytest.approx(r["score_mean"] - r["kl_coef_used"] * r["kl_response_mean"],
                                                  rel=1e-5, abs=1e-6)
+        assert 0.0 <= r["score_mean"] <= 1.0  # an optimality per episode, counted once however many rows
         # the learner's log-probs of the recorded tokens are the engine's: nothing was re-tokenised
         assert r["rollout_learner_logprob_mismatch_max"] < 1e-3
         assert r["probe_max_abs_error"] < 1e-4 or r["probe_max_abs_error"] != r["probe_max_abs_error"]
     assert any(r["turns_mean"] > 1.0 for r in records)  # some episodes did make two calls
+    assert any(r["rows_per_episode"] > 1.0 for r in records)  # and some of those gave two rows
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["eval_final"]) == {"return", "turns", "tool_calls"}
 
