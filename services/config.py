@@ -527,6 +527,11 @@ class PPOConfig(Section):
                              "ignores it: it clips its sequence ratio with ppo.gspo_clip_low and ppo.gspo_clip_high; "
                              f"set those, and ppo.clip_range={defaults['clip_range'].default} (its default), or "
                              "ppo.policy_loss='ppo'")
+        both = self.clip_range_low is not None and self.clip_range_high is not None
+        if both and self.clip_range != defaults["clip_range"].default:
+            raise ValueError(f"ppo.clip_range={self.clip_range} is set but ppo.clip_range_low and ppo.clip_range_high "
+                             "are both set, and the ratio's clip takes them alone; drop ppo.clip_range or one of "
+                             "the two bounds")
         for name in ("gspo_clip_low", "gspo_clip_high"):
             if not gspo and getattr(self, name) != defaults[name].default:
                 raise ValueError(f"ppo.{name}={getattr(self, name)} is set but ppo.policy_loss='ppo' ignores it; set "

@@ -166,3 +166,10 @@ def test_agents_take_every_kl_placement_an_episodes_rows_laid_end_to_end():
     settings-space harness checks its gradient on an agent episode split into rows."""
     for form in ("kl_to_go", "response_k2"):
         assert load_config(None, {**AGENT, "kl": {"placement": "loss", "loss_form": form}}).kl.loss_form == form
+
+
+def test_clip_range_beside_both_of_its_bounds_is_refused():
+    with pytest.raises(ValidationError, match=r"ppo.clip_range=0.1 is set but ppo.clip_range_low and "
+                                              r"ppo.clip_range_high are both set"):
+        load_config(None, {"ppo": {"clip_range": 0.1, "clip_range_low": 0.2, "clip_range_high": 0.28}})
+    assert load_config(None, {"ppo": {"clip_range": 0.1, "clip_range_high": 0.28}}).ppo.ratio_clip_range() == (0.1, 0.28)
