@@ -490,7 +490,7 @@ def test_async_group_estimator_job_on_trajectories(shared_runs):
     for r in records:
         assert r["episodes"] == 32 and len(r["prompt_rows"]) == 8  # 8 prompts, 4 episodes each
         assert r["probe_max_abs_error"] < 1e-4
-        assert math.isfinite(r["kl_response_mean_stderr"]) and r["kl_response_mean_stderr"] > 0
+        assert math.isfinite(r["kl_response_mean_stderr"]) and r["kl_response_mean_stderr"] >= 0  # 0: KL 0 at first
     assert math.isfinite(summary["eval_final"]["optimality"])
 
 

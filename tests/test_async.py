@@ -113,8 +113,9 @@ def test_a_stale_row_is_never_trained_on(ray_client, tiny_model_dir):
     assert sums["stale_tokens"] == tokens / 2
     stale_p = sums["stale_mismatch_abs_sum"] - 20.0 * tokens / 2
     fresh_p = -(sums["mismatch_abs_sum"] - sums["stale_mismatch_abs_sum"])
-    assert sums["response_sum"] == pytest.approx(stale_p + fresh_p + 2.0 * tokens, rel=1e-5, abs=1e-3)
-    assert sums["response_sum"] != pytest.approx((-18.0 + 2.0) * tokens / 2, rel=1e-2)  # the engine's, before
+    # (the penalty's unweighted sums; the controller's statistic is prefix-weighted against the engine's log-probs)
+    assert sums["penalty_sum"] == pytest.approx(stale_p + fresh_p + 2.0 * tokens, rel=1e-5, abs=1e-3)
+    assert sums["penalty_sum"] != pytest.approx((-18.0 + 2.0) * tokens / 2, rel=1e-2)  # the engine's, before
 
 
 @pytest.mark.integration
