@@ -161,7 +161,6 @@ VARIANTS: list[tuple[str, dict, dict]] = [
 # read by the layer, but axes of the bases or what the rank's other calls read (``select``, the group check)
 BASE_FIELDS = {"ppo.advantage", "rollout.mode", "kl.placement", "rollout.samples_per_prompt",
                "rollout.dynamic_sampling"}
-# accepted by JobConfig yet changing nothing the layer computes: (variant, base) -> why; xfail until refused
 BASES = {f"{advantage}-{mode}-{placement}": {
     "ppo": {"advantage": advantage},
     "rollout": {"mode": mode, **({"samples_per_prompt": 2} if advantage in GROUP_ESTIMATORS else {})},
