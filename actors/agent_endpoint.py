@@ -4,7 +4,7 @@
 runs an agent however it likes with ``openai.AsyncOpenAI(base_url=base_url, api_key="tether")`` (chat
 completions, tool calls, several model calls) and returns the episode's reward. ``AgentEndpoint`` serves
 that API from the engine in a background thread and records, per episode, every prompt id the engine was
-given and every token id and log-prob it sampled: token-in/token-out (DESIGN.md section 7), nothing the
+given and every token id and log-prob it sampled: token-in/token-out, nothing the
 learner trains on is text re-encoded. ``run_agents`` runs one agent per row with a deadline each;
 ``merge_calls`` turns an episode's calls into trajectories.
 
@@ -66,7 +66,7 @@ class Call:
 
 @dataclass
 class Trajectory:
-    """Consecutive calls of an episode as one token sequence after the prompt (DESIGN.md section 7)."""
+    """Consecutive calls of an episode as one token sequence after the prompt."""
 
     prompt_ids: list[int]
     ids: list[int]  # the model's and the environment's tokens, in the order they happened

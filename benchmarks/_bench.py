@@ -16,7 +16,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# every Ray process stays on loopback and sends nothing home (PLATFORM.md)
+# every Ray process stays on loopback and sends nothing home (learner/cluster.py's defaults)
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 RESULT_PREFIX = "BENCH_RESULT "
 

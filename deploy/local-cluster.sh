@@ -39,7 +39,7 @@ STATE_FILE="$STATE_DIR/state.env"
 LOG_FILE="$STATE_DIR/head.log"
 HOST=127.0.0.1
 
-# Every Ray process stays on loopback and sends nothing home (shared/PLATFORM.md).
+# Every Ray process stays on loopback and sends nothing home.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 export RAY_AUTH_MODE=disabled
 export RAY_USAGE_STATS_ENABLED=0

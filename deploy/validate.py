@@ -2,7 +2,7 @@
 
 ``kubectl --dry-run=client`` needs an API server, so instead each CRD's served ``v1``
 ``spec.versions[*].schema.openAPIV3Schema`` is converted to JSON Schema the way the API server reads it
-(see ../shared/PLATFORM.md, "KubeRay manifests, offline"):
+(offline, without an API server):
 
 - ``x-kubernetes-int-or-string`` becomes ``type: [integer, string]``;
 - ``nullable: true`` lets ``null`` through;
@@ -45,7 +45,7 @@ container has resource requests and limits.
 
 CLI: ``python deploy/validate.py [--security] [--policy] FILE...`` prints every problem with its JSON path and exits 1
 if there was any (2 on a usage problem, such as a missing CRD directory). The CRD directory is
-``<repo>/../shared/kuberay/crds`` unless ``TETHER_KUBERAY_CRDS`` names another.
+``deploy/kuberay/crds`` (KubeRay v1.7, copied verbatim: deploy/kuberay/SOURCE.txt) unless ``TETHER_KUBERAY_CRDS`` names another.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ import yaml
 from jsonschema import Draft202012Validator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CRD_DIR = REPO_ROOT.parent / "shared" / "kuberay" / "crds"
+DEFAULT_CRD_DIR = REPO_ROOT / "deploy" / "kuberay" / "crds"
 CRD_DIR_ENV = "TETHER_KUBERAY_CRDS"
 CRD_VERSION = "v1"
 
@@ -82,7 +82,7 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def crd_dir() -> Path:
-    """The CRD directory: $TETHER_KUBERAY_CRDS, else ../shared/kuberay/crds next to the repository."""
+    """The CRD directory: $TETHER_KUBERAY_CRDS, else deploy/kuberay/crds."""
     env = os.environ.get(CRD_DIR_ENV)
     return Path(env).expanduser() if env else DEFAULT_CRD_DIR
 

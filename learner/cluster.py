@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 from services.config import JobConfig, RoleResources
 
-# Defaults for every Ray process of tether: stay on loopback and send nothing home (PLATFORM.md). Only
+# Defaults for every Ray process of tether: stay on loopback and send nothing home. Only
 # where the environment does not set them: a cluster with token auth or several nodes sets its own.
 RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",

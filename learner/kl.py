@@ -1,6 +1,6 @@
 """KL estimators, response-level KL penalties and rewards, and the KL controllers.
 
-Pure torch: this module imports neither Ray nor DeepSpeed. It implements DESIGN.md section 1 exactly.
+Pure torch: this module imports neither Ray nor DeepSpeed. It implements the README's KL accounting exactly.
 
 Every per-token tensor is *response-aligned*, shape [B, T]: position t is the t-th token after the prompt
 of sequence b, and ``mask[b, t] = 1`` for the tokens the model sampled (up to and including the first
@@ -196,7 +196,7 @@ def kl_penalized_rewards(
 
 
 def kl_logprob_roles(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, off_policy: bool) -> tuple[Tensor, Tensor]:
-    """Which sampled-token log-probs each KL role takes (DESIGN.md section 6): ``(penalised, sampler)``.
+    """Which sampled-token log-probs each KL role takes: ``(penalised, sampler)``.
 
     - ``penalised``: the penalty in the reward and the controller's statistic. The policy gradient of
       ``E[score] - beta * KL(pi || pi_ref)`` needs the log-probs of the policy being optimised, which the learner

@@ -219,7 +219,7 @@ def gae_advantages(
 
     Tokens where ``mask`` is 0 are skipped as if they were not there: in a multi-turn trajectory a turn's
     last model token bootstraps from the value at the next turn's first model token, and the environment's
-    tokens between them are neither discounted nor given an advantage (DESIGN.md section 7).
+    tokens between them are neither discounted nor given an advantage.
 
     Args:
         rewards: [B, T] per-token rewards (KL penalty plus the score at the last token, or each turn's reward

@@ -1006,11 +1006,11 @@ class JobConfig(BaseSettings):
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     merged = dict(base)
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
+            merged[key] = deep_merge(merged[key], value)
         else:
             merged[key] = value
     return merged
@@ -1032,7 +1032,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 def load_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
     """YAML file (if any), then ``overrides`` (nested dict) on top, validated as one JobConfig."""
     data = read_yaml(yaml_path) if yaml_path else {}
-    return JobConfig.model_validate(_deep_merge(data, overrides or {}))
+    return JobConfig.model_validate(deep_merge(data, overrides or {}))
 
 
 def config_to_yaml(cfg: JobConfig) -> str:

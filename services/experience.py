@@ -5,7 +5,7 @@ response always starts at column P of ``cat(prompt_ids, response_ids)``. Every r
 response-aligned [B, T]. A multi-turn episode's response is its whole trajectory after the prompt, token for
 token as it happened: the model's turns (ids the engine sampled) and the environment's (observation ids),
 ``response_mask`` marks every real token of it (the attention), ``action_mask`` the ones the model sampled
-(the only ones with log-probs, ratios, advantages and KL: DESIGN.md section 7). A single response is a
+(the only ones with log-probs, ratios, advantages and KL). A single response is a
 trajectory of one turn, where the two masks are equal. Each row carries the ``policy_version`` and ``kl_coef`` it was produced under,
 so concatenating chunks keeps the stamps. The learner fills the optional fields (reference log-probs,
 scores, its own old log-probs and values, advantages, returns), so one container reaches the loss. ``tensordict``'s tensorclass gives indexing, ``torch.cat``,
@@ -156,18 +156,21 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
     """Concatenate chunks, left-padding prompts to a common width first; each chunk's episode ids are moved past
     the last chunk's, so an id names one episode of the whole batch."""
     width = max(b.prompt_ids.shape[1] for b in batches)
-    aligned, first_id = [], 0
+    aligned, episode_ids, first_id = [], [], 0
     for b in batches:
+        ids = b.episode_index - (b.episode_index.min() if b.shape[0] else 0) + first_id
+        first_id = int(ids.max()) + 1 if b.shape[0] else first_id
+        episode_ids.append(ids)
         extra = width - b.prompt_ids.shape[1]
-        b = b.clone()
-        b.episode_index = b.episode_index - b.episode_index.min() + first_id if b.shape[0] else b.episode_index
-        first_id = int(b.episode_index.max()) + 1 if b.shape[0] else first_id
         if extra:
+            b = b.clone()
             # the pad id never matters: padded positions are masked out of attention
             b.prompt_ids = torch.nn.functional.pad(b.prompt_ids, (extra, 0), value=0)
             b.prompt_mask = torch.nn.functional.pad(b.prompt_mask, (extra, 0), value=0.0)
         aligned.append(b)
-    return torch.cat(aligned)
+    batch = torch.cat(aligned)
+    batch.episode_index = torch.cat(episode_ids)
+    return batch
 
 
 def model_inputs(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:

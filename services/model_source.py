@@ -1,4 +1,4 @@
-"""Where an actor finds a model, on whatever node it runs (DESIGN.md section 5: no driver-local paths).
+"""Where an actor finds a model, on whatever node it runs (no driver-local path crosses a process).
 
 A model is one of:
 - a directory every node has (baked into the image, or on a shared volume), named by ``model.path``;

@@ -1,4 +1,4 @@
-"""Multi-turn agents on the real stack (DESIGN.md section 7): environment workers (Ray actors) and a vLLM (CPU)
+"""Multi-turn agents on the real stack: environment workers (Ray actors) and a vLLM (CPU)
 rollout engine on the shared Ray head, and whole jobs with DeepSpeed learners. No mocks: the environments are
 real ones (tests/agent_envs.py records, attempt by attempt, what each episode was given and returned, so every
 token of a batch is checked against it), and the faults are real (raises, a step that hangs past its deadline,

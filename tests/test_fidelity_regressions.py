@@ -12,6 +12,7 @@ And the statistic's standard error (``kl_stats_from_sums``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import warnings
@@ -23,7 +24,7 @@ from torch import Tensor
 from learner.advantages import grpo_advantages
 from learner.algorithm import Algorithm, EpisodeView, episode_view
 from learner.kl import kl_stats_from_sums
-from services.config import DistillConfig, JobConfig, load_config
+from services.config import DistillConfig, JobConfig, deep_merge, load_config
 from services.experience import FINISH_LENGTH, FINISH_STOP, Episodes, RolloutBatch, concat_batches, make_batch
 
 BETA = 0.25  # a power of two: beta * kl is exact where kl is dyadic
@@ -35,11 +36,7 @@ PLAIN_GAE = {"ppo": {"gamma": 1.0, "lam": 1.0, "whiten_advantages": False}}
 
 
 def merged(*parts: dict) -> dict:
-    out: dict = {}
-    for part in parts:
-        for key, value in part.items():
-            out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+    return functools.reduce(deep_merge, parts, {})
 
 
 def config(*parts: dict) -> JobConfig:

@@ -244,7 +244,7 @@ def test_async_reward_penalty_from_the_proximal_policy_gives_the_penalised_retur
     gamma = lambda = 1, no critic, unwhitened) through the PPO surrogate at the first step. With the penalty
     built from the log-probs the rank's roles give (the proximal policy's) the expected gradient is that of
     ``E[score] - beta * KL(pi || pi_ref)``, by enumeration; from the engine's (what the rank took before) it is
-    not. The controller is fed the KL that penalty took: the identity of DESIGN.md section 1 holds."""
+    not. The controller is fed the KL that penalty took: the README's identity holds."""
     theta, ref_table, engine = tables(seed)
     logp, ref = token_logprobs_of(theta), token_logprobs_of(ref_table)
     prox, behaviour = logp.detach(), token_logprobs_of(engine)

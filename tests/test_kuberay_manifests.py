@@ -1,6 +1,6 @@
 """deploy/kuberay/*.yaml against KubeRay's CRDs (offline, deploy/validate.py), their tether config, the
 deployment's security defaults, and what a job needs across pods (shared volume, token auth, stop wait,
-metrics env, GPU groups that match the config's resources); deploy/Dockerfile's pins. The CRDs live in ../shared/kuberay/crds (or $TETHER_KUBERAY_CRDS); the
+metrics env, GPU groups that match the config's resources); deploy/Dockerfile's pins. The CRDs live in deploy/kuberay/crds (or $TETHER_KUBERAY_CRDS); the
 tests that need them skip, saying so, where that directory is missing."""
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from learner.algorithm import Algorithm
 from services.choices import GROUP_ESTIMATORS
-from services.config import JobConfig, load_config
+from services.config import JobConfig, deep_merge, load_config
 from services.experience import FINISH_LENGTH, FINISH_STOP, RolloutBatch, make_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,11 +170,7 @@ BASES = {f"{advantage}-{mode}-{placement}": {
 
 
 def merged(*parts: dict) -> dict:
-    out: dict = {}
-    for part in parts:
-        for key, value in part.items():
-            out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+    return functools.reduce(deep_merge, parts, {})
 
 
 def dotted(change: dict, prefix: str = "") -> set[str]:

@@ -1,4 +1,4 @@
-"""Multi-turn trajectories in the learner's math (DESIGN.md section 7): the action mask has gaps at the
+"""Multi-turn trajectories in the learner's math: the action mask has gaps at the
 environment's tokens, and every quantity over it equals the same quantity over the model's tokens alone,
 as if the environment's tokens were not there."""
 

@@ -1,7 +1,7 @@
 """A real two-node Ray cluster on this machine: the job runs on a worker node that cannot see the
 driver's private directories, as a KubeRay pod would not.
 
-The head listens on 127.0.0.2, the worker on 127.0.0.3 (PLATFORM.md, "Two Ray nodes on one machine").
+The head listens on 127.0.0.2, the worker on 127.0.0.3 (two Ray nodes on one machine).
 The worker runs in its own mount namespace with a tmpfs over ``driver-only/``: the driver's model cache
 (which holds the SFT warm start) and a run directory only the driver sees. Every role is placed on
 the worker through a custom resource, so every model file an actor opens must reach it through the

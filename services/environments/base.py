@@ -1,4 +1,4 @@
-"""What an environment for a multi-turn agent is (DESIGN.md section 7), and the checks around one.
+"""What an environment for a multi-turn agent is, and the checks around one.
 
 An environment is any object with ``reset(row, seed)`` and ``step(action)``; either may be ``async def``.
 A job names it as ``package.module:factory`` (a class or a function returning one). The model's turn reaches

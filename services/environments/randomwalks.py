@@ -1,6 +1,6 @@
 """Randomwalks as a multi-turn environment: the model sees where it is and where it may go, and answers one
 move per turn. The graph, its walks and the optimality score are those of ``services/tasks/randomwalks.py``
-(../shared/tasks/randomwalks.md); this adds the turns, and the recipe of the tiny GPT-2 that learns them.
+(services/tasks/randomwalks.py); this adds the turns, and the recipe of the tiny GPT-2 that learns them.
 
 An episode from 'b' on the default graph (seed 1000), in the order its tokens reach the model:
 ``b:dju>`` (observation), ``d`` + EOS (the model's move), ``d:alt>``, ``a`` + EOS: done, optimality 1.0.

@@ -1,4 +1,4 @@
-"""trlX's randomwalks benchmark (../shared/tasks/randomwalks.md): walk a random graph to node 'a' by
+"""trlX's randomwalks benchmark: walk a random graph to node 'a' by
 the shortest path. Needs no download: graph, walks, tokenizer and a tiny GPT-2 are all built here."""
 
 from __future__ import annotations
