@@ -63,17 +63,27 @@ class TwoNodeCluster:
     def __init__(self, hidden: Path) -> None:
         ray_bin = str(Path(sys.executable).parent / "ray")
         self.temp_dir = tempfile.mkdtemp(prefix="tn-", dir="/tmp")  # short: socket paths stay < 108 chars
-        self.port = free_port()
         env = {**os.environ, **CLUSTER_ENV}
         self.logs = [open(Path(self.temp_dir) / name, "w") for name in ("head.log", "worker.log")]  # noqa: SIM115
-        head = [ray_bin, "start", "--head", "--block", f"--node-ip-address={HEAD_IP}", f"--port={self.port}",
-                "--include-dashboard=false", f"--ray-client-server-port={free_port()}", "--num-cpus=1",
-                f"--object-store-memory={256 << 20}", f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
-                *_node_ports()]
-        self.procs = [subprocess.Popen(head, stdout=self.logs[0], stderr=subprocess.STDOUT, start_new_session=True,
-                                       env=env)]
+        self.procs: list[subprocess.Popen] = []
         try:
-            wait_port_on(HEAD_IP, self.port, 60)
+            # a port free_port saw free can be taken by the other pytest worker's Ray before the head binds
+            # it; the head then exits, and a second try with fresh ports is the fix
+            for attempt in range(3):
+                self.port = free_port()
+                head = [ray_bin, "start", "--head", "--block", f"--node-ip-address={HEAD_IP}", f"--port={self.port}",
+                        "--include-dashboard=false", f"--ray-client-server-port={free_port()}", "--num-cpus=1",
+                        f"--object-store-memory={256 << 20}", f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
+                        *_node_ports()]
+                self.procs = [subprocess.Popen(head, stdout=self.logs[0], stderr=subprocess.STDOUT,
+                                               start_new_session=True, env=env)]
+                if self._wait_for_head(120):
+                    break
+                self.logs[0].write(f"\n--- the head exited (try {attempt + 1}); again with fresh ports ---\n")
+                self.logs[0].flush()
+            else:
+                raise RuntimeError("the head node exited three times:\n"
+                                   + (Path(self.temp_dir) / "head.log").read_text()[-3000:])
             worker = " ".join([ray_bin, "start", "--block", f"--address={HEAD_IP}:{self.port}",
                                f"--node-ip-address={WORKER_IP}", "--num-cpus=4", "--resources='{\"worker\": 4}'",
                                f"--object-store-memory={512 << 20}", *_node_ports()])
@@ -85,6 +95,23 @@ class TwoNodeCluster:
         except BaseException:
             self.stop()
             raise
+
+    def _wait_for_head(self, timeout_s: float) -> bool:
+        """True once the head's GCS port answers, False if the head exited first; raises on a timeout.
+
+        On a loaded machine `ray start --head` can take a minute.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if port_answers(HEAD_IP, self.port):
+                return True
+            if self.procs[0].poll() is not None:
+                return False
+            time.sleep(0.5)
+        self.logs[0].flush()
+        raise RuntimeError(f"the head node did not listen on {HEAD_IP}:{self.port} within {timeout_s}s "
+                           f"(exit code {self.procs[0].poll()}):\n"
+                           + (Path(self.temp_dir) / "head.log").read_text()[-3000:])
 
     def _wait_for_worker(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -117,17 +144,14 @@ class TwoNodeCluster:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def wait_port_on(host: str, port: int, timeout_s: float) -> None:
+def port_answers(host: str, port: int) -> bool:
     import socket
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError(f"nothing listened on {host}:{port} within {timeout_s}s")
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="module")
