@@ -33,7 +33,6 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
-from importlib import import_module
 from typing import Self
 
 import uvicorn
@@ -41,6 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from actors.engines import Engine, SamplingSettings
+from services.errors import TetherError, load_object
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class _Pending:
     future: asyncio.Future
 
 
-class RequestError(Exception):
+class RequestError(TetherError):
     """A request the endpoint refuses: answered with ``status`` and OpenAI's error JSON."""
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
@@ -489,13 +489,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
 
 def load_agent(spec: str) -> AgentFn:
     """The async function ``package.module:function`` names (``rollout.agent``)."""
-    module_name, _, name = spec.partition(":")
-    if not module_name or not name:
-        raise ValueError(f"rollout.agent must be 'package.module:function', got {spec!r}")
-    try:
-        fn = getattr(import_module(module_name), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"rollout.agent {spec!r}: {type(e).__name__}: {e}") from e
+    fn = load_object(spec, "rollout.agent", "package.module:function")
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"rollout.agent {spec!r} must be an async function (async def agent(base_url, row))")
     return fn

@@ -57,6 +57,15 @@ def yield_cpu_to_engines(device: str) -> None:
             pass  # a thread that ended meanwhile; lowering one's own priority is always allowed
 
 
+def lost_to_dead_actor(err: Exception) -> bool:
+    """True when ``err`` means an actor died or restarted (retry the chunk), not that the work failed."""
+    from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
+
+    if isinstance(err, RayActorError | ObjectLostError):
+        return True
+    return isinstance(err, RayTaskError) and isinstance(getattr(err, "cause", None), RayActorError | ObjectLostError)
+
+
 def _in_an_actor() -> bool:
     import ray
 

@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from services.errors import TetherError
+
 
 @dataclass
 class Generation:
@@ -61,7 +63,7 @@ class Engine(Protocol):
         ...
 
 
-class WeightLoadError(RuntimeError):
+class WeightLoadError(TetherError, RuntimeError):
     """A sync after which some of the engine's parameters still hold the previous version's weights."""
 
 

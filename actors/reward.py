@@ -1,5 +1,5 @@
 """RewardActor: scores a chunk with the task's reward function, a sequence-classification model, a
-remote reward service over HTTP (services/reward_service.py), or an LLM judge (services/judge.py)."""
+remote reward service over HTTP (services/reward_service/), or an LLM judge (services/reward_service/judge.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from actors.base import VersionedActor, starting_up, yield_cpu_to_engines
+from services.errors import TetherError
 from services.model_source import ModelSource, as_source
 from services.reward_models import check_classifier_config, reward_label_index
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (s
     from services.reward_service import RewardClient
 
 
-class RewardError(RuntimeError):
+class RewardError(TetherError, RuntimeError):
     pass
 
 
@@ -114,7 +115,7 @@ class RewardActor(VersionedActor):
             self.client = RewardClient(remote.url, service_token(remote.token_env, forwarded_token),
                                        remote.timeout_s, remote.max_retries)
         elif kind == "judge":
-            from services.judge import Judge
+            from services.reward_service.judge import Judge
 
             self.judge = Judge(judge, as_source(model_path).resolve(f"reward-{index}"), self.device, judge_engine_args)
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 
 from services.config import JobConfig
+from services.errors import TetherError
 from services.storage import RunStorage
 
 # settings a resumed run may change; anything else must match the checkpoint's config
@@ -25,7 +26,7 @@ RESUMABLE_CHANGES = ("run.iterations", "run.resume", "run.overwrite", "run.eval_
                      "learner.lora.reference")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(TetherError, RuntimeError):
     pass
 
 
@@ -128,6 +129,17 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
         else:
             flat[name] = value
     return flat
+
+
+def keep_followed_defaults(saved: dict, cfg: JobConfig) -> None:
+    """A resume keeps what the run's followed defaults were (``JobConfig.followed_defaults``): an unset
+    ``ppo.lr``, ``ppo.minibatch_size`` or ``rollout.chunk_size`` takes the checkpoint's value, which a
+    version of tether with other defaults may have resolved differently."""
+    for section, name in (("ppo", "lr"), ("ppo", "minibatch_size"), ("rollout", "chunk_size")):
+        holder, value = getattr(cfg, section), saved.get(section, {}).get(name)
+        if value is not None and name not in holder.model_fields_set and getattr(holder, name) != value:
+            setattr(holder, name, value)
+            holder.model_fields_set.discard(name)
 
 
 def check_compatible(saved: dict, cfg: JobConfig, ckpt: RunStorage) -> None:

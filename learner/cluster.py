@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from services.config import JobConfig, RoleResources
+from services.errors import TetherError
 
 # Defaults for every Ray process of tether: stay on loopback and send nothing home. Only
 # where the environment does not set them: a cluster with token auth or several nodes sets its own.
@@ -34,7 +35,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
-class ClusterError(RuntimeError):
+class ClusterError(TetherError, RuntimeError):
     pass
 
 

@@ -22,10 +22,11 @@ from actors.rollout import RolloutActor
 from learner import cluster
 from learner.cluster import ClusterError
 from services.config import JobConfig, RoleResources
+from services.errors import TetherError
 from services.model_source import ModelSource
 
 
-class ProbeError(RuntimeError):
+class ProbeError(TetherError, RuntimeError):
     pass
 
 

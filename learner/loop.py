@@ -28,6 +28,7 @@ from learner.lora import check_lora_model
 from learner.results import UpdateResult
 from learner.weight_sync import WeightSync
 from services.config import JobConfig
+from services.errors import TetherError
 from services.metrics import DriverMetrics, iteration_record
 from services.model_source import ModelSource
 from services.models import load_tokenizer, model_positions, parameter_count, policy_source, sft_tokenizer
@@ -55,7 +56,7 @@ class GracefulStop:
         print(f"[tether] {self.signal_name}: finishing the current iteration, then checkpointing", flush=True)
 
 
-class LoopError(RuntimeError):
+class LoopError(TetherError, RuntimeError):
     """A check of the loop itself failed: chunks still lost after the retries, a batch other than the one
     generated for this version and beta, or a sync that did not reach every actor."""
 
@@ -371,7 +372,10 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     if cfg.run.resume:
         resume_from = checkpoint.resolve(run_path, cfg.run.resume)
         resume_state = checkpoint.verify(resume_from)  # presence and sizes; the ranks check sha256 on download
+        checkpoint.keep_followed_defaults(resume_state["config"], cfg)
         checkpoint.check_compatible(resume_state["config"], cfg, resume_from)
+    if followed := cfg.followed_defaults():
+        log(followed)
     log("KL accounting: " + ", ".join(f"{k}={v}" for k, v in cfg.kl.model_dump().items()))
 
     episodic = cfg.task.name in ("environment", "agent")

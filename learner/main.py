@@ -14,7 +14,8 @@ from typing import Literal
 
 from pydantic import Field, ValidationError
 
-from services.config import JobConfig, config_to_yaml, read_yaml
+from services.config import JobConfig, config_to_yaml, merge_settings, read_yaml
+from services.errors import TetherError
 
 # ====================================================================== scaffolding: CLI, logging
 
@@ -30,18 +31,22 @@ class JobCli(JobConfig):
 
 def parse_cli(argv: list[str]) -> JobConfig | None:
     """Returns the resolved config, or None after --print-config. Raises ValidationError on bad input."""
-    from pydantic_settings import CliApp
+    from pydantic_settings import CliSettingsSource
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     pre.add_argument("--print-config", action="store_true")
     known, _ = pre.parse_known_args(argv)
     from_yaml = read_yaml(known.config) if known.config else {}
-    cli = CliApp.run(JobCli, cli_args=[a for a in argv if a != "--print-config"], **from_yaml)
-    # only what the file and the command line set: the defaults stay unset in the config (model_fields_set)
-    cfg = JobConfig.model_validate(cli.model_dump(exclude={"config", "log_level"}, exclude_unset=True))
-    if cli.log_level:
-        cfg.metrics.log_level = cli.log_level
+    # the flags as a nested dict, unvalidated, then on top of the file by the settings' own merge (a dict
+    # flag replaces the file's); only what the two set is set: the defaults stay unset (model_fields_set)
+    from_cli = CliSettingsSource(JobCli, cli_parse_args=[a for a in argv if a != "--print-config"],
+                                 cli_prog_name="python -m learner.main")()
+    from_cli.pop("config", None)
+    log_level = from_cli.pop("log-level", None) or from_cli.pop("log_level", None)
+    cfg = JobConfig.model_validate(merge_settings(from_yaml, from_cli))
+    if log_level:
+        cfg.metrics.log_level = log_level
     if known.print_config:
         print(config_to_yaml(cfg), end="")
         return None
@@ -157,24 +162,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # learner.cluster before torch loads: it sets the OpenMP environment (THREAD_ENV)
     from actors.base import starting_up
-    from learner.cluster import ClusterError
     from services.console import quiet_libraries
 
     quiet_libraries(cfg.metrics.log_level)
     with starting_up():  # the loop's imports (learner.loop), with the actor classes the driver starts
-        from actors.engines import WeightLoadError
-        from actors.reward import RewardError
-        from learner.checkpoint import CheckpointError
-        from learner.fleet import ProbeError
-        from learner.loop import LoopError
-        from learner.rundir import RunDirectoryError
-        from services.environments.base import EnvironmentFailure
-        from services.storage import StorageError
+        import learner.loop  # noqa: F401
 
     try:
         summary = run(cfg)
-    except (ClusterError, RunDirectoryError, RewardError, CheckpointError, ProbeError, StorageError, LoopError,
-            EnvironmentFailure, WeightLoadError, FileNotFoundError, ValueError) as err:
+    except (TetherError, FileNotFoundError, ValueError) as err:  # bad input found late, or a named failure
         print(f"[tether] error: {err}", file=sys.stderr, flush=True)
         return 1
     if summary["stopped_early"]:

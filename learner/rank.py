@@ -15,11 +15,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from actors.base import starting_up, yield_cpu_to_engines
+from actors.base import lost_to_dead_actor, starting_up, yield_cpu_to_engines
+from learner import rank_checkpoint
 from learner.algorithm import Algorithm, episode_view
 from learner.lora import adapter_state, merged_state_dict
+from learner.policy_model import PolicyWithValueHead, local_gpu_index
 from learner.ppo import (
     DistributedReducer,
     explained_variance_moments,
@@ -33,57 +35,7 @@ from services.logprobs import token_logprobs
 from services.model_source import ModelSource, as_source
 
 if TYPE_CHECKING:  # the batch's module loads in the rank, not in the driver (services/experience.py)
-    from services.experience import Packed, RolloutBatch
-
-
-class PolicyWithValueHead(nn.Module):
-    """The causal LM plus a value head (hidden -> 2*hidden -> ReLU -> 1) on the last hidden state; without
-    ``value_head`` (a critic-free ``ppo.advantage``) the LM alone, and no values."""
-
-    def __init__(self, lm: nn.Module, critic: nn.Module | None = None, value_head: bool = True) -> None:
-        super().__init__()
-        self.lm = lm
-        # critic: a separate copy of the LM whose last hidden state feeds the value head; None shares the policy's
-        self.critic = critic
-        hidden = lm.config.hidden_size
-        self.value_head = (nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.ReLU(), nn.Linear(2 * hidden, 1))
-                           if value_head else None)
-
-    def forward(self, input_ids: Tensor | None, attention_mask: Tensor | None, position_ids: Tensor | None,
-                prompt_width: int, temperature: float = 1.0, packed: Packed | None = None) -> tuple[Tensor, Tensor | None]:
-        """Returns (logits [B, T, V] predicting each response token, values [B, T] or None without a head).
-        ``packed``: the rows packed without padding (``learner.max_tokens_per_microbatch``) instead of the padded
-        [B, P + T] inputs."""
-        from services.experience import packed_logits, response_logits
-
-        def run(model: nn.Module, hidden: bool) -> tuple[Tensor, Tensor | None]:
-            if packed is not None:
-                return packed_logits(model, packed, hidden)
-            return response_logits(model, input_ids, attention_mask, position_ids, prompt_width, hidden=hidden)
-
-        shared = self.value_head is not None and self.critic is None
-        logits, hidden = run(self.lm, shared)
-        logits = logits.float() / temperature
-        if self.value_head is None:
-            return logits, None
-        if self.critic is not None:
-            _, hidden = run(self.critic, True)
-        return logits, self.value_head(hidden).squeeze(-1).float()
-
-
-def local_gpu_index(assigned: list[str], visible: str | None, actor: str) -> int:
-    """The first GPU Ray ``assigned`` this actor, as CUDA numbers it in this process: its position among
-    ``visible`` (CUDA_VISIBLE_DEVICES). Ray sets that to the assigned ids, so it is 0; where Ray leaves it
-    unset (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES) every GPU is visible and it is the id itself."""
-    if not assigned:
-        raise RuntimeError(f"{actor}: the config gives it GPUs, but Ray assigned it none")
-    if visible is None:
-        return int(assigned[0])
-    order = [device.strip() for device in visible.split(",")]
-    if assigned[0] not in order:
-        raise RuntimeError(f"{actor}: Ray assigned it GPU {assigned[0]}, but CUDA_VISIBLE_DEVICES={visible!r} "
-                           "does not show it")
-    return order.index(assigned[0])
+    from services.experience import RolloutBatch
 
 
 class LearnerRank:
@@ -257,7 +209,7 @@ class LearnerRank:
                 chunk, chunk_scores, *scored = ray.get(
                     [chunk_ref, score_ref] + [r for r in (ref_ref, teacher_ref) if r is not None])
             except Exception as err:
-                if not _lost_to_dead_actor(err):
+                if not lost_to_dead_actor(err):
                     raise
                 failed.append(slot)
                 continue
@@ -623,127 +575,19 @@ class LearnerRank:
         if self.rank != 0:
             return None
         return [row[: len(r)].tolist() for row, r in zip(logprobs, responses, strict=True)]
-
     def save_checkpoint(self, storage_url: str) -> dict:
-        """Save this rank's DeepSpeed files into node-local scratch and upload them under ``learner/`` of
-        the checkpoint storage ``storage_url``. Returns {relative path: {sha256, bytes}} of what it uploaded."""
-        import shutil
-        from pathlib import Path
-
-        from services.storage import RunStorage, scratch_dir, sha256_file
-
-        ckpt = RunStorage(storage_url)
-        scratch = scratch_dir(f"tether-save-rank{self.rank}-")
-        try:
-            self.engine.save_checkpoint(scratch, tag="learner", save_latest=False)
-            files = {}
-            for file in sorted(p for p in Path(scratch).rglob("*") if p.is_file()):
-                name = file.relative_to(scratch).as_posix()
-                files[name] = {"sha256": sha256_file(file), "bytes": file.stat().st_size}
-                ckpt.upload(file, name)
-            return files
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        """This rank's DeepSpeed files uploaded under ``learner/`` of ``storage_url``: {path: {sha256, bytes}}."""
+        return rank_checkpoint.save(self.engine, self.rank, storage_url)
 
     def load_checkpoint(self, storage_url: str, manifest: dict, saved_world_size: int) -> None:
-        """Download what this rank needs from the checkpoint storage into node-local scratch, verifying
-        each file's sha256 against ``manifest``, and load it. A checkpoint of ``saved_world_size`` ranks
-        other than this group's loads through DeepSpeed's universal checkpoint, converted here from all
-        ranks' files (ZeRO 1-3 and bf16; fp32 ZeRO-0 keeps the whole optimizer state in rank 0's model
-        states, which every rank reads)."""
-        import shutil
-
-        from learner.checkpoint import CheckpointError
-        from services.storage import RunStorage, scratch_dir, sha256_file
-
-        ckpt = RunStorage(storage_url)
-        # ZeRO 1-3 and bf16 split the optimizer state into per-rank files; fp32 ZeRO-0 keeps it whole
-        partitioned = any(n.endswith("optim_states.pt") for n in manifest)
-        resized = saved_world_size != self.world_size
-        own = lambda name: "zero_pp_rank_" not in name or f"zero_pp_rank_{self.rank}_" in name
-        wanted = [n for n in sorted(manifest) if n.startswith("learner/") and (resized or own(n))]
-        scratch = scratch_dir(f"tether-load-rank{self.rank}-")
-        try:
-            for name in wanted:
-                local = os.path.join(scratch, name)
-                ckpt.download(local, name)
-                if sha256_file(local) != manifest[name]["sha256"]:
-                    raise CheckpointError(f"checkpoint file {ckpt.display(name)} is corrupt: its sha256 does "
-                                          f"not match the manifest")
-            if resized and partitioned:
-                try:
-                    load_dir = self._to_universal(os.path.join(scratch, "learner"), os.path.join(scratch, "universal"))
-                except Exception as err:
-                    raise CheckpointError(f"checkpoint {ckpt} of {saved_world_size} learner ranks cannot be "
-                                          f"re-partitioned for {self.world_size} through DeepSpeed's universal "
-                                          f"checkpoint: {err!r}; resume with learner.world_size="
-                                          f"{saved_world_size}") from err
-                self.engine._config.load_universal_checkpoint = True
-            else:
-                load_dir = scratch
-            try:
-                load_path, _ = self.engine.load_checkpoint(load_dir, tag="learner")
-            finally:
-                self.engine._config.load_universal_checkpoint = False
-            if load_path is None:
-                raise CheckpointError(f"rank {self.rank}: no DeepSpeed checkpoint under {ckpt.display('learner')}")
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        """This rank's DeepSpeed state from ``storage_url``, each file checked against ``manifest`` (a checkpoint
+        of another rank count through DeepSpeed's universal checkpoint)."""
+        rank_checkpoint.load(self.engine, self.rank, self.world_size, storage_url, manifest, saved_world_size)
 
     def export_hf(self, storage_url: str) -> None:
-        """Rank 0 writes the policy LM (``save_pretrained``: safetensors + config) and the tokenizer it was
-        set up with into node-local scratch and uploads them to ``storage_url``. Collective under ZeRO-3."""
-        import shutil
-        from pathlib import Path
-
-        import deepspeed
-
-        from services.models import load_tokenizer
-        from services.storage import RunStorage, scratch_dir
-
-        lm = self.engine.module.lm
-        with deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None,
-                                               enabled=self.learner.zero_stage == 3):
-            if self.rank != 0:
-                return
-            scratch = scratch_dir("tether-export-")
-            try:
-                if self.lora:  # the merged model, and the adapter in PEFT's format beside it (adapter/)
-                    lm.save_pretrained(f"{scratch}/adapter")
-                    lm.get_base_model().save_pretrained(scratch, state_dict=merged_state_dict(lm),
-                                                        safe_serialization=True)
-                else:
-                    lm.save_pretrained(scratch, safe_serialization=True)
-                load_tokenizer(self.model_dir).save_pretrained(scratch)
-                target = RunStorage(storage_url)
-                target.remove()
-                for file in sorted(p for p in Path(scratch).rglob("*") if p.is_file()):
-                    target.upload(file, file.relative_to(scratch).as_posix())
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
-
-    @staticmethod
-    def _to_universal(ds_dir: str, out_root: str) -> str:
-        """DeepSpeed's rank-count-independent form of the checkpoint in ``ds_dir``; returns the load dir
-        (its tag is ``learner``)."""
-        from argparse import Namespace
-
-        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-        out = os.path.join(out_root, "learner")
-        ds_to_universal(Namespace(input_folder=ds_dir, output_folder=out, num_extract_workers=1,
-                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                  inject_missing_state=True))
-        return out_root
-
-
-def _lost_to_dead_actor(err: Exception) -> bool:
-    """True when ``err`` means an actor died or restarted (retry the chunk), not that the work failed."""
-    from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
-
-    if isinstance(err, RayActorError | ObjectLostError):
-        return True
-    return isinstance(err, RayTaskError) and isinstance(getattr(err, "cause", None), RayActorError | ObjectLostError)
+        """The policy as a Hugging Face model directory at ``storage_url`` (rank 0). Collective under ZeRO-3."""
+        rank_checkpoint.export_hf(self.engine.module.lm, self.rank, self.learner.zero_stage == 3, bool(self.lora),
+                                  self.model_dir, storage_url)
 
 
 def _placeholder_batch() -> RolloutBatch:

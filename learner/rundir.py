@@ -11,10 +11,11 @@ import os
 import tempfile
 
 from services.config import JobConfig, config_to_yaml
+from services.errors import TetherError
 from services.storage import RunStorage
 
 
-class RunDirectoryError(RuntimeError):
+class RunDirectoryError(TetherError, RuntimeError):
     pass
 
 

@@ -121,7 +121,7 @@ def quiet_libraries(level: str | None = None) -> str:
 
 
 def quiet_judge_cast() -> None:
-    """A judge at dtype 'auto' (services/judge.py): vLLM runs a float32 checkpoint in 16 bits, as asked, and
+    """A judge at dtype 'auto' (services/reward_service/judge.py): vLLM runs a float32 checkpoint in 16 bits, as asked, and
     warns once per weight as it casts it; nothing at debug or info."""
     if not verbose():
         _add_filter(logging.getLogger("vllm.model_executor.models.utils"), ("Attempted to load weight",))

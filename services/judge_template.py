@@ -1,5 +1,5 @@
 """The LLM judge's prompt template (``reward.judge.template``): which fields it fills in, checked where the
-settings are read (services/config.py) and where the judge renders it (services/judge.py)."""
+settings are read (services/config.py) and where the judge renders it (services/reward_service/judge.py)."""
 
 from __future__ import annotations
 

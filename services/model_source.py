@@ -20,10 +20,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.errors import TetherError
+
 HASH_FILE = ".tether-content-hash"
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(TetherError, FileNotFoundError):
     pass
 
 

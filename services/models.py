@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,9 +22,24 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from services.model_source import ModelSource
-from services.tasks.base import Task
 
 EOS = "<|endoftext|>"
+
+
+class PolicyRecipe(Protocol):
+    """What the policy's recipe reads of a task (``services.tasks.Task`` has it all): a model it converts or
+    builds, and for a GPT-2 from random init, the config, the characters and the SFT corpus."""
+
+    name: str
+    model_kind: str
+    model_config: dict | None
+
+    @property
+    def vocabulary(self) -> list[str]: ...
+
+    def sft_corpus(self) -> list[str] | None: ...
+
+    def model_dir(self, cache_dir: str | Path) -> Path: ...
 
 
 def build_char_tokenizer(vocabulary: list[str]) -> PreTrainedTokenizerFast:
@@ -67,7 +83,7 @@ def save_model_dir(model, tokenizer, path: Path) -> Path:
     return path
 
 
-def sft_warm_start(task: Task, tokenizer, seed: int, steps: int, batch_size: int, lr: float, log=print):
+def sft_warm_start(task: PolicyRecipe, tokenizer, seed: int, steps: int, batch_size: int, lr: float, log=print):
     """Train the task's GPT-2 from random init on its SFT corpus (text + eos), next-token loss."""
     model = build_gpt2(tokenizer, task.model_config or {}, seed)
     model.loss_type = "ForCausalLM"  # the loss GPT-2 uses; unset, transformers warns that it guesses it
@@ -96,7 +112,7 @@ def sft_warm_start(task: Task, tokenizer, seed: int, steps: int, batch_size: int
     return model
 
 
-def sft_tokenizer(task: Task):
+def sft_tokenizer(task: PolicyRecipe):
     """The tokenizer the task's SFT warm start will have (its characters), known before it trains; None for a
     task without that recipe."""
     if task.model_kind != "gpt2" or task.sft_corpus() is None:
@@ -104,7 +120,7 @@ def sft_tokenizer(task: Task):
     return build_char_tokenizer(task.vocabulary)
 
 
-def policy_source(task: Task, model_path: str | None, cache_dir: str, seed: int, steps: int, batch_size: int,
+def policy_source(task: PolicyRecipe, model_path: str | None, cache_dir: str, seed: int, steps: int, batch_size: int,
                   lr: float, log=print) -> ModelSource:
     """The policy as every node can reach it: ``model_path`` (a directory every node has, or a hub id), or
     a model the driver makes here (the task's SFT warm start or conversion) and ships to the nodes."""
@@ -113,7 +129,7 @@ def policy_source(task: Task, model_path: str | None, cache_dir: str, seed: int,
     return ModelSource.produced(policy_dir(task, None, cache_dir, seed, steps, batch_size, lr, log), cache_dir)
 
 
-def policy_dir(task: Task, model_path: str | None, cache_dir: str, seed: int, steps: int, batch_size: int,
+def policy_dir(task: PolicyRecipe, model_path: str | None, cache_dir: str, seed: int, steps: int, batch_size: int,
                lr: float, log=print) -> Path:
     """The policy's HF model dir on this machine: ``model_path`` if given, else the task's own model (its
     conversion, or its SFT warm start cached by a hash of everything that determines it, built on a miss)."""

@@ -15,8 +15,10 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from services.errors import TetherError
 
-class StorageError(RuntimeError):
+
+class StorageError(TetherError, RuntimeError):
     pass
 
 

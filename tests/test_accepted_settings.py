@@ -162,7 +162,7 @@ def test_single_label_model_needs_no_label(tmp_path):
 
 def _shortest_walk(adjacency, start: int) -> str | None:
     """A shortest path start -> 'a' as letters (BFS written independently of the task's), or None."""
-    from services.tasks.randomwalks import GOAL, LETTERS
+    from services.walk_graph import GOAL, LETTERS
 
     parent, queue = {start: None}, deque([start])
     while queue:

@@ -344,7 +344,7 @@ def test_only_gae_builds_a_value_head():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from learner.advantages import uses_critic
-    from learner.rank import PolicyWithValueHead
+    from learner.policy_model import PolicyWithValueHead
 
     lm = GPT2LMHeadModel(GPT2Config(vocab_size=23, n_positions=16, n_embd=32, n_layer=1, n_head=2))
     ids = torch.randint(0, 23, (2, 5))

@@ -60,7 +60,7 @@ def test_prompts_longer_than_the_context(tiny_model_dir):
 @pytest.mark.parametrize("task, message", [
     ("tests.faulty_tasks:NoPrompts", "the task has an empty prompt set"),
     ("tests.faulty_tasks:LongPrompts", "2 prompt(s) are longer than task.max_prompt_tokens=16"),
-    ("tests.faulty_tasks:Missing", "cannot be imported"),
+    ("tests.faulty_tasks:Missing", "task.name='tests.faulty_tasks:Missing': module 'tests.faulty_tasks' has no attribute 'Missing'"),
 ])
 def test_bad_task_data_fails_before_any_actor(cache_dir, tmp_path, task, message):
     proc = run_job(["--run.output_dir", str(tmp_path), "--model.cache_dir", cache_dir, "--run.seed", "1",

@@ -174,7 +174,7 @@ def test_an_evaluation_file_is_checked_like_the_training_file(tmp_path):
 
 
 @pytest.mark.parametrize("function, message", [
-    ("tests.dataset_rewards:nowhere", "cannot be imported: AttributeError"),
+    ("tests.dataset_rewards:nowhere", "has no attribute 'nowhere'"),
     ("tests.no_such_module:score", "cannot be imported: ModuleNotFoundError"),
     ("tests.dataset_rewards:not_a_function", "is a int, not a function"),
     ("tests.dataset_rewards:no_fields", r"cannot be called with \(prompt, completion, answer\)"),
@@ -213,7 +213,7 @@ def test_config_refuses_dataset_settings_that_cannot_work(tmp_path):
         ({"task": {"name": "dataset", "path": str(path)}, "model": {"path": "/m"}}, "needs task.reward_function"),
         ({"task": {"name": "dataset", "path": str(path), "reward_function": REWARD}}, "needs model.path"),
         ({"task": {"name": "dataset", "path": str(path), "reward_function": "score"}, "model": {"path": "/m"}},
-         "is not of the form package.module:function"),
+         "must be given as 'package.module:function'"),
         ({"task": {"name": "dataset", "path": str(path), "reward_function": REWARD}, "model": {"path": "/m"},
           "reward": {"kind": "model", "model_path": "/r"}}, "task.reward_function is set but reward.kind='model'"),
         ({"task": {"name": "dataset", "path": str(path), "reward_function": REWARD, "reward_fields": ["prompt"]},
@@ -319,7 +319,7 @@ def _job_args(cache_dir, tiny_model_dir, out, data, *extra) -> list[str]:
      "1 prompt(s) are longer than task.max_prompt_tokens=16; first is {path}, row 1, field 'prompt' with 20 tokens"),
     ([{"prompt": "b"}], [], "task.path {path} has no field 'answer' (task.reward_fields)"),
     ([{"prompt": "b", "answer": "c"}], ["--task.reward_function", "tests.dataset_rewards:nowhere"],
-     "task.reward_function='tests.dataset_rewards:nowhere' cannot be imported"),
+     "task.reward_function='tests.dataset_rewards:nowhere': module 'tests.dataset_rewards' has no attribute"),
 ])
 def test_bad_dataset_fails_the_job_before_any_actor(cache_dir, tiny_model_dir, tmp_path, rows, extra, message):
     data = write_jsonl(tmp_path / "data.jsonl", rows)

@@ -175,7 +175,7 @@ def test_load_environment_factory_and_make_environment():
     [
         ("services.environments.randomwalks", "must be given as 'package.module:factory'"),
         (":interactive_randomwalks", "must be given as"),
-        ("no_such_package.envs:factory", "module 'no_such_package.envs' cannot be imported: No module named"),
+        ("no_such_package.envs:factory", "module 'no_such_package.envs' cannot be imported: ModuleNotFoundError: No module named"),
         ("services.environments.randomwalks:no_such_factory", "has no attribute 'no_such_factory'"),
         ("tests.test_environments:NOT_CALLABLE", "is of type int, not a class or function"),
     ],

@@ -24,7 +24,7 @@ from torch import Tensor
 from learner.advantages import grpo_advantages
 from learner.algorithm import Algorithm, EpisodeView, episode_view
 from learner.kl import kl_stats_from_sums
-from services.config import DistillConfig, JobConfig, deep_merge, load_config
+from services.config import DistillConfig, JobConfig, load_config, merge_settings
 from services.experience import FINISH_LENGTH, FINISH_STOP, Episodes, RolloutBatch, concat_batches, make_batch
 
 BETA = 0.25  # a power of two: beta * kl is exact where kl is dyadic
@@ -36,7 +36,7 @@ PLAIN_GAE = {"ppo": {"gamma": 1.0, "lam": 1.0, "whiten_advantages": False}}
 
 
 def merged(*parts: dict) -> dict:
-    return functools.reduce(deep_merge, parts, {})
+    return functools.reduce(merge_settings, parts, {})
 
 
 def config(*parts: dict) -> JobConfig:

@@ -148,7 +148,7 @@ def test_a_fraction_of_a_gpu_per_learner_rank_is_refused_with_several_ranks(lear
 
 
 def test_local_rank_is_the_ranks_gpu_as_cuda_numbers_it_in_the_actor():
-    from learner.rank import local_gpu_index
+    from learner.policy_model import local_gpu_index
 
     assert local_gpu_index(["3"], "3", "learner-rank-1") == 0  # Ray shows the rank only its own GPU
     assert local_gpu_index(["5", "6"], "5,6", "learner-rank-1") == 0

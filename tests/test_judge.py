@@ -1,4 +1,4 @@
-"""The LLM judge's template and answer rule (services/judge.py) and its settings (reward.judge): what a
+"""The LLM judge's template and answer rule (services/reward_service/judge.py) and its settings (reward.judge): what a
 template may name, how an answer is read, and the settings refused at start. The judge model itself runs in
 tests/test_sentiment_task.py (SmolLM2 on vLLM, in a reward actor)."""
 
@@ -8,8 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from services.config import JudgeConfig, load_config
-from services.judge import AnswerRule
 from services.judge_template import check_template_fields, template_fields
+from services.reward_service.judge import AnswerRule
 
 TEMPLATE = "Question: {prompt}\nAnswer: {response}\nScore from 0 to 10:"
 

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from learner.algorithm import Algorithm
 from services.choices import GROUP_ESTIMATORS
-from services.config import JobConfig, deep_merge, load_config
+from services.config import JobConfig, load_config, merge_settings
 from services.experience import FINISH_LENGTH, FINISH_STOP, RolloutBatch, make_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,7 +170,7 @@ BASES = {f"{advantage}-{mode}-{placement}": {
 
 
 def merged(*parts: dict) -> dict:
-    return functools.reduce(deep_merge, parts, {})
+    return functools.reduce(merge_settings, parts, {})
 
 
 def dotted(change: dict, prefix: str = "") -> set[str]:

@@ -3,7 +3,6 @@ imports stay free of what only the actors need (its start-up is on every job's c
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
@@ -123,31 +122,3 @@ def test_a_pretrained_policy_on_the_tiny_models_lr_is_told_at_start():
     assert parse_cli(["--ppo.lr", "3e-4"]).tiny_model_settings_notice(134_515_008) is None
     assert parse_cli(["--config", str(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml")]
                      ).tiny_model_settings_notice(134_515_008) is None
-
-
-LAYERS = {"services": 0, "actors": 1, "learner": 2}  # the ground floor, the actors above it, the learner on top
-
-
-def imported_modules(path: Path) -> set[str]:
-    """Every tether module ``path`` imports, at its top, lazily or for typing (``from a.b import c`` counts
-    ``a.b`` and ``a.b.c``: c may be a module)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
-        elif isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-    return {name for name in found if name.split(".")[0] in LAYERS}
-
-
-def test_imports_only_go_down_and_no_two_modules_import_each_other():
-    modules = {}
-    for layer in LAYERS:
-        for path in sorted((ROOT / layer).rglob("*.py")):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-            modules[name] = imported_modules(path)
-    upward = sorted((name, target) for name, targets in modules.items() for target in targets
-                    if LAYERS[target.split(".")[0]] > LAYERS[name.split(".")[0]])
-    assert upward == [], upward
-    mutual = sorted((a, b) for a, targets in modules.items() for b in targets if a < b and a in modules.get(b, ()))
-    assert mutual == [], mutual

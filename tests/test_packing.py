@@ -83,8 +83,8 @@ def test_a_row_without_a_prompt_token_is_refused():
 def test_packed_micro_batches_give_the_padded_gradient(tiny_model_dir):
     """The gradient of the PPO loss (token mean over the minibatch, the value loss too) summed over packed
     micro-batches, each divided by the minibatch's count, equals the padded minibatch's (1e-4 relative)."""
+    from learner.policy_model import PolicyWithValueHead
     from learner.ppo import loss_denominator, policy_loss, value_loss
-    from learner.rank import PolicyWithValueHead
     from services.models import load_causal_lm
 
     torch.manual_seed(0)

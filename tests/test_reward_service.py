@@ -1,4 +1,4 @@
-"""Tests of services/reward_service.py: a real server on 127.0.0.1 (port 0) scoring with the randomwalks
+"""Tests of services/reward_service/ (server, connections, client): a real server on 127.0.0.1 (port 0) scoring with the randomwalks
 task's reward, its client, and every rejection path (auth, size, shape, type, batch, time)."""
 
 from __future__ import annotations

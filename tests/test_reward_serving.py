@@ -1,4 +1,4 @@
-"""What the reward service serves, named in one command (services/reward_service.py's CLI): a user's
+"""What the reward service serves, named in one command (services/reward_service/cli.py): a user's
 function (``--function``), a sequence-classification reward model (``--model``) with dynamic batching, and
 the options refused at start. The judge (``--judge``) shares the batching and the judge code of
 tests/test_judge.py and tests/test_sentiment_task.py."""
@@ -67,10 +67,10 @@ def not_classifiers(tmp_path_factory):
 
 @pytest.mark.parametrize("argv, message", [
     (["--function", "tests.dataset_rewards:nowhere"],
-     "--function='tests.dataset_rewards:nowhere' cannot be imported: AttributeError"),
+     "--function='tests.dataset_rewards:nowhere': module 'tests.dataset_rewards' has no attribute 'nowhere'"),
     (["--function", "tests.dataset_rewards:not_a_function"],
      "--function='tests.dataset_rewards:not_a_function' is a int, not a function"),
-    (["--function", "tests.dataset_rewards"], "is not of the form package.module:function"),
+    (["--function", "tests.dataset_rewards"], "must be given as 'package.module:function'"),
     (["--function", "os.path:join"], "cannot be called as os.path:join(prompt=..., completion=..., **fields)"),
     (["--model", "{causal}"], "is a GPT2LMHeadModel, not a sequence classifier"),
     (["--model", "{bare}"], "has no trained classification head (score.weight missing"),

@@ -217,8 +217,8 @@ def test_smollm2_judges_responses_in_a_reward_actor(converted):
     from actors.reward import RewardActor
     from services.config import JudgeConfig
     from services.experience import make_batch
-    from services.judge import AnswerRule
     from services.models import load_tokenizer
+    from services.reward_service.judge import AnswerRule
 
     _, path, _ = converted
     cfg = JudgeConfig(model_path=str(path), template="Rate how positive this reply to {prompt!r} is, 0 to 10:\n"

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from services.errors import TetherError
+
 # text, chat messages [{"role", "content"}], or token ids
 Observation = str | list[dict] | list[int]
 
@@ -50,7 +52,7 @@ class StepResult:
     info: dict = field(default_factory=dict)
 
 
-class EnvironmentFailure(RuntimeError):
+class EnvironmentFailure(TetherError, RuntimeError):
     """An environment that raised, hung past its deadline, returned something malformed, or whose worker died.
     Counted and named, never trained on."""
 

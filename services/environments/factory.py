@@ -3,28 +3,17 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from services.environments.base import Environment
+from services.errors import load_object
 
 
 def load_environment_factory(spec: str) -> Callable[..., Environment]:
     """The callable ``spec`` names as ``package.module:factory`` (a class or a function)."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"environment {spec!r} must be given as 'package.module:factory'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"environment {spec!r}: module {module_name!r} cannot be imported: {err}") from err
-    factory = module
-    for name in attribute.split("."):
-        if not hasattr(factory, name):
-            raise ValueError(f"environment {spec!r}: module {module_name!r} has no attribute {attribute!r}")
-        factory = getattr(factory, name)
+    factory = load_object(spec, "task.environment", "package.module:factory")
     if not callable(factory):
         raise ValueError(  # noqa: TRY004 - main reports ValueError as bad config
             f"environment {spec!r} is of type {type(factory).__name__}, not a class or function")

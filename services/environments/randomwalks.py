@@ -1,6 +1,6 @@
 """Randomwalks as a multi-turn environment: the model sees where it is and where it may go, and answers one
-move per turn. The graph, its walks and the optimality score are those of ``services/tasks/randomwalks.py``
-(services/tasks/randomwalks.py); this adds the turns, and the recipe of the tiny GPT-2 that learns them.
+move per turn. The graph, its walks and the optimality score are those of the single-turn task
+(services/walk_graph.py); this adds the turns, and the recipe of the tiny GPT-2 that learns them.
 
 An episode from 'b' on the default graph (seed 1000), in the order its tokens reach the model:
 ``b:dju>`` (observation), ``d`` + EOS (the model's move), ``d:alt>``, ``a`` + EOS: done, optimality 1.0.
@@ -12,11 +12,11 @@ from functools import cache
 
 from services.environments.base import Environment
 from services.models import EOS
-from services.tasks.randomwalks import (
+from services.walk_graph import (
     GOAL,
+    GPT2_CONFIG,
     LETTERS,
     MAX_LENGTH,
-    RandomWalksTask,
     WalkGraph,
     build_graph,
     optimality,
@@ -58,7 +58,7 @@ class InteractiveRandomWalks(Environment):
         longest_observation = 3 + int(self.graph.adjacency.sum(1).max())
         longest = longest_observation + (MAX_LENGTH - 1) * (self.max_new_tokens + longest_observation)
         n_positions = max(128, 1 << (longest - 1).bit_length())  # a power of two
-        return {**RandomWalksTask(seed=self.seed).model_config, "n_positions": n_positions}
+        return {**GPT2_CONFIG, "n_positions": n_positions}
 
     def rows(self) -> list[dict]:
         """The walks' start letters that can reach 'a' within the walk length (randomwalks' prompts)."""

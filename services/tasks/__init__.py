@@ -1,5 +1,6 @@
 """Task registry: name -> Task class."""
 
+from services.errors import load_object
 from services.tasks.base import Task
 from services.tasks.dataset import DatasetTask
 from services.tasks.environment import AgentTask, EnvironmentTask
@@ -13,13 +14,7 @@ TASKS: dict[str, type[Task]] = {"randomwalks": RandomWalksTask, "smollm2-sentime
 def get_task(name: str, **options) -> Task:
     """A built-in task by name, or your own as ``package.module:ClassName`` (a Task subclass)."""
     if ":" in name:
-        import importlib
-
-        module_name, _, class_name = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"task {name!r} cannot be imported: {err}") from err
+        cls = load_object(name, "task.name", "package.module:ClassName")
         if not (isinstance(cls, type) and issubclass(cls, Task)):
             raise ValueError(f"task {name!r} is not a services.tasks.Task subclass")
         return cls(**options)

@@ -13,7 +13,6 @@ Rows are counted from 0, in file order, in error messages.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import numbers
@@ -25,6 +24,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from services.errors import load_object
 from services.tasks.base import Task
 
 FILE_READERS = {".jsonl": "from_json", ".json": "from_json", ".csv": "from_csv", ".parquet": "from_parquet"}
@@ -109,13 +109,7 @@ def check_prompt(value: Any, where: str) -> None:
 
 def import_reward_function(name: str, setting: str = "task.reward_function") -> Callable:
     """``package.module:function``, imported and checked to be callable; ValueError naming ``setting`` otherwise."""
-    module_name, _, attribute = name.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"{setting}={name!r} is not of the form package.module:function")
-    try:
-        function = getattr(importlib.import_module(module_name), attribute)
-    except Exception as err:  # the module is user code: whatever its import raises is a bad setting
-        raise ValueError(f"{setting}={name!r} cannot be imported: {type(err).__name__}: {err}") from err
+    function = load_object(name, setting, "package.module:function")
     if not callable(function):
         raise ValueError(  # noqa: TRY004 - main reports ValueError as bad input
             f"{setting}={name!r} is a {type(function).__name__}, not a function")

@@ -1,0 +1,61 @@
+"""The module the learner's DeepSpeed engine trains: the policy LM with its value head (or a separate critic),
+and where on the node a rank computes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from services.experience import Packed
+
+
+class PolicyWithValueHead(nn.Module):
+    """The causal LM plus a value head (hidden -> 2*hidden -> ReLU -> 1) on the last hidden state; without
+    ``value_head`` (a critic-free ``ppo.advantage``) the LM alone, and no values."""
+
+    def __init__(self, lm: nn.Module, critic: nn.Module | None = None, value_head: bool = True) -> None:
+        super().__init__()
+        self.lm = lm
+        # critic: a separate copy of the LM whose last hidden state feeds the value head; None shares the policy's
+        self.critic = critic
+        hidden = lm.config.hidden_size
+        self.value_head = (nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.ReLU(), nn.Linear(2 * hidden, 1))
+                           if value_head else None)
+
+    def forward(self, input_ids: Tensor | None, attention_mask: Tensor | None, position_ids: Tensor | None,
+                prompt_width: int, temperature: float = 1.0, packed: Packed | None = None) -> tuple[Tensor, Tensor | None]:
+        """Returns (logits [B, T, V] predicting each response token, values [B, T] or None without a head).
+        ``packed``: the rows packed without padding (``learner.max_tokens_per_microbatch``) instead of the padded
+        [B, P + T] inputs."""
+        from services.experience import packed_logits, response_logits
+
+        def run(model: nn.Module, hidden: bool) -> tuple[Tensor, Tensor | None]:
+            if packed is not None:
+                return packed_logits(model, packed, hidden)
+            return response_logits(model, input_ids, attention_mask, position_ids, prompt_width, hidden=hidden)
+
+        shared = self.value_head is not None and self.critic is None
+        logits, hidden = run(self.lm, shared)
+        logits = logits.float() / temperature
+        if self.value_head is None:
+            return logits, None
+        if self.critic is not None:
+            _, hidden = run(self.critic, True)
+        return logits, self.value_head(hidden).squeeze(-1).float()
+
+
+def local_gpu_index(assigned: list[str], visible: str | None, actor: str) -> int:
+    """The first GPU Ray ``assigned`` this actor, as CUDA numbers it in this process: its position among
+    ``visible`` (CUDA_VISIBLE_DEVICES). Ray sets that to the assigned ids, so it is 0; where Ray leaves it
+    unset (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES) every GPU is visible and it is the id itself."""
+    if not assigned:
+        raise RuntimeError(f"{actor}: the config gives it GPUs, but Ray assigned it none")
+    if visible is None:
+        return int(assigned[0])
+    order = [device.strip() for device in visible.split(",")]
+    if assigned[0] not in order:
+        raise RuntimeError(f"{actor}: Ray assigned it GPU {assigned[0]}, but CUDA_VISIBLE_DEVICES={visible!r} "
+                           "does not show it")
+    return order.index(assigned[0])

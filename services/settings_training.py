@@ -1,0 +1,345 @@
+"""The settings of how a job trains and runs: PPO and its estimators, the KL controller, the cluster's
+resources, the learner (LoRA included), the run, its metrics and checkpoints. Sections of
+``services.config.JobConfig``, which checks the rules across them."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+
+from services.choices import GRPO_TOKEN_K3_WARNING, Estimator, LossForm
+from services.settings_sampling import Section
+
+# vLLM's max_lora_rank takes these (vllm.config.lora.MaxLoRARanks; tests/test_lora.py checks): an engine that takes
+# LoRA adapters starts with the smallest one at least learner.lora.rank
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+# a policy this large is a pretrained model, not a task's small model trained from scratch (the embedded
+# randomwalks GPT-2 has about 1M parameters)
+PRETRAINED_PARAMETERS = 20_000_000
+# ppo.lr when unset, by ppo.advantage: GAE's is tuned on the embedded randomwalks model; the critic-free
+# estimators' updates are larger at a rate (no value baseline shrinks the advantages), and at 3e-4 GRPO and
+# RLOO end below 0.9 optimality on graphs other than the default one (benchmarks/advantage_lr.py)
+ADVANTAGE_LR = {"gae": 3e-4, "grpo": 1e-4, "rloo": 1e-4, "reinforce_pp": 1e-4, "reinforce_pp_baseline": 1e-4}
+
+
+# what only GAE reads (learner/advantages.py's _gae; the critic's value loss, learner/algorithm.py), and what it is
+GAE_ONLY_FIELDS = {
+    "lam": "GAE's lambda",
+    "whiten_rewards": "the whitening of the per-token rewards GAE sees",
+    "whiten_advantages": "the whitening of GAE's advantages (the other estimators normalise theirs as they define)",
+    "vf_coef": "the weight of the critic's value loss",
+    "clip_range_value": "the clip of the critic's values in its value loss",
+}
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as the YAML and the command line write it: true, false, null, 'text', 0.5."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else repr(value)
+
+
+class PPOConfig(Section):
+    advantage: Estimator = Field(
+        "gae", description="advantage estimator (learner.advantages): gae (with a critic), or the critic-free "
+        "grpo, rloo, reinforce_pp, reinforce_pp_baseline")
+    epochs: PositiveInt = Field(4, description="PPO epochs over each rollout batch")
+    minibatch_size: PositiveInt = Field(64, description="episodes per optimizer step, over all ranks")
+    lr: PositiveFloat = Field(3e-4, description="AdamW learning rate")
+    lr_schedule: Literal["constant", "linear"] = Field(
+        "constant", description="linear: lr * (1 - (i - 1) / run.iterations) at iteration i, annealed to 0 over "
+        "the run as in lm-human-preferences; constant: lr throughout")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    weight_decay: float = Field(1e-6, ge=0, description="AdamW weight decay")
+    clip_range: PositiveFloat = Field(0.2, description="policy ratio clip epsilon")
+    clip_range_low: PositiveFloat | None = Field(
+        None, description="lower ratio clip epsilon, the ratio's floor 1 - it (< 1); none = clip_range "
+        "(policy_loss ppo)")
+    clip_range_high: PositiveFloat | None = Field(
+        None, description="upper ratio clip epsilon, the ratio's ceiling 1 + it (DAPO's clip-higher: 0.28 with a "
+        "low of 0.2); none = clip_range (policy_loss ppo)")
+    policy_loss: Literal["ppo", "gspo", "gspo_token"] = Field(
+        "ppo", description="ppo: a ratio per token; gspo: one length-normalised ratio per sequence, "
+        "(pi/pi_old)^(1/|y|), clipped per sequence (Zheng et al. 2025); gspo_token: GSPO's ratio with each token's "
+        "gradient (its per-token advantages)")
+    gspo_clip_low: PositiveFloat = Field(3e-4, description="gspo, gspo_token: lower clip epsilon of the sequence "
+                                         "ratio (the paper's 3e-4)")
+    gspo_clip_high: PositiveFloat = Field(4e-4, description="gspo, gspo_token: upper clip epsilon of the sequence "
+                                          "ratio (the paper's 4e-4)")
+    clip_range_value: PositiveFloat = Field(0.2, description="value clip around old values (gae only)")
+    vf_coef: float = Field(1.0, ge=0, description="value loss weight (gae only)")
+    gamma: float = Field(1.0, gt=0, le=1, description="discount (gae, reinforce_pp; reinforce_pp_baseline takes "
+                         "only 1)")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    whiten_advantages: bool = Field(True, description="whiten GAE's advantages over the batch (gae only: the "
+                                    "other estimators normalise as defined)")
+    whiten_rewards: bool = Field(False, description="scale the KL-penalised per-token rewards to unit variance "
+                                 "over the batch, mean kept, before GAE (lm-human-preferences: true; gae only)")
+    loss_aggregation: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean", description="loss mean: over tokens, over sequences (each over its tokens), or "
+        "seq_mean_token_sum_norm (Dr. GRPO: each sequence's token sum over rollout.max_new_tokens, then the mean)")
+    max_grad_norm: PositiveFloat = Field(1.0, description="gradient clipping norm")
+    mask_truncated: bool = Field(
+        False, description="DAPO's overlong filtering: responses cut at rollout.max_new_tokens without EOS leave the "
+        "policy and value losses (their advantages and the groups' baselines are computed with them, and their KL "
+        "still counts in the controller's statistic)")
+    correction: Literal["tis", "mis", "none"] = Field(
+        "tis", description="rollout correction, both modes: each token's loss term times w = pi_old / pi_behav, the "
+        "learner's policy at the start of the update over the engine's sampled log-probs; tis truncates w at is_cap, "
+        "mis masks what exceeds it; none only in sync mode")
+    correction_level: Literal["token", "sequence"] = Field(
+        "token", description="the rollout correction's weight: per token, or the whole response's likelihood ratio "
+        "on each of its tokens (gspo takes sequence)")
+    is_cap: PositiveFloat = Field(2.0, description="the rollout correction's bound on w = pi_old / pi_behav (> 1): "
+                                  "tis truncates w to it, mis masks the tokens (sequence: rows) beyond it; in async "
+                                  "mode pi_old is pi_prox (decoupled PPO)")
+    grpo_normalize: Literal["score", "return"] = Field(
+        "score", description="grpo with the KL in the reward: score normalises the score in its group and adds the "
+        "KL penalty to go unscaled (DeepSeekMath, OpenRLHF, TRL); return normalises score - beta * KL_b (verl's "
+        "use_kl_in_reward, only to reproduce it: where a group's scores tie, KL noise becomes unit advantages)")
+
+    @model_validator(mode="after")
+    def _estimator_settings(self) -> PPOConfig:
+        if self.advantage == "reinforce_pp_baseline" and self.gamma != 1:
+            raise ValueError(f"ppo.advantage='reinforce_pp_baseline' needs ppo.gamma=1 (got {self.gamma}): the group "
+                             "baseline subtracted at the last token and discounted reaches token t as "
+                             "-gamma^(L-1-t) * baseline, a bias by the response's length L (OpenRLHF forces 1)")
+        if self.grpo_normalize != "score" and self.advantage != "grpo":
+            raise ValueError(f"ppo.grpo_normalize={self.grpo_normalize!r} is set but ppo.advantage="
+                             f"{self.advantage!r} ignores it; set ppo.grpo_normalize='score' or ppo.advantage='grpo'")
+        defaults = type(self).model_fields
+        if self.advantage != "gae":
+            # by value, not by which fields were given: a dumped config (config.yaml, --print-config) holds them all
+            for name, what in GAE_ONLY_FIELDS.items():
+                value, default = getattr(self, name), defaults[name].default
+                if value != default:
+                    raise ValueError(f"ppo.{name}={_shown(value)} is set but ppo.advantage={self.advantage!r} ignores "
+                                     f"it: {what} is read only by ppo.advantage='gae'; set ppo.{name}="
+                                     f"{_shown(default)} (its default) or ppo.advantage='gae'")
+        if self.advantage in ("grpo", "rloo") and self.gamma != defaults["gamma"].default:
+            raise ValueError(f"ppo.gamma={self.gamma} is set but ppo.advantage={self.advantage!r} ignores it: "
+                             f"{self.advantage} scores each response by its undiscounted return; set ppo.gamma=1.0 "
+                             "(its default), or ppo.advantage 'gae' or 'reinforce_pp', which discount")
+        return self
+
+    def ratio_clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high) of the policy ratio's clip: GSPO's own for gspo and gspo_token; else clip_range_low
+        and clip_range_high, each clip_range when unset."""
+        if self.policy_loss != "ppo":
+            return self.gspo_clip_low, self.gspo_clip_high
+        return (self.clip_range if self.clip_range_low is None else self.clip_range_low,
+                self.clip_range if self.clip_range_high is None else self.clip_range_high)
+
+    @model_validator(mode="after")
+    def _policy_loss_settings(self) -> PPOConfig:
+        gspo = self.policy_loss != "ppo"
+        for name in ("clip_range_low", "clip_range_high"):
+            if gspo and getattr(self, name) is not None:
+                raise ValueError(f"ppo.{name} is set but ppo.policy_loss={self.policy_loss!r} clips its sequence ratio "
+                                 "with ppo.gspo_clip_low and ppo.gspo_clip_high; set it to null")
+        defaults = type(self).model_fields
+        if gspo and self.clip_range != defaults["clip_range"].default:
+            raise ValueError(f"ppo.clip_range={self.clip_range} is set but ppo.policy_loss={self.policy_loss!r} "
+                             "ignores it: it clips its sequence ratio with ppo.gspo_clip_low and ppo.gspo_clip_high; "
+                             f"set those, and ppo.clip_range={defaults['clip_range'].default} (its default), or "
+                             "ppo.policy_loss='ppo'")
+        both = self.clip_range_low is not None and self.clip_range_high is not None
+        if both and self.clip_range != defaults["clip_range"].default:
+            raise ValueError(f"ppo.clip_range={self.clip_range} is set but ppo.clip_range_low and ppo.clip_range_high "
+                             "are both set, and the ratio's clip takes them alone; drop ppo.clip_range or one of "
+                             "the two bounds")
+        for name in ("gspo_clip_low", "gspo_clip_high"):
+            if not gspo and getattr(self, name) != defaults[name].default:
+                raise ValueError(f"ppo.{name}={getattr(self, name)} is set but ppo.policy_loss='ppo' ignores it; set "
+                                 "ppo.policy_loss='gspo' (or 'gspo_token'), or ppo.clip_range_low/high for PPO's ratio")
+        low = self.ratio_clip_range()[0]
+        field = "gspo_clip_low" if gspo else "clip_range" if self.clip_range_low is None else "clip_range_low"
+        if low >= 1:
+            raise ValueError(f"ppo.{field}={low} puts the ratio's floor 1 - {low} at or below 0, where no ratio "
+                             "reaches it (a ratio is > 0): the lower clip epsilon must be < 1")
+        if self.policy_loss == "gspo" and self.advantage == "gae":
+            raise ValueError("ppo.policy_loss='gspo' gives every token of a response the sequence's one ratio, so its "
+                             "gradient averages GAE's per-token advantages over the response; use "
+                             "ppo.policy_loss='gspo_token' (GSPO's ratio, each token's own advantage) with gae")
+        if self.correction == "none":
+            if self.correction_level != "token" or self.is_cap != defaults["is_cap"].default:
+                raise ValueError("ppo.correction_level or ppo.is_cap is set but ppo.correction='none' ignores them; "
+                                 "set ppo.correction to 'tis' or 'mis', or drop them")
+            return self
+        if self.is_cap <= 1:
+            cut = "truncate" if self.correction == "tis" else "mask"
+            raise ValueError(f"ppo.is_cap={self.is_cap} must be > 1 with ppo.correction={self.correction!r}: where the "
+                             f"engine and the learner agree the weight is 1, and a bound at or below it would {cut} "
+                             "the tokens the learner favours even there")
+        if self.policy_loss == "gspo" and self.correction_level == "token":
+            raise ValueError("ppo.policy_loss='gspo' takes one ratio per response; its rollout correction must be one "
+                             "weight per response too, the response's likelihood ratio pi_old(y) / pi_behav(y): set "
+                             "ppo.correction_level='sequence' (or ppo.correction='none' in sync mode)")
+        return self
+
+
+class KLConfig(Section):
+    controller: Literal["adaptive", "fixed"] = Field("adaptive", description="adaptive (Ziegler et al.) or fixed")
+    estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimator")
+    scope: Literal["response_sum", "token_mean"] = Field("response_sum", description="statistic fed to controller")
+    placement: Literal["reward", "loss"] = Field("reward", description="KL penalty in the reward or in the loss")
+    loss_form: LossForm | None = Field(
+        None, description="KL term in the loss (placement 'loss' only): kl_to_go or response_k2 (exact gradient "
+        "of the response KL, per response), or grpo_token_k3 (GRPO's, only to reproduce it)")
+    init_kl_coef: float = Field(0.15, ge=0, description="initial beta")
+    target: PositiveFloat | None = Field(6.0, description="target response KL, nats (adaptive only)")
+    horizon: PositiveInt = Field(10000, description="controller horizon, episodes")
+
+    @model_validator(mode="after")
+    def _target_matches_controller(self) -> KLConfig:
+        if self.controller == "adaptive" and self.target is None:
+            raise ValueError("kl.target is required with kl.controller='adaptive'")
+        if self.controller == "fixed" and self.target is not None:
+            raise ValueError("kl.target is set but kl.controller='fixed' ignores it; set kl.target=null")
+        if self.scope == "token_mean":
+            warnings.warn("kl.scope='token_mean' feeds the controller a per-token mean (other frameworks' choice)")
+        if self.placement == "loss" and self.loss_form is None:
+            raise ValueError(
+                "kl.placement='loss' needs kl.loss_form: a per-token k(r) in the loss has the wrong gradient "
+                f"whichever kl.estimator (here {self.estimator!r}) it uses (k1: 0 in expectation; k3: the reverse "
+                "KL's; k2: misses later tokens' log-ratios). Set kl.loss_form to 'kl_to_go' or 'response_k2' "
+                "(exact gradient of the response KL) or 'grpo_token_k3' (only to reproduce GRPO)")
+        if self.placement == "reward" and self.loss_form is not None:
+            raise ValueError(f"kl.loss_form={self.loss_form!r} is set but kl.placement='reward' ignores it; "
+                             "set kl.loss_form=null or kl.placement='loss'")
+        if self.loss_form == "grpo_token_k3":
+            warnings.warn(GRPO_TOKEN_K3_WARNING)
+        return self
+
+
+class RoleResources(Section):
+    num_cpus: float = Field(0.25, ge=0, description="CPUs per actor")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (fractional to share)")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per actor")
+
+
+class ClusterConfig(Section):
+    address: str | None = Field(None, description="Ray address; none = RAY_ADDRESS (ray job) or a local Ray")
+    num_cpus: PositiveInt | None = Field(None, description="CPUs of a local Ray started by the job")
+    object_store_mib: PositiveInt = Field(512, description="object store of a local Ray, MiB")
+    connect_timeout_s: PositiveFloat = Field(30.0, description="give up reaching the cluster after this")
+    placement_timeout_s: PositiveFloat = Field(30.0, description="give up waiting for resources after this")
+    rollout: RoleResources = Field(default_factory=RoleResources)
+    reference: RoleResources = Field(default_factory=RoleResources)
+    reward: RoleResources = Field(default_factory=RoleResources)
+    teacher: RoleResources = Field(default_factory=RoleResources)  # distill.teacher_path only
+    learner: RoleResources = Field(default_factory=RoleResources)
+
+
+class LoraConfig(Section):
+    """LoRA adapters on the policy (through peft); rank 0 trains every weight."""
+
+    rank: int = Field(0, ge=0, description="the adapters' rank r; 0 = off (full fine-tuning)")
+    alpha: PositiveFloat = Field(16.0, description="the adapters' scale is alpha / rank")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["all-linear"], min_length=1, description="the modules that get adapters, by "
+        "name (a module matches when its dotted name ends with it: GPT-2's c_attn, c_proj, c_fc; Llama's q_proj, "
+        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), or ['all-linear'] (every linear layer but the "
+        "output head)")
+    sync: Literal["auto", "adapter", "merged"] = Field(
+        "auto", description="adapter: where vLLM's implementation of the model takes LoRA adapters, the engines run "
+        "with LoRA on and each sync ships the adapter alone (elsewhere the merged weights); merged: the engines run "
+        "the plain model and each sync ships the base weights with the adapters merged in (float32 only: in bf16 "
+        "W + BA rounds the adapters' updates away); auto: merged for float32 engines on CPU, where vLLM's build "
+        "generates with an adapter 3-7x slower than without (benchmarks/trl_smollm2.py), else adapter")
+    reference: Literal["base", "actor"] = Field(
+        "base", description="base: the reference log-probs are the learner's own forward with the adapters "
+        "disabled (the base model is the initial policy), so no reference actor or second copy of the weights; "
+        "actor: the reference actors as without LoRA")
+
+    @model_validator(mode="after")
+    def _all_linear_alone(self) -> LoraConfig:
+        if "all-linear" in self.target_modules and len(self.target_modules) > 1:
+            raise ValueError(f"learner.lora.target_modules {self.target_modules}: 'all-linear' already takes every "
+                             "linear layer; give it alone or name the modules")
+        return self
+
+
+class LearnerConfig(Section):
+    world_size: PositiveInt = Field(1, description="DeepSpeed ranks")
+    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage 0-3")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
+    critic: Literal["value_head", "separate"] = Field("value_head", description="value head or a separate critic")
+    weight_sync: Literal["object_store", "nccl", "ipc"] = Field(
+        "object_store", description="weights to the engines: Ray object store (CPU or GPU), or vLLM's weight "
+        "transfer over NCCL (learner and engines on separate GPUs) or CUDA IPC (engines on the learner's GPUs)")
+    sync_bucket_mib: PositiveInt = Field(64, description="packed buffer of vLLM's NCCL/IPC weight transfer, MiB; "
+                                         "raised to the largest parameter's size when that is larger (logged)")
+    collective_timeout_s: PositiveFloat = Field(
+        1800.0, description="longest wait for the learner ranks in one call (rendezvous, collect, update, "
+        "weight sync) before the job fails naming the ranks that did not answer")
+    torch_threads: PositiveInt | None = Field(
+        None, description="CPU threads of each rank's torch; none = Ray's default (one per whole CPU of the "
+        "actor). On a CPU-only node the engines idle during the PPO update, so a rank can use their cores too")
+    max_tokens_per_microbatch: PositiveInt | None = Field(
+        None, description="pack the learner's forwards and backwards (and the reference's forward) into "
+        "micro-batches of at most this many real tokens, sequences one after another without padding; one "
+        "optimizer step accumulates as many as its minibatch needs. None: padded [rows, prompt + response] blocks. "
+        "Attention without a variable-length kernel (SDPA, on CPU too) runs a micro-batch as one masked [N, N] "
+        "block, so keep N to a few sequences' length there")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    @property
+    def vllm_lora_rank(self) -> int | None:
+        """The max_lora_rank of an engine that takes the adapters: vLLM's smallest at least lora.rank (whether the
+        engines take them is ``JobConfig.adapter_sync``)."""
+        return next((r for r in VLLM_LORA_RANKS if r >= self.lora.rank), None) if self.lora.rank else None
+
+    @property
+    def reference_in_learner(self) -> bool:
+        """LoRA with reference 'base': the learner ranks score the reference log-probs, no reference actor."""
+        return self.lora.rank > 0 and self.lora.reference == "base"
+
+
+class RunConfig(Section):
+    iterations: PositiveInt = Field(30, description="rollout/train iterations")
+    seed: int = Field(1000, description="seed for sampling, prompts and init")
+    output_dir: str = Field("runs", description="parent of run directories: a local directory or a URI "
+                            "(file://, s3://, gs://; s3 and gs need the s3fs or gcsfs package)")
+    name: str = Field("randomwalks", description="run name: the run directory is output_dir/name")
+    overwrite: bool = Field(False, description="replace an existing run directory")
+    resume: str | None = Field(None, description="continue from a checkpoint: 'latest' or its directory")
+    eval_every: PositiveInt = Field(5, description="evaluate every N iterations (and at the end)")
+    probe_every: PositiveInt = Field(1, description="check engine vs learner log-probs every N syncs")
+    probe_tolerance: PositiveFloat | None = Field(
+        None, description="max |logp diff| allowed by the probe; none = by learner.dtype (float32 1e-4, "
+        "bfloat16 see PROBE_TOLERANCE)")
+    actor_max_restarts: int = Field(-1, ge=-1, description="restarts of a crashed rollout/reference/reward "
+                                    "actor (-1: unlimited, as a long run on preemptible nodes needs)")
+    max_chunk_retries: int = Field(3, ge=0, description="times a chunk lost to a dead actor is regenerated")
+
+
+class WandbConfig(Section):
+    enabled: bool = Field(False, description="log the run to Weights & Biases (WANDB_MODE=offline writes it "
+                          "only to disk; WANDB_API_KEY or `wandb login` for the server)")
+    project: str = Field("tether", description="wandb project")
+    entity: str | None = Field(None, description="wandb entity (team or user); none = the account's default")
+    name: str | None = Field(None, description="wandb run name; none = run.name")
+    tags: list[str] = Field(default_factory=list, description="wandb run tags")
+
+
+class MetricsConfig(Section):
+    plot_every: PositiveInt = Field(10, description="redraw curves.png every N iterations (and at the end)")
+    tensorboard: bool = Field(False, description="also write TensorBoard logs into the run directory")
+    progress_bar: bool = Field(True, description="live progress bar when stdout is a terminal")
+    eval_samples_saved: int = Field(8, ge=0, description="evaluation samples written as text to "
+                                    "samples/iteration-NNNN.md at each evaluation (0 = none)")
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "warning", description="logging of vLLM, transformers, DeepSpeed and Ray in the driver and every actor "
+        "(tether's own lines always show); debug also shows the warnings tether knows to be harmless")
+
+
+class CheckpointConfig(Section):
+    every: int = Field(10, ge=0, description="save every N iterations (0 = only at the end and on stop)")
+    keep: PositiveInt = Field(3, description="how many checkpoints to keep")
+    export_hf: bool = Field(True, description="at the end of the run, write the policy as a Hugging Face model "
+                            "directory (safetensors, config, tokenizer) to <run directory>/export")
