@@ -58,17 +58,17 @@ def worker(spec: dict) -> dict:
     import ray
     import torch
 
+    from learner.plan import RankSpec
     from learner.rank import LearnerRank
-    from services.config import JobConfig
+    from services.config import load_config
 
     stage, repeats = spec["stage"], spec["repeats"]
     ray.init(address=spec["ray_address"], namespace="bench-weight-sync", log_to_driver=False)
 
-    cfg = JobConfig()
-    learner_cfg = cfg.learner.model_copy(update={"zero_stage": stage, "world_size": 1})
+    cfg = load_config(None, {"learner": {"zero_stage": stage, "world_size": 1}})
     rank = LearnerRank(0, 1)
     start = time.perf_counter()
-    rank.setup("127.0.0.1", spec["master_port"], spec["model_dir"], learner_cfg, cfg.ppo, cfg.kl, 1.0, 0)
+    rank.setup("127.0.0.1", spec["master_port"], RankSpec.of(cfg, spec["model_dir"]))
     setup_s = time.perf_counter() - start
     lm = rank.engine.module.lm
     params = list(lm.parameters())

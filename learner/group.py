@@ -6,9 +6,9 @@ import time
 
 import ray
 
-from learner.algorithm import Algorithm
 from learner.cluster import ClusterError, Placement, start_actor
 from learner.kl import kl_stats_from_sums
+from learner.plan import RankSpec
 from learner.rank import LearnerRank
 from learner.results import UpdateResult
 from services.config import JobConfig
@@ -37,14 +37,8 @@ class LearnerGroup:
             for i in range(self.world_size)
         ]
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
-        algorithm = Algorithm.from_config(cfg)  # the layer between the ranks' forwards and their optimizer steps
-        setups = [
-            rank.setup.remote(master_addr, master_port, model, cfg.learner, algorithm, cfg.rollout.temperature,
-                              cfg.run.seed, cfg.device("learner"), run_iterations=cfg.run.iterations,
-                              rollout_batch_size=cfg.rollout.batch_size,
-                              rows_per_episode_vary=cfg.rollout.agent is not None)
-            for rank in self.ranks
-        ]
+        spec = RankSpec.of(cfg, model)  # with the algorithm layer between the forwards and the optimizer steps
+        setups = [rank.setup.remote(master_addr, master_port, spec) for rank in self.ranks]
         self._get(setups, "setup")
 
     def _get(self, refs: list, what: str, ranks: list[int] | None = None):

@@ -19,8 +19,9 @@ from torch import Tensor
 
 from actors.base import lost_to_dead_actor, starting_up, yield_cpu_to_engines
 from learner import rank_checkpoint
-from learner.algorithm import Algorithm, episode_view
+from learner.algorithm import episode_view
 from learner.lora import adapter_state, merged_state_dict
+from learner.plan import RankSpec
 from learner.policy_model import PolicyWithValueHead, local_gpu_index
 from learner.ppo import (
     DistributedReducer,
@@ -32,7 +33,7 @@ from learner.ppo import (
 from learner.results import RankUpdate
 from services.config import LearnerConfig
 from services.logprobs import token_logprobs
-from services.model_source import ModelSource, as_source
+from services.model_source import as_source
 
 if TYPE_CHECKING:  # the batch's module loads in the rank, not in the driver (services/experience.py)
     from services.experience import RolloutBatch
@@ -53,11 +54,12 @@ class LearnerRank:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     @starting_up()
-    def setup(self, master_addr: str, master_port: int, model: ModelSource | str, learner_cfg: LearnerConfig,
-              algorithm: Algorithm, temperature: float, seed: int, device: str = "cpu", run_iterations: int = 1,
-              rollout_batch_size: int | None = None, rows_per_episode_vary: bool = False) -> int:
-        """``algorithm``: the layer between the forwards and the optimizer step (``learner.algorithm``), with the
-        settings it reads (``Algorithm.from_config``)."""
+    def setup(self, master_addr: str, master_port: int, spec: RankSpec) -> int:
+        """The DeepSpeed engine of ``spec`` (``RankSpec.of``), joined to rank 0's rendezvous at
+        ``master_addr:master_port``. Called again on a live rank, it sets the rank up for another job."""
+        model, learner_cfg, algorithm, device = spec.model, spec.learner, spec.algorithm, spec.device
+        temperature, seed, run_iterations = spec.temperature, spec.seed, spec.run_iterations
+        rollout_batch_size, rows_per_episode_vary = spec.rollout_batch_size, spec.rows_per_episode_vary
         if getattr(self, "engine", None) is not None:
             self._set_up_again(learner_cfg)
         else:
