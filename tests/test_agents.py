@@ -538,6 +538,6 @@ def test_an_environment_that_cannot_be_imported_fails_before_any_actor(tmp_path)
     for spec, (out, proc) in done.items():
         output = proc.stdout + proc.stderr
         assert proc.returncode in (1, 2), output[-3000:]
-        assert f"environment {spec!r}" in proc.stderr and UNIMPORTABLE[spec] in proc.stderr, output[-3000:]
+        assert f"task.environment={spec!r}" in proc.stderr and UNIMPORTABLE[spec] in proc.stderr, output[-3000:]
         assert "actors ready" not in output and "cannot reach the Ray cluster" not in output
         assert list(out.iterdir()) == []  # no run directory
