@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from services.config import JobConfig
+from services.config import FOLLOWED_DEFAULTS, JobConfig
 from services.errors import TetherError
 from services.storage import RunStorage
 
@@ -135,7 +135,7 @@ def keep_followed_defaults(saved: dict, cfg: JobConfig) -> None:
     """A resume keeps what the run's followed defaults were (``JobConfig.followed_defaults``): an unset
     ``ppo.lr``, ``ppo.minibatch_size`` or ``rollout.chunk_size`` takes the checkpoint's value, which a
     version of tether with other defaults may have resolved differently."""
-    for section, name in (("ppo", "lr"), ("ppo", "minibatch_size"), ("rollout", "chunk_size")):
+    for section, name, _ in FOLLOWED_DEFAULTS:
         holder, value = getattr(cfg, section), saved.get(section, {}).get(name)
         if value is not None and name not in holder.model_fields_set and getattr(holder, name) != value:
             setattr(holder, name, value)

@@ -43,7 +43,7 @@ def parse_cli(argv: list[str]) -> JobConfig | None:
     from_cli = CliSettingsSource(JobCli, cli_parse_args=[a for a in argv if a != "--print-config"],
                                  cli_prog_name="python -m learner.main")()
     from_cli.pop("config", None)
-    log_level = from_cli.pop("log-level", None) or from_cli.pop("log_level", None)
+    log_level = from_cli.pop("log-level", None)  # JobCli.log_level by its alias
     cfg = JobConfig.model_validate(merge_settings(from_yaml, from_cli))
     if log_level:
         cfg.metrics.log_level = log_level

@@ -40,6 +40,10 @@ from services.settings_training import (
     RunConfig,
 )
 
+# the settings that follow another when unset (JobConfig._defaults_follow): (section, field, what it follows)
+FOLLOWED_DEFAULTS = (("ppo", "minibatch_size", "rollout.batch_size"), ("rollout", "chunk_size", "rollout.batch_size"),
+                     ("ppo", "lr", "ppo.advantage"))
+
 
 def _largest_divisor(n: int, at_most: int, fits: Callable[[int], bool]) -> int | None:
     """The largest divisor of ``n`` no larger than ``at_most`` that ``fits``, or None."""
@@ -96,14 +100,13 @@ class JobConfig(BaseSettings):
 
     def followed_defaults(self) -> str | None:
         """The job's first line when an unset setting followed another (``_defaults_follow``), else None."""
-        r, p = self.rollout, self.ppo
-        followed = [f"{section}.{name}={getattr(holder, name):g} follows {source}"
-                    for holder, section, name, source in (
-                        (p, "ppo", "minibatch_size", f"rollout.batch_size={r.batch_size}"),
-                        (r, "rollout", "chunk_size", f"rollout.batch_size={r.batch_size}"),
-                        (p, "ppo", "lr", f"ppo.advantage={p.advantage}"))
-                    if name not in holder.model_fields_set
-                    and getattr(holder, name) != type(holder).model_fields[name].default]
+        followed = []
+        for section, name, source in FOLLOWED_DEFAULTS:
+            holder = getattr(self, section)
+            if name not in holder.model_fields_set and getattr(holder, name) != type(holder).model_fields[name].default:
+                source_section, source_name = source.split(".")
+                followed.append(f"{section}.{name}={getattr(holder, name):g} follows "
+                                f"{source}={getattr(getattr(self, source_section), source_name)}")
         return "defaults: " + "; ".join(followed) + " (set them to choose)" if followed else None
 
     @model_validator(mode="after")
