@@ -213,7 +213,7 @@ def test_config_refuses_dataset_settings_that_cannot_work(tmp_path):
         ({"task": {"name": "dataset", "path": str(path)}, "model": {"path": "/m"}}, "needs task.reward_function"),
         ({"task": {"name": "dataset", "path": str(path), "reward_function": REWARD}}, "needs model.path"),
         ({"task": {"name": "dataset", "path": str(path), "reward_function": "score"}, "model": {"path": "/m"}},
-         "must be given as 'package.module:function'"),
+         "is not of the form package.module:function"),
         ({"task": {"name": "dataset", "path": str(path), "reward_function": REWARD}, "model": {"path": "/m"},
           "reward": {"kind": "model", "model_path": "/r"}}, "task.reward_function is set but reward.kind='model'"),
         ({"task": {"name": "dataset", "path": str(path), "reward_function": REWARD, "reward_fields": ["prompt"]},
