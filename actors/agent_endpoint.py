@@ -134,15 +134,17 @@ class AgentEndpoint:
     engine must not be used elsewhere while episodes run (the rollout actor's methods run one at a time).
     """
 
+    model_name = "tether"  # the model's name in the answers; agents may ask for any
+
     def __init__(self, engine: Engine, tokenizer, sampling: SamplingSettings, max_model_len: int, *,
-                 model_name: str = "tether", gather_s: float = 0.01, vocab_size: int | None = None) -> None:
+                 gather_s: float = 0.01) -> None:
         if sampling.max_new_tokens < 1 or max_model_len < 2:
             raise ValueError(f"need max_new_tokens >= 1 and max_model_len >= 2, got {sampling.max_new_tokens}, "
                              f"{max_model_len}")
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
-        self.max_model_len, self.model_name = max_model_len, model_name
+        self.max_model_len = max_model_len
         self.gather_s = gather_s  # how long the batcher waits, after a first request, for the others of a batch
-        self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)  # token ids a prompt may hold
+        self.vocab_size = len(tokenizer)  # token ids a prompt may hold
         self.port: int | None = None
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()  # episodes: registered and taken by the caller, filled by the server

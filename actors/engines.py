@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from actors.specs import EngineSpec
 from services.errors import TetherError
 
 
@@ -90,13 +91,13 @@ class VLLMEngine:
     """vLLM in the actor's own process (single-process mode: 2-5 s starts, tensors pass directly); with
     tensor parallelism (executor 'mp') its workers run in a process per GPU of the actor."""
 
-    def __init__(self, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int, dtype: str = "float32",
-                 cpu_core: int | None = None, device: str = "cpu", engine_args: dict | None = None,
-                 weight_transfer: str | None = None, lora_rank: int | None = None) -> None:
-        """``lora_rank``: the learner trains LoRA adapters of this rank; where vLLM's model takes adapters the
-        engine starts with LoRA on and each sync loads the adapter alone (``takes_adapters``)."""
+    def __init__(self, model_dir: str, spec: EngineSpec | None = None) -> None:
+        """``spec.lora_rank``: the learner trains LoRA adapters of this rank; where vLLM's model takes adapters
+        the engine starts with LoRA on and each sync loads the adapter alone (``takes_adapters``)."""
         from services.devices import build_llm
 
+        spec = spec or EngineSpec()
+        lora_rank, weight_transfer, engine_args, device = spec.lora_rank, spec.weight_transfer, spec.engine_args, spec.device
         self.lora_request = None  # the adapter of the version in force (adapter-only sync); None: base weights
         self.takes_adapters = lora_rank is not None and vllm_takes_adapters(model_dir)
         lora_args = {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1} if self.takes_adapters else {}
@@ -110,7 +111,7 @@ class VLLMEngine:
         # warm inductor cache, a C++ build without one; steady calls and log-probs unchanged when eager)
         self.eager = device == "cpu" and bool((engine_args or {}).get("enforce_eager", True))
         self.llm = build_llm(
-            model_dir, seed, max_model_len, kv_cache_mib, dtype, device, engine_args, cpu_core,
+            model_dir, spec.seed, spec.max_model_len, spec.kv_cache_mib, spec.dtype, device, engine_args, spec.cpu_core,
             # log-probs of the distribution actually sampled from (after temperature)
             logprobs_mode="processed_logprobs",
             worker_extension_cls="actors.vllm_extension.WeightSyncExtension",
@@ -313,13 +314,9 @@ def vllm_takes_adapters(model_dir: str) -> bool:
     return bool(classes) and all(c is not None and supports_lora(c) for c in classes)
 
 
-def make_engine(kind: str, model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int,
-                dtype: str = "float32", cpu_core: int | None = None, device: str = "cpu",
-                engine_args: dict | None = None, weight_transfer: str | None = None,
-                lora_rank: int | None = None) -> Engine:
-    if kind == "vllm":
-        return VLLMEngine(model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core, device, engine_args,
-                          weight_transfer, lora_rank)
-    if kind == "hf":
-        return HFEngine(model_dir, seed, dtype, device)
-    raise ValueError(f"unknown rollout engine {kind!r}; expected 'vllm' or 'hf'")
+def make_engine(model_dir: str, spec: EngineSpec) -> Engine:
+    if spec.kind == "vllm":
+        return VLLMEngine(model_dir, spec)
+    if spec.kind == "hf":
+        return HFEngine(model_dir, spec.seed, spec.dtype, spec.device)
+    raise ValueError(f"unknown rollout engine {spec.kind!r}; expected 'vllm' or 'hf'")

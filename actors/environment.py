@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from actors.base import starting_up
-from services.model_source import ModelSource, as_source
+from actors.specs import EnvironmentSpec
+from services.model_source import as_source
 
 # threads for blocking environments: one per episode in flight, and a hung one keeps its thread
 MAX_THREADS = 256
@@ -39,13 +40,14 @@ class EnvironmentWorker:
     role = "environment"
 
     @starting_up()
-    def __init__(self, index: int, spec: str, kwargs: dict, policy: ModelSource | str, step_timeout_s: float) -> None:
+    def __init__(self, index: int, spec: EnvironmentSpec) -> None:
         from services.environments import load_environment_factory
         from services.models import load_tokenizer
 
-        self.index, self.spec, self.kwargs, self.step_timeout_s = index, spec, kwargs, step_timeout_s
-        self.factory = load_environment_factory(spec)
-        self.tokenizer = load_tokenizer(as_source(policy).resolve(f"environment-{index}"))
+        self.index, self.spec, self.kwargs = index, spec.environment, spec.kwargs
+        self.step_timeout_s = spec.step_timeout_s
+        self.factory = load_environment_factory(spec.environment)
+        self.tokenizer = load_tokenizer(as_source(spec.policy).resolve(f"environment-{index}"))
         self.environments: dict[str, object] = {}
         self.threads = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="environment")
 

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from actors.base import VersionedActor, starting_up, yield_cpu_to_engines
-from services.model_source import ModelSource, as_source
+from actors.specs import EngineSpec, ReferenceSpec
+from services.model_source import as_source
 
 if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
     from services.experience import RolloutBatch
@@ -19,23 +20,18 @@ class ReferenceActor(VersionedActor):
     role = "reference"
 
     @starting_up()
-    def __init__(self, index: int, model: ModelSource | str, backend: str = "hf", dtype: str = "float32",
-                 max_model_len: int = 64, kv_cache_mib: int = 128, temperature: float = 1.0,
-                 device: str = "cpu", torch_threads: int | None = None, engine_args: dict | None = None,
-                 max_tokens_per_microbatch: int | None = None) -> None:
-        """``engine_args``: backend vllm's ``LLM(...)`` arguments (``JobConfig.reference_vllm_engine_args``);
-        ``max_tokens_per_microbatch`` (backend hf): score the rows packed in micro-batches of that many tokens."""
+    def __init__(self, index: int, spec: ReferenceSpec) -> None:
         from actors.engines import check_device
 
         super().__init__(index)
-        self.backend = backend
-        self.temperature = temperature
-        self.max_tokens_per_microbatch = max_tokens_per_microbatch
-        self.device = check_device(device, f"reference-{index}")
+        backend, dtype, temperature = spec.backend, spec.dtype, spec.temperature
+        self.backend, self.temperature = backend, temperature
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch = spec.max_tokens_per_microbatch
+        self.device = check_device(spec.device, f"{self.role}-{index}")
         yield_cpu_to_engines(self.device)
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        model_dir = as_source(model).resolve(f"reference-{index}")
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
+        model_dir = as_source(spec.model).resolve(f"{self.role}-{index}")
         if backend == "hf":
             from services.models import load_causal_lm
 
@@ -52,8 +48,8 @@ class ReferenceActor(VersionedActor):
 
             if temperature != 1.0:
                 raise ValueError("reference.backend='vllm' scores at temperature 1; use backend 'hf'")
-            self.engine = VLLMEngine(model_dir, 0, max_model_len, kv_cache_mib, dtype, cpu_core=None,
-                                     device=self.device, engine_args=engine_args)
+            self.engine = VLLMEngine(model_dir, EngineSpec("vllm", 0, spec.max_model_len, spec.kv_cache_mib, dtype,
+                                                           None, self.device, spec.engine_args))
         else:
             raise ValueError(f"unknown reference backend {backend!r}; expected 'hf' or 'vllm'")
 

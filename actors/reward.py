@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from actors.base import VersionedActor, starting_up, yield_cpu_to_engines
+from actors.specs import RewardSpec
 from services.errors import TetherError
-from services.model_source import ModelSource, as_source
+from services.model_source import as_source
 from services.reward_models import check_classifier_config, reward_label_index
 
 if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
-    from services.config import JudgeConfig, RewardConfig
+    from services.config import RewardConfig
     from services.experience import RolloutBatch
     from services.reward_service import RewardClient
 
@@ -84,40 +85,38 @@ class RewardActor(VersionedActor):
     role = "reward"
 
     @starting_up()
-    def __init__(self, index: int, task_name: str, task_options: dict, policy: ModelSource | str,
-                 kind: str = "function", model_path: ModelSource | str | None = None,
-                 score_clip: float | None = None, device: str = "cpu", label: int | str | None = None,
-                 remote: RewardConfig | None = None, forwarded_token: str | None = None,
-                 judge: JudgeConfig | None = None, judge_engine_args: dict | None = None) -> None:
+    def __init__(self, index: int, spec: RewardSpec) -> None:
         from actors.engines import check_device
 
         super().__init__(index)
-        self.device = check_device(device, f"reward-{index}")
+        kind, model_path, remote = spec.kind, spec.model_path, spec.remote
+        self.device = check_device(spec.device, f"reward-{index}")
         yield_cpu_to_engines(self.device)
         from services.models import load_tokenizer
         from services.tasks import get_task
 
-        self.task = get_task(task_name, **task_options)
+        self.task = get_task(spec.task_name, **spec.task_options)
         # the policy's tokenizer decodes the responses; it travels with the policy's files
-        self.tokenizer = load_tokenizer(as_source(policy).resolve(f"reward-{index}"))
+        self.tokenizer = load_tokenizer(as_source(spec.policy).resolve(f"reward-{index}"))
         self.kind = kind
-        self.score_clip = score_clip
+        self.score_clip = spec.score_clip
         self.judge = None
         if kind == "model":
             from services.reward_models import SequenceClassifierReward
 
             model_path = as_source(model_path).resolve(f"reward-{index}")
-            self.reward_model = SequenceClassifierReward(model_path, label, self.device,
+            self.reward_model = SequenceClassifierReward(model_path, spec.label, self.device,
                                                          f"reward model {model_path} on reward-{index}")
         elif kind == "remote":
             from services.reward_service import RewardClient
 
-            self.client = RewardClient(remote.url, service_token(remote.token_env, forwarded_token),
+            self.client = RewardClient(remote.url, service_token(remote.token_env, spec.forwarded_token),
                                        remote.timeout_s, remote.max_retries)
         elif kind == "judge":
             from services.reward_service.judge import Judge
 
-            self.judge = Judge(judge, as_source(model_path).resolve(f"reward-{index}"), self.device, judge_engine_args)
+            self.judge = Judge(spec.judge, as_source(model_path).resolve(f"reward-{index}"), self.device,
+                               spec.judge_engine_args)
 
     def decode(self, batch: RolloutBatch) -> tuple[list[str], list[str]]:
         prompts, completions = [], []

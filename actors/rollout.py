@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from actors.base import VersionedActor, starting_up
 from actors.engines import SamplingSettings, check_device, check_loaded, make_engine
+from actors.specs import RolloutSpec
 from services.devices import gpu_location
-from services.model_source import ModelSource, as_source
+from services.model_source import as_source
 
 if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (services/experience.py)
     from actors.agents import AgentRunner, AgentSettings
@@ -21,19 +23,15 @@ class RolloutActor(VersionedActor):
     role = "rollout"
 
     @starting_up()
-    def __init__(self, index: int, engine: str, model: ModelSource | str, seed: int, max_model_len: int,
-                 kv_cache_mib: int, dtype: str = "float32", cpu_core: int | None = None, device: str = "cpu",
-                 engine_args: dict | None = None, weight_transfer: str | None = None,
-                 lora_rank: int | None = None) -> None:
+    def __init__(self, index: int, spec: RolloutSpec) -> None:
         super().__init__(index)
-        self.engine_kind = engine
-        self.model_dir = model_dir = as_source(model).resolve(f"rollout-{index}")
+        self.engine_kind = spec.engine.kind
+        self.model_dir = model_dir = as_source(spec.model).resolve(f"rollout-{index}")
         self.episodes: EpisodeRunner | None = None  # multi-turn episodes: built on the first chunk
         self.agents: AgentRunner | None = None  # agent programs (rollout.agent): built on the first chunk
-        self.max_model_len = max_model_len
-        self.engine = make_engine(engine, model_dir, seed, max_model_len, kv_cache_mib, dtype, cpu_core,
-                                  check_device(device, f"rollout-{index}"), engine_args, weight_transfer,
-                                  lora_rank if engine == "vllm" else None)
+        self.max_model_len = spec.engine.max_model_len
+        device = check_device(spec.engine.device, f"rollout-{index}")
+        self.engine = make_engine(model_dir, replace(spec.engine, device=device))
         self.last_tokens_per_second: float | None = None  # no rate, and no gauge, before a generation
 
     def generate(self, prompts: list[list[int]], prompt_index: list[int], seeds: list[int],

@@ -63,13 +63,15 @@ def in_service(extra: list[str], iterations: int, out: Path) -> tuple[list[float
     return rates, sync, out / "engine"
 
 
-def alone_engine_kwargs(cfg, model_dir: str, max_new_tokens: int) -> dict:
-    """``VLLMEngine``'s arguments for the engine alone: those the job gave its rollout engine 0
-    (``learner.fleet.Fleet``), device and engine arguments included, so that on CUDA both sides take the
+def alone_engine_spec(cfg, model_dir: str, max_new_tokens: int):
+    """The ``EngineSpec`` of the engine alone: the one the job's plan gives its rollout engine 0
+    (``learner.plan.fleet_spec``), device and engine arguments included, so that on CUDA both sides take the
     config's GPU share, not the CPU build's KV cache."""
-    return {"model_dir": model_dir, "seed": cfg.run.seed, "dtype": cfg.learner.dtype, "cpu_core": 0,
-            "max_model_len": cfg.task.max_prompt_tokens + max_new_tokens + 1, "kv_cache_mib": cfg.rollout.kv_cache_mib,
-            "device": cfg.device("rollout"), "engine_args": cfg.rollout.vllm_engine_args()}
+    from actors.engines import SamplingSettings
+    from learner.plan import Models, fleet_spec
+
+    max_model_len = cfg.task.max_prompt_tokens + max_new_tokens + 1
+    return fleet_spec(cfg, Models(model_dir), SamplingSettings(), 0, max_model_len).rollouts[0].engine
 
 
 def alone(run_dir: Path, calls: int) -> dict:
@@ -92,7 +94,7 @@ def alone(run_dir: Path, calls: int) -> dict:
                              cfg.task.max_prompt_tokens, cfg.task.long_prompts, log=lambda _: None)
     max_new = cfg.rollout.max_new_tokens or task.max_new_tokens
     # built as the rollout actor builds it; only the generate call below is plain vLLM
-    llm = VLLMEngine(**alone_engine_kwargs(cfg, str(model), max_new)).llm
+    llm = VLLMEngine(str(model), alone_engine_spec(cfg, str(model), max_new)).llm
     n = cfg.rollout.chunk_size
     seconds, tokens = 0.0, 0
     for call in range(calls + 1):  # call 0: warm-up, untimed

@@ -95,15 +95,15 @@ def _time_calls(fn, batches: list[int], repeats: int, device: str) -> dict:
     return out
 
 
-def vllm_engine_kwargs(spec: dict) -> dict:
-    """``VLLMEngine``'s arguments, as the service builds a rollout engine: on ``--device``, with the default
+def vllm_engine_spec(spec: dict):
+    """``VLLMEngine``'s spec, as the service builds a rollout engine: on ``--device``, with the default
     rollout settings' engine arguments (``RolloutConfig.vllm_engine_args``), so on CUDA the engine takes
     ``rollout.gpu_memory_utilization`` of the GPU, not the CPU build's ``--kv-cache-mib``."""
+    from actors.specs import EngineSpec
     from services.config import RolloutConfig
 
-    return {"model_dir": spec["model_dir"], "seed": spec["seed"], "max_model_len": spec["max_model_len"],
-            "kv_cache_mib": spec["kv_cache_mib"], "dtype": spec["dtype"], "device": spec["device"],
-            "engine_args": RolloutConfig().vllm_engine_args()}
+    return EngineSpec("vllm", spec["seed"], spec["max_model_len"], spec["kv_cache_mib"], spec["dtype"],
+                      device=spec["device"], engine_args=RolloutConfig().vllm_engine_args())
 
 
 def worker_vllm(spec: dict) -> dict:
@@ -113,7 +113,7 @@ def worker_vllm(spec: dict) -> dict:
     from actors.engines import VLLMEngine
 
     start = time.perf_counter()
-    engine = VLLMEngine(**vllm_engine_kwargs(spec))
+    engine = VLLMEngine(spec["model_dir"], vllm_engine_spec(spec))
     startup = time.perf_counter() - start
     prompts, n_new = spec["prompts"], spec["max_new_tokens"]
 

@@ -136,9 +136,11 @@ def worker(spec: dict) -> dict:
     if spec["vllm"]:
         # after everything else: the engine binds this process's OpenMP threads to its core
         from actors.engines import VLLMEngine
+        from actors.specs import EngineSpec
 
         t0 = time.perf_counter()
-        engine = VLLMEngine(spec["model_dir"], 0, spec["max_model_len"], spec["kv_cache_mib"], "float32")
+        engine = VLLMEngine(spec["model_dir"], EngineSpec(max_model_len=spec["max_model_len"],
+                                                          kv_cache_mib=spec["kv_cache_mib"]))
         result["vllm_start_seconds"] = time.perf_counter() - t0
         weights = ray.get(ray.put(weights)).tensors()  # over the object store's bytes, as the engine reads them
         engine.load_weights(weights)  # warm-up (first reload builds the loader's bookkeeping)

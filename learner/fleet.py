@@ -7,23 +7,18 @@ actor's reported version with its own and re-syncs (and probes) the ones that ar
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import ray
 
-from actors.agents import AgentSettings
-from actors.engines import SamplingSettings
 from actors.environment import EnvironmentWorker
-from actors.episodes import EpisodeLimits
 from actors.reference import ReferenceActor, TeacherActor
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
 from learner import cluster
-from learner.cluster import ClusterError
-from services.config import JobConfig, RoleResources
+from learner.cluster import ClusterError, Placement
+from learner.plan import FleetSpec
 from services.errors import TetherError
-from services.model_source import ModelSource
 
 
 class ProbeError(TetherError, RuntimeError):
@@ -47,70 +42,22 @@ def chunk_layout(prompt_rows: list[int], samples_per_prompt: int, chunk_size: in
 
 
 class Fleet:
-    def __init__(self, cfg: JobConfig, model: ModelSource, placement, sampling: SamplingSettings, pad_id: int,
-                 max_model_len: int, reward_model: ModelSource | None = None,
-                 task_options: dict | None = None, wait: bool = True, teacher: ModelSource | None = None) -> None:
+    def __init__(self, spec: FleetSpec, placement: Placement | None, wait: bool = True) -> None:
         """Starts every actor at once; ``wait=False`` returns before they are ready (call ``wait_ready``), so
         the caller can start the learner ranks meanwhile."""
-        self.cfg, self.sampling, self.pad_id = cfg, sampling, pad_id
-        c, restarts, dtype = cfg.cluster, cfg.run.actor_max_restarts, cfg.learner.dtype
-        # vLLM's transfer is set up once (an NCCL group cannot take back a restarted member): there a lost
-        # engine ends the job (resume it)
-        transfer = None if cfg.learner.weight_sync == "object_store" else cfg.learner.weight_sync
-        engine_restarts = restarts if transfer is None else 0
-        # engines and the reference compute in the learner's dtype, on the device their role reserved
-        self.rollouts = [
-            cluster.start_actor(RolloutActor, "rollout", i, c.rollout, placement, i, cfg.rollout.engine, model,
-                                cfg.run.seed + i, max_model_len, cfg.rollout.kv_cache_mib, dtype, i,
-                                cfg.device("rollout"), cfg.rollout.vllm_engine_args(), transfer,
-                                cfg.engine_lora_rank, max_restarts=engine_restarts)
-            for i in range(cfg.rollout.num_engines)
-        ]
-        self.references = [
-            cluster.start_actor(ReferenceActor, "reference", i, c.reference, placement, i, model,
-                                cfg.reference.backend, dtype, max_model_len, 128, cfg.rollout.temperature,
-                                cfg.device("reference"), cfg.reference.torch_threads,
-                                cfg.reference_vllm_engine_args(), cfg.learner.max_tokens_per_microbatch,
-                                max_restarts=restarts)
-            for i in range(cluster.role_counts(cfg)["reference"])
-        ]
-        # reward.kind remote: the driver's token goes to the reward actors whose environment lacks it
-        remote = ({"remote": cfg.reward, "forwarded_token": os.environ.get(cfg.reward.token_env)}
-                  if cfg.reward.kind == "remote" else {})
-        judge = ({"judge": cfg.reward.judge, "judge_engine_args": cfg.reward.judge.engine_args(c.reward.num_gpus)}
-                 if cfg.reward.kind == "judge" else {})
-        self.rewards = [
-            cluster.start_actor(RewardActor, "reward", i, c.reward, placement, i, cfg.task.name,
-                                task_options or cfg.task.options(), model, cfg.reward.kind, reward_model,
-                                cfg.reward.score_clip, cfg.device("reward"), cfg.reward.label, max_restarts=restarts,
-                                **remote, **judge)
-            for i in range(cfg.reward.num_actors)
-        ]
-        # on-policy distillation (distill.teacher_path): the teacher scores the student's samples as the reference does
-        self.teachers = [
-            cluster.start_actor(TeacherActor, "teacher", i, c.teacher, placement, i, teacher, "hf", dtype,
-                                max_model_len, 128, cfg.rollout.temperature, cfg.device("teacher"),
-                                max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch, max_restarts=restarts)
-            for i in range(cfg.distill.num_actors if teacher is not None else 0)
-        ]
-        self.all = self.rollouts + self.references + self.rewards + self.teachers  # bundle order (cluster.roles)
-        # multi-turn episodes: the environments step on workers of their own, outside the engines' processes
-        self.environment_workers, self.episode_limits = [], None
-        if cfg.task.name == "environment":
-            task = cfg.task
-            self.environment_workers = [
-                cluster.start_actor(EnvironmentWorker, "environment", i, RoleResources(num_cpus=task.environment_num_cpus),
-                                    None, i, task.environment, task.environment_kwargs, model,
-                                    task.environment_step_timeout_s, max_restarts=restarts)
-                for i in range(task.environment_workers)
-            ]
-            self.episode_limits = EpisodeLimits(cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens,
-                                                task.max_prompt_tokens, task.environment_step_timeout_s,
-                                                task.environment_max_failures, task.environment)
-        # agent programs (rollout.agent): each engine serves their model calls itself
-        self.agent_settings = None if cfg.rollout.agent is None else AgentSettings(
-            cfg.rollout.agent, cfg.rollout.agent_timeout_s, cfg.rollout.agent_max_failures,
-            cfg.rollout.max_trajectory_tokens)
+        self.spec = spec
+
+        def start(cls, role: str, specs: tuple, restarts: int) -> list:
+            group = placement if role != "environment" else None  # environment workers: outside the bundles
+            return [cluster.start_actor(cls, role, i, spec.resources[role], group, i, actor_spec,
+                                        max_restarts=restarts) for i, actor_spec in enumerate(specs)]
+
+        self.rollouts = start(RolloutActor, "rollout", spec.rollouts, spec.engine_restarts)
+        self.references = start(ReferenceActor, "reference", spec.references, spec.restarts)
+        self.rewards = start(RewardActor, "reward", spec.rewards, spec.restarts)
+        self.teachers = start(TeacherActor, "teacher", spec.teachers, spec.restarts)
+        self.all = self.rollouts + self.references + self.rewards + self.teachers  # bundle order (spec.roles)
+        self.environment_workers = start(EnvironmentWorker, "environment", spec.environments, spec.restarts)
         self.ready_refs = [a.ready.remote() for a in self.all + self.environment_workers]
         if wait:
             self.wait_ready()
@@ -125,24 +72,25 @@ class Fleet:
                  slots: list[int] | None = None, samples_per_prompt: int | None = None) -> dict[int, ray.ObjectRef]:
         """Chunk refs by slot (``chunk_layout``: each prompt sampled ``samples_per_prompt`` times, default
         ``rollout.samples_per_prompt``); slot i goes to engine i % R, every episode with its own seed."""
-        size = self.cfg.rollout.chunk_size
-        n = self.cfg.rollout.samples_per_prompt if samples_per_prompt is None else samples_per_prompt
+        spec = self.spec
+        size = spec.chunk_size
+        n = spec.samples_per_prompt if samples_per_prompt is None else samples_per_prompt
         layout = chunk_layout(prompt_rows, n, size)
         refs = {}
         for i in slots if slots is not None else range(len(layout)):
             rows, groups = layout[i]
-            seeds = [seed_for(self.cfg.run.seed, iteration, i * size + j) for j in range(len(rows))]
+            seeds = [seed_for(spec.run_seed, iteration, i * size + j) for j in range(len(rows))]
             engine = self.rollouts[i % len(self.rollouts)]
             if self.environment_workers:  # multi-turn episodes: the prompt set holds the rows to reset from
-                refs[i] = engine.run_episodes.remote([prompt_set[r] for r in rows], rows, seeds, self.sampling,
-                                                     self.pad_id, groups, self.environment_workers,
-                                                     self.episode_limits, first_worker=i * size)
+                refs[i] = engine.run_episodes.remote([prompt_set[r] for r in rows], rows, seeds, spec.sampling,
+                                                     spec.pad_id, groups, self.environment_workers,
+                                                     spec.episode_limits, first_worker=i * size)
                 continue
-            if self.agent_settings is not None:  # agent programs: the prompt set holds the rows they get
-                refs[i] = engine.run_agents.remote([prompt_set[r] for r in rows], rows, seeds, self.sampling,
-                                                   self.pad_id, groups, self.agent_settings)
+            if spec.agent_settings is not None:  # agent programs: the prompt set holds the rows they get
+                refs[i] = engine.run_agents.remote([prompt_set[r] for r in rows], rows, seeds, spec.sampling,
+                                                   spec.pad_id, groups, spec.agent_settings)
                 continue
-            refs[i] = engine.generate.remote([prompt_set[r] for r in rows], rows, seeds, self.sampling, self.pad_id,
+            refs[i] = engine.generate.remote([prompt_set[r] for r in rows], rows, seeds, spec.sampling, spec.pad_id,
                                              groups)
         return refs
 
@@ -164,9 +112,9 @@ class Fleet:
         KL of the current policy to the reference on these fresh samples (``kl_stats_from_sums``: per episode, the
         learner's log-probs against the reference's; on-policy in every mode). An actor that dies is re-synced
         with ``resync`` (``WeightSync.bring_up_to_date``) and the evaluation retried; without it, it fails."""
-        keep = self.cfg.metrics.eval_samples_saved
-        rows = [r for r in range(len(eval_prompts)) for _ in range(self.cfg.rollout.eval_samples_per_prompt)]
-        for attempt in range(self.cfg.run.max_chunk_retries + 1):
+        keep, retries = self.spec.eval_samples_saved, self.spec.max_chunk_retries
+        rows = [r for r in range(len(eval_prompts)) for _ in range(self.spec.eval_samples_per_prompt)]
+        for attempt in range(retries + 1):
             chunks = self.generate(rows, eval_prompts, -1 - iteration, samples_per_prompt=1)
             try:
                 calls = [self.rewards[i % len(self.rewards)].evaluate.remote(ch, i, keep) for i, ch in chunks.items()]
@@ -178,7 +126,7 @@ class Fleet:
                 parts = ray.get(calls)
                 break
             except ray.exceptions.RayActorError:
-                if attempt == self.cfg.run.max_chunk_retries or resync is None:
+                if attempt == retries or resync is None:
                     raise
                 resync()
         count = sum(p["count"] for p in parts)
@@ -207,12 +155,13 @@ class Fleet:
     def _get(self, call: ray.ObjectRef, actor_index: int, what: str):
         """``ray.get`` bounded by ``learner.collective_timeout_s``; a silent actor is named, never waited on
         forever."""
+        timeout = self.spec.collective_timeout_s
         try:
-            return ray.get(call, timeout=self.cfg.learner.collective_timeout_s)
+            return ray.get(call, timeout=timeout)
         except ray.exceptions.GetTimeoutError as err:
-            role, i = cluster.roles(self.cfg)[actor_index]  # self.all is in bundle order
-            raise ClusterError(f"{role}-{i} did not answer {what} within "
-                               f"{self.cfg.learner.collective_timeout_s:.0f}s (learner.collective_timeout_s)") from err
+            role, i = self.spec.roles[actor_index]  # self.all is in bundle order
+            raise ClusterError(f"{role}-{i} did not answer {what} within {timeout:.0f}s "
+                               "(learner.collective_timeout_s)") from err
 
     def probe(self, learner, sequences: list[list[int]], prompt_lengths: list[int], engines=None) -> float:
         """Max |engine - learner| log-prob over a fixed probe batch; raises ProbeError past tolerance."""
@@ -229,10 +178,10 @@ class Fleet:
                     raise
                 continue  # down now; it is re-synced and probed when it is back
             error = max(abs(a - b) for e, g in zip(expected, got, strict=True) for a, b in zip(e, g, strict=True))
-            if error > self.cfg.probe_tolerance:
+            if error > self.spec.probe_tolerance:
                 raise ProbeError(f"weight sync probe failed: engine log-probs differ from the learner's by "
-                                 f"{error:.2e} > the probe tolerance {self.cfg.probe_tolerance} "
-                                 f"(run.probe_tolerance, learner.dtype={self.cfg.learner.dtype})")
+                                 f"{error:.2e} > the probe tolerance {self.spec.probe_tolerance} "
+                                 f"(run.probe_tolerance, learner.dtype={self.spec.dtype})")
             worst = max(worst, error)
         return worst
 

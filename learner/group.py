@@ -11,8 +11,6 @@ from learner.kl import kl_stats_from_sums
 from learner.plan import RankSpec
 from learner.rank import LearnerRank
 from learner.results import UpdateResult
-from services.config import JobConfig
-from services.model_source import ModelSource
 
 
 def rank_slots(slots, world_size: int) -> list[list[int]]:
@@ -22,22 +20,20 @@ def rank_slots(slots, world_size: int) -> list[list[int]]:
 
 
 class LearnerGroup:
-    def __init__(self, cfg: JobConfig, model: ModelSource | str, placement: Placement | None, tag: str = "",
-                 ranks: list | None = None) -> None:
-        """``ranks``: the live ranks of an earlier group of this world size, to set up again with ``cfg``
-        and ``model`` instead of starting new ones (tests share them: a rank's start, its imports, costs
-        several times its set-up). A job starts its own."""
-        self.world_size = cfg.learner.world_size
-        self.collective_timeout_s = cfg.learner.collective_timeout_s
+    def __init__(self, spec: RankSpec, placement: Placement | None, tag: str = "", ranks: list | None = None) -> None:
+        """``ranks``: the live ranks of an earlier group of this world size, to set up again with ``spec``
+        instead of starting new ones (tests share them: a rank's start, its imports, costs several times its
+        set-up). A job starts its own."""
+        self.world_size = spec.learner.world_size
+        self.collective_timeout_s = spec.learner.collective_timeout_s
         self.weights_bytes: int | None = None  # of the last weights put in the object store
         if ranks is not None and len(ranks) != self.world_size:
             raise ValueError(f"{len(ranks)} ranks given for learner.world_size={self.world_size}")
         self.ranks = ranks or [
-            start_actor(LearnerRank, "learner", i, cfg.cluster.learner, placement, i, self.world_size, tag=tag)
+            start_actor(LearnerRank, "learner", i, spec.resources, placement, i, self.world_size, tag=tag)
             for i in range(self.world_size)
         ]
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
-        spec = RankSpec.of(cfg, model)  # with the algorithm layer between the forwards and the optimizer steps
         setups = [rank.setup.remote(master_addr, master_port, spec) for rank in self.ranks]
         self._get(setups, "setup")
 

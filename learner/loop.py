@@ -16,25 +16,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from actors.engines import SamplingSettings
-from actors.reference import check_teacher
-from actors.reward import check_reward_label, check_reward_service
 from learner import checkpoint, cluster, rundir
 from learner.cluster import Placement
 from learner.fleet import Fleet
 from learner.group import LearnerGroup
 from learner.kl import AdaptiveKLController, FixedKLController, controller_statistic
-from learner.lora import check_lora_model
+from learner.plan import plan as plan_job
 from learner.results import UpdateResult
 from learner.weight_sync import WeightSync
 from services.config import JobConfig
 from services.errors import TetherError
 from services.metrics import DriverMetrics, iteration_record
-from services.model_source import ModelSource
-from services.models import load_tokenizer, model_positions, parameter_count, policy_source, sft_tokenizer
-from services.prompts import PromptSampler, encode_prompts
+from services.prompts import PromptSampler
 from services.storage import RunStorage
-from services.tasks import get_task
 
 
 class GracefulStop:
@@ -360,82 +354,16 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     import ray
 
     wall_start = time.perf_counter()
-    task = get_task(cfg.task.name, **cfg.task.options())
-    if cfg.rollout.agent is not None:
-        from actors.agent_endpoint import load_agent
-
-        load_agent(cfg.rollout.agent)  # an agent that cannot be imported fails before any actor starts
-    run_path = rundir.check_free(cfg)
-    if cfg.reward.kind == "remote":
-        check_reward_service(cfg.reward, log=log)  # the service answers at reward.url, before any actor
-    resume_from, resume_state = None, None
-    if cfg.run.resume:
-        resume_from = checkpoint.resolve(run_path, cfg.run.resume)
-        resume_state = checkpoint.verify(resume_from)  # presence and sizes; the ranks check sha256 on download
-        checkpoint.keep_followed_defaults(resume_state["config"], cfg)
-        checkpoint.check_compatible(resume_state["config"], cfg, resume_from)
-    if followed := cfg.followed_defaults():
-        log(followed)
-    log("KL accounting: " + ", ".join(f"{k}={v}" for k, v in cfg.kl.model_dump().items()))
-
-    episodic = cfg.task.name in ("environment", "agent")
-
-    def encoded_prompts(tokenizer, log=log) -> tuple[list, list]:
-        if episodic:  # multi-turn: rows the environments reset from; each prompt is its reset's observation
-            return task.train_rows, task.eval_rows
-        return tuple(
-            encode_prompts([task.format_prompt(t, tokenizer) for t in texts], tokenizer, cfg.task.max_prompt_tokens,
-                           cfg.task.long_prompts, log, origin=lambda i, split=split: task.prompt_origin(i, split))
-            for split, texts in (("train", task.prompts()), ("eval", task.eval_prompts())))
-
-    if not cfg.model.path and (early := sft_tokenizer(task)) is not None:
-        encoded_prompts(early, log=lambda _: None)  # bad prompts fail before an SFT warm start trains for them
-    # the policy as every node reaches it: a shared path or hub id, or files the driver makes and ships
-    model = policy_source(task, cfg.model.path, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps,
-                          cfg.model.sft_batch_size, cfg.model.sft_lr, log=log)
-    reward_model = ModelSource.configured(cfg.reward.model_path) if cfg.reward.kind == "model" else None
-    if reward_model is not None:
-        check_reward_label(cfg.reward.model_path, cfg.reward.label)  # a local dir: its labels, before any actor
-    if cfg.reward.kind == "judge":  # the judge's model reaches the reward actors as the policy's does
-        reward_model = ModelSource.configured(cfg.reward.judge.model_path)
-    tokenizer = load_tokenizer(model.resolve("driver"))
-    teacher = None
-    if cfg.distill.teacher_path is not None:  # on-policy distillation: the teacher reaches its actors as the policy
-        check_teacher(cfg.distill.teacher_path, tokenizer)
-        teacher = ModelSource.configured(cfg.distill.teacher_path)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompts, eval_prompts = encoded_prompts(tokenizer)
-    sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p,
-                                cfg.rollout.max_new_tokens or task.max_new_tokens)
-    # token ids the engines and the learner score after each sync: the eval prompts (an environment's rows
-    # are not tokens: a few ids then) followed by arbitrary ids
-    probe_prompts = [[(5 * j + 11 * k) % len(tokenizer) for k in range(4)] for j in range(8)] if episodic \
-        else eval_prompts[:8]
-    probe_set = ([p + [(7 * j + 3 * k) % len(tokenizer) for k in range(sampling.max_new_tokens)]
-                  for j, p in enumerate(probe_prompts)], [len(p) for p in probe_prompts])
-    response_width = cfg.rollout.max_trajectory_tokens if episodic else sampling.max_new_tokens
-    max_model_len = cfg.task.max_prompt_tokens + response_width + 1
-    model_dir = model.resolve("driver")
-    if cfg.learner.lora.rank:  # the target modules against the architecture, before any actor starts
-        check_lora_model(model_dir, cfg.learner.lora)
-    if notice := cfg.tiny_model_settings_notice(parameter_count(model_dir)):
-        log(notice)
-    positions = model_positions(model_dir)
-    if positions is not None and max_model_len > positions:  # the engines would refuse it at start-up
-        raise ValueError(f"task.max_prompt_tokens={cfg.task.max_prompt_tokens} + "
-                         f"{'rollout.max_trajectory_tokens' if episodic else 'rollout.max_new_tokens'}="
-                         f"{response_width} + 1 = {max_model_len} tokens do not fit the model's {positions} positions")
+    plan = plan_job(cfg, log)  # whatever can be wrong with the input fails here
     run_path = rundir.prepare(cfg)
     log(f"run directory {run_path}")
 
     # cluster and actors: each role on its own bundle
     cluster.connect(cfg, log=log)
     placement = cluster.reserve(cfg)
-    cluster.preflight(cfg, placement, [m for m in (model, reward_model, teacher) if m], run_path, log=log)
-    fleet = Fleet(cfg, model, placement, sampling, pad_id,
-                  max_model_len=max_model_len, reward_model=reward_model,
-                  task_options=task.reward_actor_options(), wait=False, teacher=teacher)
-    learner = LearnerGroup(cfg, model, placement)  # DeepSpeed sets up while the engines start
+    cluster.preflight(cfg, placement, plan.models.all(), run_path, log=log)
+    fleet = Fleet(plan.fleet, placement, wait=False)
+    learner = LearnerGroup(plan.rank, placement)  # DeepSpeed sets up while the engines start
     fleet.wait_ready()
     teachers = f"{len(fleet.teachers)} teacher, " if fleet.teachers else ""
     log(f"actors ready: {len(fleet.rollouts)} rollout, {len(fleet.references)} reference, {len(fleet.rewards)} "
@@ -444,8 +372,9 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
 
     kl_ctl = (AdaptiveKLController(cfg.kl.init_kl_coef, cfg.kl.target, cfg.kl.horizon)
               if cfg.kl.controller == "adaptive" else FixedKLController(cfg.kl.init_kl_coef))
+    prompts, eval_prompts, resume_from, resume_state = plan.prompts, plan.eval_prompts, plan.resume_from, plan.resume_state
     sampler = PromptSampler(len(prompts), cfg.run.seed)
-    weights = WeightSync(cfg, learner, fleet, probe_set, kl_ctl.value, log=log)
+    weights = WeightSync(plan.sync, learner, fleet, plan.probe_set, kl_ctl.value, log=log)
     policy_version, first_iteration = 0, 1
     if resume_state is not None:
         learner.load(resume_from.url, checkpoint.read_manifest(resume_from),

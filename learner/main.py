@@ -67,7 +67,8 @@ class Progress:
         from services.tracking import Tracker
 
         self.cfg = cfg
-        self.tracker = Tracker(cfg, run_path, log=log)
+        self.tracker = Tracker(cfg.metrics.wandb, run_path, cfg.run.name, bool(cfg.run.resume),
+                               cfg.model_dump(mode="json"), log=log)
         self.tracker.start()
         self.bar = tqdm(total=cfg.run.iterations, unit="it", dynamic_ncols=True,
                         disable=not (cfg.metrics.progress_bar and sys.stdout.isatty()))

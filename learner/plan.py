@@ -1,13 +1,24 @@
-"""The specs the driver builds the learner's workers from: each holds what its role reads of the job's
-settings, resolved once, and nothing else (a rank never sees the whole ``JobConfig``)."""
+"""The job's settings resolved once, before any actor starts: ``plan(cfg)`` checks what can be checked without a
+cluster (the config's rules have run when it was built; here the files, models and their context length, the reward
+service, the agent or environment, LoRA's targets, the teacher, a resume's checkpoint) and returns a ``Plan``: one
+frozen spec per role. Actors, ranks, the fleet, the learner group and the weight sync are built from their spec and
+nothing else; none of them sees the whole ``JobConfig``. The per-node checks come once the cluster is up
+(``learner.cluster.preflight``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
+from actors.agents import AgentSettings
+from actors.engines import SamplingSettings
+from actors.episodes import EpisodeLimits
+from actors.specs import EngineSpec, EnvironmentSpec, ReferenceSpec, RewardSpec, RolloutSpec
 from learner.algorithm import Algorithm
-from services.config import JobConfig, LearnerConfig
+from services.config import JobConfig, LearnerConfig, RoleResources
 from services.model_source import ModelSource
+from services.storage import RunStorage
 
 
 @dataclass(frozen=True)
@@ -25,8 +36,222 @@ class RankSpec:
     run_iterations: int = 1  # run.iterations: ppo.lr_schedule's length
     rollout_batch_size: int | None = None  # episodes per batch: the optimizer steps per epoch
     rows_per_episode_vary: bool = False  # rollout.agent: an episode gives a row per trajectory of its calls
+    resources: RoleResources = field(default_factory=RoleResources)  # cluster.learner: each rank's actor
 
     @classmethod
     def of(cls, cfg: JobConfig, model: ModelSource | str) -> RankSpec:
         return cls(model, cfg.learner, Algorithm.from_config(cfg), cfg.rollout.temperature, cfg.run.seed,
-                   cfg.device("learner"), cfg.run.iterations, cfg.rollout.batch_size, cfg.rollout.agent is not None)
+                   cfg.device("learner"), cfg.run.iterations, cfg.rollout.batch_size, cfg.rollout.agent is not None,
+                   cfg.cluster.learner)
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """The non-learner actors (one spec each, in bundle order within a role), how they restart, and what the
+    driver hands them with each chunk."""
+
+    rollouts: tuple[RolloutSpec, ...]
+    references: tuple[ReferenceSpec, ...]
+    rewards: tuple[RewardSpec, ...]
+    teachers: tuple[ReferenceSpec, ...]
+    environments: tuple[EnvironmentSpec, ...]
+    resources: dict[str, RoleResources]  # cluster.<role>; environment workers: task.environment_num_cpus
+    restarts: int  # run.actor_max_restarts
+    engine_restarts: int  # 0 with vLLM's weight transfer: an NCCL group cannot take back a restarted member
+    sampling: SamplingSettings
+    pad_id: int
+    chunk_size: int  # rollout.chunk_size
+    samples_per_prompt: int  # rollout.samples_per_prompt
+    run_seed: int  # run.seed: each episode's sampling seed
+    max_chunk_retries: int  # run.max_chunk_retries
+    collective_timeout_s: float  # learner.collective_timeout_s: an actor that does not answer is named
+    probe_tolerance: float  # JobConfig.probe_tolerance
+    dtype: str  # learner.dtype, named in the probe's refusal
+    eval_samples_per_prompt: int = 1  # rollout.eval_samples_per_prompt
+    eval_samples_saved: int = 0  # metrics.eval_samples_saved
+    episode_limits: EpisodeLimits | None = None  # multi-turn episodes (task.name 'environment')
+    agent_settings: AgentSettings | None = None  # agent programs (rollout.agent)
+
+    @property
+    def roles(self) -> list[tuple[str, int]]:
+        """(role, index) of every actor but the environment workers, in bundle order."""
+        counts = {"rollout": self.rollouts, "reference": self.references, "reward": self.rewards,
+                  "teacher": self.teachers}
+        return [(role, i) for role, specs in counts.items() for i in range(len(specs))]
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    """How the learner's weights reach the engines (``learner.weight_sync.WeightSync``)."""
+
+    transfer: str | None = None  # learner.weight_sync 'nccl' | 'ipc'; None: the object store
+    probe_every: int = 1  # run.probe_every
+    max_retries: int = 1  # run.max_chunk_retries
+    lora: bool = False  # learner.lora.rank set
+    lora_sync: str = "auto"  # learner.lora.sync
+    adapter_sync: bool = False  # JobConfig.adapter_sync: the engines started with LoRA on
+    bucket_mib: int = 256  # learner.sync_bucket_mib
+    workers_per_engine: int = 1  # rollout.tensor_parallel_size
+
+    @classmethod
+    def of(cls, cfg: JobConfig) -> SyncSpec:
+        transfer = None if cfg.learner.weight_sync == "object_store" else cfg.learner.weight_sync
+        return cls(transfer, cfg.run.probe_every, cfg.run.max_chunk_retries, bool(cfg.learner.lora.rank),
+                   cfg.learner.lora.sync, cfg.adapter_sync, cfg.learner.sync_bucket_mib,
+                   cfg.rollout.tensor_parallel_size)
+
+
+@dataclass(frozen=True)
+class Models:
+    """The models as every node reaches them: a shared path or hub id, or files the driver made and ships."""
+
+    policy: ModelSource
+    reward: ModelSource | None = None  # reward.kind model: the classifier; judge: the judge's model
+    teacher: ModelSource | None = None  # distill.teacher_path
+
+    def all(self) -> list[ModelSource]:
+        return [m for m in (self.policy, self.reward, self.teacher) if m is not None]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the driver starts from, checked: the task's prompts, a resume's checkpoint,
+    the models, the probe set and one spec per role."""
+
+    task: object  # services.tasks.Task
+    models: Models
+    prompts: list
+    eval_prompts: list
+    probe_set: tuple[list[list[int]], list[int]]  # token ids the engines and the learner score after each sync
+    fleet: FleetSpec
+    rank: RankSpec
+    sync: SyncSpec
+    resume_from: RunStorage | None = None
+    resume_state: dict | None = None
+
+
+def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_id: int, max_model_len: int,
+               task_options: dict | None = None) -> FleetSpec:
+    """Each non-learner actor's spec: engines and the reference compute in the learner's dtype, on the device
+    their role reserved. ``task_options``: what the reward actors build the task from (``Task.reward_actor_options``;
+    none: the task's settings)."""
+    c, dtype, model = cfg.cluster, cfg.learner.dtype, models.policy
+    sync = SyncSpec.of(cfg)
+    rollouts = tuple(
+        RolloutSpec(model, EngineSpec(cfg.rollout.engine, cfg.run.seed + i, max_model_len, cfg.rollout.kv_cache_mib,
+                                      dtype, i, cfg.device("rollout"), cfg.rollout.vllm_engine_args(), sync.transfer,
+                                      cfg.engine_lora_rank if cfg.rollout.engine == "vllm" else None))
+        for i in range(cfg.rollout.num_engines))
+    references = tuple(
+        ReferenceSpec(model, cfg.reference.backend, dtype, max_model_len, 128, cfg.rollout.temperature,
+                      cfg.device("reference"), cfg.reference.torch_threads, cfg.reference_vllm_engine_args(),
+                      cfg.learner.max_tokens_per_microbatch)
+        for _ in range(0 if cfg.learner.reference_in_learner else cfg.reference.num_actors))
+    reward = RewardSpec(cfg.task.name, task_options or cfg.task.options(), model, cfg.reward.kind, models.reward, cfg.reward.score_clip,
+                        cfg.device("reward"), cfg.reward.label)
+    if cfg.reward.kind == "remote":  # the driver's token goes to the reward actors whose environment lacks it
+        reward = replace(reward, remote=cfg.reward, forwarded_token=os.environ.get(cfg.reward.token_env))
+    if cfg.reward.kind == "judge":
+        reward = replace(reward, judge=cfg.reward.judge, judge_engine_args=cfg.reward.judge.engine_args(c.reward.num_gpus))
+    # on-policy distillation (distill.teacher_path): the teacher scores the student's samples as the reference does
+    teachers = tuple(
+        ReferenceSpec(models.teacher, "hf", dtype, max_model_len, 128, cfg.rollout.temperature, cfg.device("teacher"),
+                      max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch)
+        for _ in range(cfg.distill.num_actors if models.teacher is not None else 0))
+    # multi-turn episodes: the environments step on workers of their own, outside the engines' processes
+    environments, limits, task = (), None, cfg.task
+    if task.name == "environment":
+        environments = tuple(EnvironmentSpec(task.environment, task.environment_kwargs, model,
+                                             task.environment_step_timeout_s) for _ in range(task.environment_workers))
+        limits = EpisodeLimits(cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens, task.max_prompt_tokens,
+                               task.environment_step_timeout_s, task.environment_max_failures, task.environment)
+    agents = None if cfg.rollout.agent is None else AgentSettings(
+        cfg.rollout.agent, cfg.rollout.agent_timeout_s, cfg.rollout.agent_max_failures, cfg.rollout.max_trajectory_tokens)
+    resources = {"rollout": c.rollout, "reference": c.reference, "reward": c.reward, "teacher": c.teacher,
+                 "environment": RoleResources(num_cpus=task.environment_num_cpus)}
+    return FleetSpec(
+        rollouts, references, (reward,) * cfg.reward.num_actors, teachers, environments, resources,
+        cfg.run.actor_max_restarts, cfg.run.actor_max_restarts if sync.transfer is None else 0, sampling, pad_id,
+        cfg.rollout.chunk_size, cfg.rollout.samples_per_prompt, cfg.run.seed, cfg.run.max_chunk_retries,
+        cfg.learner.collective_timeout_s, cfg.probe_tolerance, dtype, cfg.rollout.eval_samples_per_prompt,
+        cfg.metrics.eval_samples_saved, limits, agents)
+
+
+def plan(cfg: JobConfig, log: Callable[[str], None] = print) -> Plan:
+    """Everything that can be wrong with the input fails here, before any actor starts."""
+    from actors.reference import check_teacher
+    from actors.reward import check_reward_label, check_reward_service
+    from learner import checkpoint, rundir
+    from learner.lora import check_lora_model
+    from services.models import load_tokenizer, model_positions, parameter_count, policy_source, sft_tokenizer
+    from services.prompts import encode_prompts
+    from services.tasks import get_task
+
+    task = get_task(cfg.task.name, **cfg.task.options())
+    if cfg.rollout.agent is not None:
+        from actors.agent_endpoint import load_agent
+
+        load_agent(cfg.rollout.agent)  # an agent that cannot be imported fails before any actor starts
+    run_path = rundir.check_free(cfg)
+    if cfg.reward.kind == "remote":
+        check_reward_service(cfg.reward, log=log)  # the service answers at reward.url, before any actor
+    resume_from, resume_state = None, None
+    if cfg.run.resume:
+        resume_from = checkpoint.resolve(run_path, cfg.run.resume)
+        resume_state = checkpoint.verify(resume_from)  # presence and sizes; the ranks check sha256 on download
+        checkpoint.keep_followed_defaults(resume_state["config"], cfg)
+        checkpoint.check_compatible(resume_state["config"], cfg, resume_from)
+    if followed := cfg.followed_defaults():
+        log(followed)
+    log("KL accounting: " + ", ".join(f"{k}={v}" for k, v in cfg.kl.model_dump().items()))
+
+    episodic = cfg.task.name in ("environment", "agent")
+
+    def encoded_prompts(tokenizer, log=log) -> tuple[list, list]:
+        if episodic:  # multi-turn: rows the environments reset from; each prompt is its reset's observation
+            return task.train_rows, task.eval_rows
+        return tuple(
+            encode_prompts([task.format_prompt(t, tokenizer) for t in texts], tokenizer, cfg.task.max_prompt_tokens,
+                           cfg.task.long_prompts, log, origin=lambda i, split=split: task.prompt_origin(i, split))
+            for split, texts in (("train", task.prompts()), ("eval", task.eval_prompts())))
+
+    if not cfg.model.path and (early := sft_tokenizer(task)) is not None:
+        encoded_prompts(early, log=lambda _: None)  # bad prompts fail before an SFT warm start trains for them
+    model = policy_source(task, cfg.model.path, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps,
+                          cfg.model.sft_batch_size, cfg.model.sft_lr, log=log)
+    reward_model = ModelSource.configured(cfg.reward.model_path) if cfg.reward.kind == "model" else None
+    if reward_model is not None:
+        check_reward_label(cfg.reward.model_path, cfg.reward.label)  # a local dir: its labels, before any actor
+    if cfg.reward.kind == "judge":  # the judge's model reaches the reward actors as the policy's does
+        reward_model = ModelSource.configured(cfg.reward.judge.model_path)
+    tokenizer = load_tokenizer(model.resolve("driver"))
+    teacher = None
+    if cfg.distill.teacher_path is not None:  # on-policy distillation: the teacher reaches its actors as the policy
+        check_teacher(cfg.distill.teacher_path, tokenizer)
+        teacher = ModelSource.configured(cfg.distill.teacher_path)
+    models = Models(model, reward_model, teacher)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompts, eval_prompts = encoded_prompts(tokenizer)
+    sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p,
+                                cfg.rollout.max_new_tokens or task.max_new_tokens)
+    # token ids the engines and the learner score after each sync: the eval prompts (an environment's rows
+    # are not tokens: a few ids then) followed by arbitrary ids
+    probe_prompts = [[(5 * j + 11 * k) % len(tokenizer) for k in range(4)] for j in range(8)] if episodic \
+        else eval_prompts[:8]
+    probe_set = ([p + [(7 * j + 3 * k) % len(tokenizer) for k in range(sampling.max_new_tokens)]
+                  for j, p in enumerate(probe_prompts)], [len(p) for p in probe_prompts])
+    response_width = cfg.rollout.max_trajectory_tokens if episodic else sampling.max_new_tokens
+    max_model_len = cfg.task.max_prompt_tokens + response_width + 1
+    model_dir = model.resolve("driver")
+    if cfg.learner.lora.rank:  # the target modules against the architecture, before any actor starts
+        check_lora_model(model_dir, cfg.learner.lora)
+    if notice := cfg.tiny_model_settings_notice(parameter_count(model_dir)):
+        log(notice)
+    positions = model_positions(model_dir)
+    if positions is not None and max_model_len > positions:  # the engines would refuse it at start-up
+        raise ValueError(f"task.max_prompt_tokens={cfg.task.max_prompt_tokens} + "
+                         f"{'rollout.max_trajectory_tokens' if episodic else 'rollout.max_new_tokens'}="
+                         f"{response_width} + 1 = {max_model_len} tokens do not fit the model's {positions} positions")
+    return Plan(task, models, prompts, eval_prompts, probe_set,
+                fleet_spec(cfg, models, sampling, pad_id, max_model_len, task.reward_actor_options()),
+                RankSpec.of(cfg, model), SyncSpec.of(cfg), resume_from, resume_state)

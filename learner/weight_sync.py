@@ -19,43 +19,41 @@ import time
 import ray
 
 from learner.cluster import ClusterError
-from services.config import JobConfig
+from learner.plan import SyncSpec
 
 
 class WeightSync:
-    def __init__(self, cfg: JobConfig, learner, fleet, probe_set: tuple[list[list[int]], list[int]],
+    def __init__(self, spec: SyncSpec, learner, fleet, probe_set: tuple[list[list[int]], list[int]],
                  kl_coef: float, log=print) -> None:
         self.learner, self.fleet, self.probe_set = learner, fleet, probe_set
-        self.probe_every = cfg.run.probe_every
-        self.max_retries = cfg.run.max_chunk_retries
-        self.transfer = None if cfg.learner.weight_sync == "object_store" else cfg.learner.weight_sync
+        self.probe_every, self.max_retries, self.transfer = spec.probe_every, spec.max_retries, spec.transfer
         self.policy_version, self.kl_coef = 0, kl_coef
         self._weights: ray.ObjectRef | None = None  # object store: the weights of ``policy_version``, once put
         # learner.lora: the adapter alone when every engine takes adapters, else the merged weights
         self.adapter = False
-        if cfg.learner.lora.rank:
+        if spec.lora:
             self.adapter = all(ray.get([engine.takes_adapters.remote() for engine in fleet.rollouts]))
             if self.adapter:
                 log("LoRA: adapter-only sync, the engines generate with each version's adapter")
-            elif cfg.adapter_sync:
+            elif spec.adapter_sync:
                 log("LoRA: the engines' model takes no adapters in vLLM (or rollout.engine is 'hf'): the merged "
                     "weights travel at each sync")
             else:
                 why = " (float32 engines on CPU, where vLLM generates with an adapter 3-7x slower)"
-                log(f"LoRA: learner.lora.sync {cfg.learner.lora.sync!r}: the merged weights travel at each sync"
-                    + (why if cfg.learner.lora.sync == "auto" else ""))
+                log(f"LoRA: learner.lora.sync {spec.lora_sync!r}: the merged weights travel at each sync"
+                    + (why if spec.lora_sync == "auto" else ""))
         if self.transfer is not None:
             from learner.weight_transfer import largest_parameter, packed_buffer_bytes
 
             announced = learner.weight_metadata()
-            bucket_bytes = cfg.learner.sync_bucket_mib << 20
+            bucket_bytes = spec.bucket_mib << 20
             buffer_bytes = packed_buffer_bytes(announced, bucket_bytes)
             if buffer_bytes > bucket_bytes:
                 name, _ = largest_parameter(announced)
                 log(f"weight transfer: packed buffer {buffer_bytes / 2**20:.1f} MiB, above "
-                    f"learner.sync_bucket_mib={cfg.learner.sync_bucket_mib}, to hold the largest parameter, {name}")
+                    f"learner.sync_bucket_mib={spec.bucket_mib}, to hold the largest parameter, {name}")
             learner.connect_engines(fleet.rollouts, self.transfer, buffer_bytes,
-                                    workers_per_engine=cfg.rollout.tensor_parallel_size)
+                                    workers_per_engine=spec.workers_per_engine)
 
     def start(self, policy_version: int, kl_coef: float) -> None:
         """Every actor to (``policy_version``, ``kl_coef``); the weights too when they are not the initial

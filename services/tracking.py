@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 
-from services.config import JobConfig
+from services.settings_training import WandbConfig
 from services.storage import RunStorage
 
 RUN_ID_FILE = "wandb-run.json"
@@ -35,18 +35,21 @@ def flat_metrics(record: dict, prefix: str = "") -> dict[str, float]:
 class Tracker:
     """One wandb run per tether run; every method is a no-op when ``metrics.wandb.enabled`` is false."""
 
-    def __init__(self, cfg: JobConfig, run_path: RunStorage, log=print) -> None:
-        self.cfg, self.run_path, self.say = cfg, run_path, log
+    def __init__(self, settings: WandbConfig, run_path: RunStorage, run_name: str, resuming: bool, config: dict,
+                 log=print) -> None:
+        """``config``: the job's settings as JSON, the run's config in wandb; ``resuming``: run.resume is set."""
+        self.settings, self.run_path, self.run_name, self.resuming = settings, run_path, run_name, resuming
+        self.config, self.say = config, log
         self.run = None
 
     def start(self) -> None:
-        settings = self.cfg.metrics.wandb
+        settings = self.settings
         if not settings.enabled:
             return
         import wandb
 
         run_id = None
-        if self.cfg.run.resume and self.run_path.exists(RUN_ID_FILE):
+        if self.resuming and self.run_path.exists(RUN_ID_FILE):
             run_id = json.loads(self.run_path.read_text(RUN_ID_FILE))["id"]
         # wandb's files go to WANDB_DIR where set, else into a local run directory (a job's working dir is
         # deleted when the job ends, and an offline run must survive until `wandb sync`)
@@ -55,8 +58,8 @@ class Tracker:
             wandb_dir = self.run_path.display()
         try:
             self.run = wandb.init(
-                project=settings.project, entity=settings.entity, name=settings.name or self.cfg.run.name,
-                tags=settings.tags or None, config=self.cfg.model_dump(mode="json"), id=run_id,
+                project=settings.project, entity=settings.entity, name=settings.name or self.run_name,
+                tags=settings.tags or None, config=self.config, id=run_id,
                 resume="allow" if run_id else None, dir=wandb_dir,
                 settings=wandb.Settings(silent=True),  # tether prints its own one line about the run
             )

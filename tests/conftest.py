@@ -225,9 +225,10 @@ class RankPool:
 
     def group(self, cfg, model, tag: str = ""):
         from learner.group import LearnerGroup
+        from learner.plan import RankSpec
 
         world_size = cfg.learner.world_size
-        group = LearnerGroup(cfg, model, None, tag=f"{tag}-w{world_size}", ranks=self.ranks.get(world_size))
+        group = LearnerGroup(RankSpec.of(cfg, model), None, tag=f"{tag}-w{world_size}", ranks=self.ranks.get(world_size))
         self.ranks[world_size] = group.ranks
         return group
 

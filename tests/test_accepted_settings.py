@@ -16,6 +16,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from actors.specs import RewardSpec
 from services.config import load_config
 
 # ---------------------------------------------------------------------------------- section 2: top-p
@@ -114,7 +115,7 @@ def test_two_label_classifier_scores_the_chosen_label(tmp_path):
                                          r"\(0='NEGATIVE', 1='POSITIVE'\)"):
         check_reward_label(model_dir, None)
     with pytest.raises(ValueError, match=r"has 2 labels \(0='NEGATIVE', 1='POSITIVE'\)"):
-        RewardActor(0, "randomwalks", {}, model_dir, kind="model", model_path=model_dir)
+        RewardActor(0, RewardSpec("randomwalks", {}, model_dir, kind="model", model_path=model_dir))
 
     prompts, completions = ["b", "ki", "u"], ["cda", "ja", "tsr"]
     from transformers import AutoModelForSequenceClassification
@@ -127,7 +128,7 @@ def test_two_label_classifier_scores_the_chosen_label(tmp_path):
         expected = torch.stack([model(**tokenizer(p + c, return_tensors="pt")).logits[0]
                                 for p, c in zip(prompts, completions, strict=True)])
     for label, column in (("POSITIVE", 1), ("NEGATIVE", 0), (1, 1), ("0", 0)):
-        actor = RewardActor(0, "randomwalks", {}, model_dir, kind="model", model_path=model_dir, label=label)
+        actor = RewardActor(0, RewardSpec("randomwalks", {}, model_dir, kind="model", model_path=model_dir, label=label))
         scores = actor.reward_model(prompts, completions)
         assert scores == pytest.approx(expected[:, column].tolist(), abs=1e-5), label
     assert not torch.allclose(expected[:, 0], expected[:, 1])  # the two columns differ: the test can tell
@@ -153,7 +154,7 @@ def test_single_label_model_needs_no_label(tmp_path):
 
     model_dir = _classifier_dir(tmp_path / "one", 1)
     assert check_reward_label(model_dir, None) == 0
-    actor = RewardActor(0, "randomwalks", {}, model_dir, kind="model", model_path=model_dir)
+    actor = RewardActor(0, RewardSpec("randomwalks", {}, model_dir, kind="model", model_path=model_dir))
     assert actor.reward_model.label_index == 0
 
 

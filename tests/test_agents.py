@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from actors.specs import EngineSpec, EnvironmentSpec, RolloutSpec
 from tests.agent_envs import attempts, row
 from tests.conftest import run_job
 
@@ -82,11 +83,12 @@ def agents(ray_client, policy, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("episodes")
     light = RoleResources(num_cpus=0.05)
-    workers = [start_actor(EnvironmentWorker, "environment", i, light, None, i, SCRIPTED, {"root": str(root)},
-                           policy, STEP_TIMEOUT_S, max_restarts=2, tag="agents") for i in range(2)]
+    environment = EnvironmentSpec(SCRIPTED, {"root": str(root)}, policy, STEP_TIMEOUT_S)
+    workers = [start_actor(EnvironmentWorker, "environment", i, light, None, i, environment, max_restarts=2,
+                           tag="agents") for i in range(2)]
     max_model_len = MAX_PROMPT_TOKENS + MAX_TRAJECTORY_TOKENS + 1
-    engine = start_actor(RolloutActor, "rollout", 0, light, None, 0, "vllm", policy, 0, max_model_len, 64, "float32",
-                         0, tag="agents")
+    engine = start_actor(RolloutActor, "rollout", 0, light, None, 0,
+                         RolloutSpec(policy, EngineSpec("vllm", 0, max_model_len, 64, "float32", 0)), tag="agents")
     actors = [*workers, engine]
     try:
         ray.get([a.ready.remote() for a in actors])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from learner.plan import RankSpec
 from tests.conftest import SMALL, run_job
 
 ASYNC = ["--rollout.mode", "async"]
@@ -90,7 +91,7 @@ def test_a_stale_row_is_never_trained_on(ray_client, tiny_model_dir):
     refs = {i: ray.put(torch.full((8, 6), -2.0)) for i in range(2)}
     scores = {i: ray.put(torch.linspace(0, 1, 8)) for i in range(2)}
     admitted = (3, None, 1)
-    group = LearnerGroup(cfg, tiny_model_dir, None, tag="async-stale")
+    group = LearnerGroup(RankSpec.of(cfg, tiny_model_dir), None, tag="async-stale")
     try:
         too_stale = stamped_batch([2, 2, 2, 1, 2, 2, 2, 2])
         assert group.collect({0: ray.put(too_stale), 1: ray.put(stamped_batch([3] * 8))}, refs, scores,

@@ -7,13 +7,14 @@ import re
 import pytest
 import torch
 
+from actors.specs import RewardSpec
 from tests.conftest import run_job
 
 
 def _reward_actor(task_name, tokenizer_dir):
     from actors.reward import RewardActor
 
-    return RewardActor(0, task_name, {}, tokenizer_dir)  # a plain object here: no Ray needed
+    return RewardActor(0, RewardSpec(task_name, {}, tokenizer_dir))  # a plain object here: no Ray needed
 
 
 def _chunk():

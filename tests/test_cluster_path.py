@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.specs import EngineSpec
 from services.model_source import ModelNotFoundError, ModelSource, content_hash
 
 
@@ -162,7 +163,7 @@ class TensorParallelProbe:
         from actors.engines import SamplingSettings, VLLMEngine
         from services.models import load_causal_lm
 
-        engine = VLLMEngine(model_dir, 0, 32, 64, "float32", None, "cpu", engine_args)
+        engine = VLLMEngine(model_dir, EngineSpec("vllm", 0, 32, 64, "float32", None, "cpu", engine_args))
         sequence = [1, 2, 3, 4, 5, 6]
         generated = engine.generate([[1, 2, 3]] * 2, SamplingSettings(max_new_tokens=4), [1, 2])
         torch.manual_seed(0)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from learner.plan import RankSpec
+
 pytestmark = pytest.mark.integration
 
 ray = pytest.importorskip("ray")
@@ -102,7 +104,7 @@ def test_zero3_lost_chunk_finishes_within_the_timeout_and_the_retry_trains(ray_c
     chunks = uneven_chunks(seed=1)
     # two epochs: collect runs the no-grad forwards (one optimizer step would leave them to the update)
     cfg = group_config(2, 3, learner={"collective_timeout_s": 120}, ppo={"minibatch_size": 16, "epochs": 2})
-    group = LearnerGroup(cfg, tiny_model_dir, None, tag="lost-chunk")
+    group = LearnerGroup(RankSpec.of(cfg, tiny_model_dir), None, tag="lost-chunk")
     producer = ChunkProducer.remote()
     try:
         doomed = producer.produce.remote(chunks[1], 600.0)
@@ -170,7 +172,7 @@ def test_ranks_set_up_again_keep_their_process_group_and_its_timeout(rank_pool, 
 
     group = rank_pool.group(group_config(2, 3), tiny_model_dir, tag="collectives")
     with pytest.raises(ValueError, match="2 ranks given for learner.world_size=1"):
-        LearnerGroup(group_config(1, 0), tiny_model_dir, None, ranks=group.ranks)
+        LearnerGroup(RankSpec.of(group_config(1, 0), tiny_model_dir), None, ranks=group.ranks)
     with pytest.raises(ValueError, match=r"collective_timeout_s=300, which its process group keeps; got 120"):
         rank_pool.group(group_config(2, 3, learner={"collective_timeout_s": 120}), tiny_model_dir)
     again = rank_pool.group(group_config(2, 0), tiny_model_dir)  # the refusal left the ranks as they were

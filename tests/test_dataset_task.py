@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from actors.specs import RewardSpec
 from tests.conftest import run_job
 
 REWARD = "tests.dataset_rewards:letter_distance"
@@ -243,7 +244,7 @@ def test_reward_actor_scores_each_sample_with_its_rows_answer(tiny_model_dir, tm
     options = {"prompt_field": "prompt", "reward_function": REWARD, "reward_fields": ["answer"],
                "rows": {split: {c: rows[c] for c in ("prompt", "answer")} for split, rows in task.rows.items()}}
     path.unlink()  # the actor never reads the file
-    actor = RewardActor(0, "dataset", options, tiny_model_dir)  # a plain object here: no Ray needed
+    actor = RewardActor(0, RewardSpec("dataset", options, tiny_model_dir))  # a plain object here: no Ray needed
     tok = load_tokenizer(tiny_model_dir)
     rows = [0, 6, 3, 3]
     responses = [tok("c")["input_ids"], tok("c")["input_ids"], tok("fz")["input_ids"][:1], []]
@@ -274,7 +275,8 @@ def test_without_a_reward_function_a_reward_model_scores_and_evaluates(tiny_mode
     tok.save_pretrained(tmp_path / "classifier")
     options = {"prompt_field": "prompt", "reward_function": None, "reward_fields": [],
                "rows": {split: {"prompt": rows["prompt"]} for split, rows in task.rows.items()}}
-    actor = RewardActor(0, "dataset", options, tiny_model_dir, kind="model", model_path=str(tmp_path / "classifier"))
+    actor = RewardActor(0, RewardSpec("dataset", options, tiny_model_dir, kind="model",
+                                         model_path=str(tmp_path / "classifier")))
     responses = [tok("cd")["input_ids"], tok("e")["input_ids"]]
     batch = make_batch([tok("b")["input_ids"], tok("c")["input_ids"]], responses, [[0.0] * len(r) for r in responses],
                        [0, 0], [0, 1], tok.pad_token_id, 0, 0.0, 2)
@@ -296,7 +298,7 @@ def test_rows_reach_a_reward_actor_through_the_object_store(ray_client, tiny_mod
     options = task.reward_actor_options()
     assert "path" not in options and isinstance(options["rows"], ray_client.ObjectRef)
     path.unlink()
-    actor = ray_client.remote(num_cpus=0)(RewardActor).remote(0, "dataset", options, tiny_model_dir)
+    actor = ray_client.remote(num_cpus=0)(RewardActor).remote(0, RewardSpec("dataset", options, tiny_model_dir))
     tok = load_tokenizer(tiny_model_dir)
     batch = make_batch([tok("b")["input_ids"], tok("h")["input_ids"]], [tok("c")["input_ids"]] * 2, [[0.0]] * 2,
                        [0, 0], [0, 6], tok.pad_token_id, 0, 0.0, 1)

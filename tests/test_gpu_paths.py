@@ -119,20 +119,20 @@ def test_benchmark_engines_on_cuda_take_the_gpu_share_not_the_cpu_cache():
     from services.devices import vllm_device_args
 
     cfg = _gpu_config()
-    alone = _benchmark("engine_in_service").alone_engine_kwargs(cfg, "/models/policy", 16)
-    assert (alone["device"], alone["engine_args"]) == ("cuda", cfg.rollout.vllm_engine_args())
-    assert alone["max_model_len"] == cfg.task.max_prompt_tokens + 16 + 1
-    llm_args = vllm_device_args(alone["device"], alone["max_model_len"], alone["kv_cache_mib"], alone["engine_args"])
+    alone = _benchmark("engine_in_service").alone_engine_spec(cfg, "/models/policy", 16)
+    assert (alone.device, alone.engine_args) == ("cuda", cfg.rollout.vllm_engine_args())
+    assert alone.max_model_len == cfg.task.max_prompt_tokens + 16 + 1
+    llm_args = vllm_device_args(alone.device, alone.max_model_len, alone.kv_cache_mib, alone.engine_args)
     assert llm_args["gpu_memory_utilization"] == 0.3 and "kv_cache_memory_bytes" not in llm_args
-    on_cpu = _benchmark("engine_in_service").alone_engine_kwargs(load_config(None, {}), "/models/policy", 16)
-    assert on_cpu["device"] == "cpu"
+    on_cpu = _benchmark("engine_in_service").alone_engine_spec(load_config(None, {}), "/models/policy", 16)
+    assert on_cpu.device == "cpu"
 
     spec = {"model_dir": "/models/policy", "seed": 0, "max_model_len": 64, "kv_cache_mib": 512, "dtype": "float32"}
     rollout = _benchmark("rollout")
     for device in ("cuda", "cpu"):
-        kwargs = rollout.vllm_engine_kwargs({**spec, "device": device})
-        llm_args = vllm_device_args(device, 64, kwargs["kv_cache_mib"], kwargs["engine_args"])
-        assert kwargs["device"] == device
+        engine = rollout.vllm_engine_spec({**spec, "device": device})
+        llm_args = vllm_device_args(device, 64, engine.kv_cache_mib, engine.engine_args)
+        assert engine.device == device
         assert ("gpu_memory_utilization" in llm_args) == (device == "cuda")
         assert ("kv_cache_memory_bytes" in llm_args) == (device == "cpu")
 

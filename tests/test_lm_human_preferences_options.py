@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from learner.plan import RankSpec
 from learner.ppo import (
     DistributedReducer,
     global_whiten,
@@ -184,7 +185,7 @@ def test_rank_penalises_whitens_and_anneals_the_lr_across_a_resume(ray_client, t
     expected_score_sum = float(torch.where(cut, torch.full_like(raw, penalty), raw).sum())
 
     run = RunStorage(str(tmp_path)).child("run")
-    group = LearnerGroup(cfg, tiny_model_dir, None, tag="lmhp-options")
+    group = LearnerGroup(RankSpec.of(cfg, tiny_model_dir), None, tag="lmhp-options")
     try:
         used = {}
         for iteration in (1, 2):
@@ -206,7 +207,7 @@ def test_rank_penalises_whitens_and_anneals_the_lr_across_a_resume(ray_client, t
     for iteration, value in used.items():
         assert value == pytest.approx(lr * (1 - (iteration - 1) / iterations), rel=1e-9), iteration
 
-    resumed = LearnerGroup(cfg, tiny_model_dir, None, tag="lmhp-options-resumed")
+    resumed = LearnerGroup(RankSpec.of(cfg, tiny_model_dir), None, tag="lmhp-options-resumed")
     try:
         ckpt = checkpoint.resolve(run, "latest")
         resumed.load(ckpt.url, checkpoint.read_manifest(ckpt), saved_world_size=1)

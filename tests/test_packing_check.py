@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from actors.specs import ReferenceSpec
 from services.packing_check import check_packing_isolation, leak_tolerance, packing_leak
 
 VOCAB = 23
@@ -108,7 +109,7 @@ def test_a_packing_reference_or_teacher_checks_its_model_at_start(tmp_path):
     llama, falcon = tmp_path / "llama", tmp_path / "falcon"
     tiny_lm("llama").save_pretrained(llama)
     tiny_lm("falcon").save_pretrained(falcon)
-    ReferenceActor(0, str(llama), max_tokens_per_microbatch=64)
-    ReferenceActor(0, str(falcon))
+    ReferenceActor(0, ReferenceSpec(str(llama), max_tokens_per_microbatch=64))
+    ReferenceActor(0, ReferenceSpec(str(falcon)))
     with pytest.raises(ValueError, match=r"teacher-1: FalconForCausalLM .* learner.max_tokens_per_microbatch"):
-        TeacherActor(1, str(falcon), max_tokens_per_microbatch=64)
+        TeacherActor(1, ReferenceSpec(str(falcon), max_tokens_per_microbatch=64))

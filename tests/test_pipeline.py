@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actors.specs import EngineSpec, ReferenceSpec, RewardSpec, RolloutSpec
+
 pytestmark = pytest.mark.integration
 
 ray = pytest.importorskip("ray")
@@ -35,14 +37,16 @@ def roles(ray_client, tiny_model_dir):
     from actors.rollout import RolloutActor
     from learner.cluster import start_actor
     from learner.group import LearnerGroup
+    from learner.plan import RankSpec
 
     cfg = small_config()
     res = cfg.cluster.rollout
-    vllm_engine = start_actor(RolloutActor, "rollout", 0, res, None, 0, "vllm", tiny_model_dir, 0, 32, 64, "float32", 0)
-    hf_engine = start_actor(RolloutActor, "rollout", 1, res, None, 1, "hf", tiny_model_dir, 0, 32, 64)
-    reference = start_actor(ReferenceActor, "reference", 0, res, None, 0, tiny_model_dir)
-    reward = start_actor(RewardActor, "reward", 0, res, None, 0, "randomwalks", {}, tiny_model_dir)
-    group = LearnerGroup(cfg, tiny_model_dir, None)
+    vllm_engine = start_actor(RolloutActor, "rollout", 0, res, None, 0,
+                              RolloutSpec(tiny_model_dir, EngineSpec("vllm", 0, 32, 64, "float32", 0)))
+    hf_engine = start_actor(RolloutActor, "rollout", 1, res, None, 1, RolloutSpec(tiny_model_dir, EngineSpec("hf", 0, 32)))
+    reference = start_actor(ReferenceActor, "reference", 0, res, None, 0, ReferenceSpec(tiny_model_dir))
+    reward = start_actor(RewardActor, "reward", 0, res, None, 0, RewardSpec("randomwalks", {}, tiny_model_dir))
+    group = LearnerGroup(RankSpec.of(cfg, tiny_model_dir), None)
     ray.get([a.ready.remote() for a in (vllm_engine, hf_engine, reference, reward)])
     yield {"vllm": vllm_engine, "hf": hf_engine, "reference": reference, "reward": reward, "learner": group}
     kill(vllm_engine, hf_engine, reference, reward, *group.ranks)
@@ -165,9 +169,9 @@ def test_a_slow_reward_scores_a_chunk_while_the_engine_generates_the_next(roles,
         return task.reward(prompts, completions)
 
     with serve(slow_reward, timeout_s=300) as service:
-        reward = start_actor(RewardActor, "reward", 1, small_config().cluster.reward, None, 1, "randomwalks", {},
-                             tiny_model_dir, "remote", remote=RewardConfig(kind="remote", url=service.url,
-                                                                         timeout_s=300, max_retries=0))
+        remote = RewardConfig(kind="remote", url=service.url, timeout_s=300, max_retries=0)
+        reward = start_actor(RewardActor, "reward", 1, small_config().cluster.reward, None, 1,
+                             RewardSpec("randomwalks", {}, tiny_model_dir, "remote", remote=remote))
         engine, sampling = roles["vllm"], SamplingSettings(1.0, 1.0, 9)
 
         def chunk(i: int):
@@ -225,9 +229,9 @@ def test_vllm_reference_backend_matches_hf(ray_client, tiny_model_dir, roles):
     from actors.reference import ReferenceActor
     from learner.cluster import start_actor
 
-    vllm_reference = start_actor(ReferenceActor, "reference", 1, small_config().cluster.reference, None, 1,
-                                 tiny_model_dir, "vllm", "float32", 32, 64,
-                                 engine_args=small_config().reference_vllm_engine_args())  # as Fleet starts it
+    spec = ReferenceSpec(tiny_model_dir, "vllm", "float32", 32, 64,
+                         engine_args=small_config().reference_vllm_engine_args())  # as Fleet starts it
+    vllm_reference = start_actor(ReferenceActor, "reference", 1, small_config().cluster.reference, None, 1, spec)
     try:
         chunk = roles["vllm"].generate.remote([[3], [4, 5], [9]], [0, 1, 2], [1, 2, 3], SamplingSettings(1.0, 1.0, 9), 22)
         hf_scores, vllm_scores = ray.get([roles["reference"].score.remote(chunk), vllm_reference.score.remote(chunk)])
@@ -249,8 +253,8 @@ def test_chunk_from_an_engine_restarted_after_the_version_check_is_regenerated(r
 
     group, sampling = roles["learner"], SamplingSettings(1.0, 1.0, 9)
     prompts = [[i % 20 + 1] for i in range(8)]
-    engine = start_actor(RolloutActor, "rollout", 2, small_config().cluster.rollout, None, 2, "hf", tiny_model_dir,
-                         0, 32, 64, max_restarts=1)
+    engine = start_actor(RolloutActor, "rollout", 2, small_config().cluster.rollout, None, 2,
+                         RolloutSpec(tiny_model_dir, EngineSpec("hf", 0, 32)), max_restarts=1)
 
     def generate_and_collect():
         chunk = engine.generate.remote(prompts, list(range(8)), list(range(8)), sampling, 22)
@@ -317,8 +321,8 @@ def test_a_role_built_outside_an_actor_leaves_its_callers_priority(ray_client, t
     from actors.reward import RewardActor
 
     before = os.getpriority(os.PRIO_PROCESS, 0)
-    RewardActor(0, "randomwalks", {}, tiny_model_dir)
-    ReferenceActor(0, tiny_model_dir)
+    RewardActor(0, RewardSpec("randomwalks", {}, tiny_model_dir))
+    ReferenceActor(0, ReferenceSpec(tiny_model_dir))
     assert os.getpriority(os.PRIO_PROCESS, 0) == before
 
 
@@ -355,8 +359,9 @@ def test_adapter_only_sync_on_a_llama_the_engine_generates_with_the_learners_ada
     from actors.rollout import RolloutActor
     from learner.cluster import start_actor
     cfg = small_config(learner={"lora": {"rank": 8, "sync": "adapter"}}, ppo={"minibatch_size": 8, "epochs": 2, "lr": 3e-2})
-    engine = start_actor(RolloutActor, "rollout", 0, cfg.cluster.rollout, None, 0, "vllm", tiny_llama_dir, 0, 32, 64,
-                         "float32", 0, lora_rank=cfg.engine_lora_rank, tag="llama")
+    engine = start_actor(RolloutActor, "rollout", 0, cfg.cluster.rollout, None, 0,
+                         RolloutSpec(tiny_llama_dir, EngineSpec("vllm", 0, 32, 64, "float32", 0,
+                                                                lora_rank=cfg.engine_lora_rank)), tag="llama")
     try:
         assert ray.get(engine.takes_adapters.remote())
         group = rank_pool.group(cfg, tiny_llama_dir, tag="lora")

@@ -11,6 +11,7 @@ import torch
 from transformers import GPT2Config, GPT2ForSequenceClassification
 
 from actors.reward import RewardActor
+from actors.specs import RewardSpec
 from services.models import build_char_tokenizer
 from services.tasks import get_task
 
@@ -52,7 +53,7 @@ def manual_score(model, tokenizer, text: str) -> float:
 @pytest.fixture(params=["eos", "none", "mismatch"])
 def setup(request, tmp_path):
     model, tokenizer = make_reward_model(tmp_path, pad=request.param)
-    actor = RewardActor(0, "randomwalks", {}, str(tmp_path), kind="model", model_path=str(tmp_path))
+    actor = RewardActor(0, RewardSpec("randomwalks", {}, str(tmp_path), kind="model", model_path=str(tmp_path)))
     return actor, model, tokenizer
 
 
@@ -114,7 +115,7 @@ def test_left_padding_tokenizer_is_still_right_padded(tmp_path):
     model, tokenizer = make_reward_model(tmp_path)
     config_file = tmp_path / "tokenizer_config.json"  # save_pretrained does not keep padding_side
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "padding_side": "left"}))
-    actor = RewardActor(0, "randomwalks", {}, str(tmp_path), kind="model", model_path=str(tmp_path))
+    actor = RewardActor(0, RewardSpec("randomwalks", {}, str(tmp_path), kind="model", model_path=str(tmp_path)))
     assert actor.reward_model.tokenizer.padding_side == "left"
     enc_seen = {}
     handle = actor.reward_model.model.register_forward_pre_hook(

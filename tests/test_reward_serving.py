@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
+from actors.specs import RewardSpec
 from services.reward_service import (
     RewardClient,
     RewardServiceError,
@@ -109,7 +110,7 @@ def test_a_served_model_scores_as_the_job_scores_it_in_process(classifier_dir):
     from actors.reward import RewardActor
 
     prompts, completions = [p for p, _ in PAIRS], [c for _, c in PAIRS]
-    in_process = RewardActor(0, "randomwalks", {}, classifier_dir, kind="model", model_path=classifier_dir)
+    in_process = RewardActor(0, RewardSpec("randomwalks", {}, classifier_dir, kind="model", model_path=classifier_dir))
     reward, served = build_reward(parse_args(["--model", classifier_dir, "--device", "cpu"]))
     assert served.startswith(f"reward model {classifier_dir} on cpu")
     with serve(reward) as service:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.specs import EngineSpec, RewardSpec
 from services.models import build_char_tokenizer, policy_dir
 from services.tasks import TASKS, get_task
 from services.tasks.base import Task
@@ -197,7 +198,7 @@ def test_smollm2_sync_loads_every_parameter_and_its_rotary_embedding_has_none(co
     from services.models import load_causal_lm
 
     _, path, _ = converted
-    engine = VLLMEngine(str(path), seed=0, max_model_len=128, kv_cache_mib=64)
+    engine = VLLMEngine(str(path), EngineSpec(max_model_len=128, kv_cache_mib=64))
     rotary = engine.llm.collective_rpc(_rotary_layers)[0]
     assert rotary and all(params == 0 and buffers >= 1 for _, params, buffers in rotary), rotary
     weights = load_causal_lm(path).state_dict()
@@ -224,7 +225,7 @@ def test_smollm2_judges_responses_in_a_reward_actor(converted):
     cfg = JudgeConfig(model_path=str(path), template="Rate how positive this reply to {prompt!r} is, 0 to 10:\n"
                       "{response}\nReply with one number.", score_range=(0, 10), unparseable_score=-1.0,
                       max_new_tokens=8, max_model_len=512, kv_cache_mib=64)
-    actor = RewardActor(0, "smollm2-sentiment", {}, str(path), kind="judge", model_path=str(path), judge=cfg)
+    actor = RewardActor(0, RewardSpec("smollm2-sentiment", {}, str(path), kind="judge", model_path=str(path), judge=cfg))
     tokenizer = load_tokenizer(path)
     replies = ["I love it, what a wonderful day!", "This is awful and I hate it.", "I love it, what a wonderful day!",
                "Meh."]

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from actors.specs import EngineSpec, RolloutSpec
 from learner import checkpoint
 from services.storage import RunStorage
 
@@ -198,8 +199,8 @@ def test_hf_export_loads_in_transformers_and_vllm_with_the_learners_logprobs(ran
             got = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[p:]).unsqueeze(-1)).squeeze(-1)
             assert max(abs(a - b) for a, b in zip(got.tolist(), expected)) < 1e-4
 
-    engine = start_actor(RolloutActor, "rollout", 0, cfg.cluster.rollout, None, 0, "vllm", export.path(), 0, 32, 64,
-                         "float32", 0)
+    engine = start_actor(RolloutActor, "rollout", 0, cfg.cluster.rollout, None, 0,
+                         RolloutSpec(export.path(), EngineSpec("vllm", 0, 32, 64, "float32", 0)))
     try:
         vllm_logprobs = ray.get(engine.probe.remote(sequences, prompt_lengths))
     finally:

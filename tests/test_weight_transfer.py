@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from actors.specs import EngineSpec, RolloutSpec
 from learner.weight_transfer import announced_parameters, engine_init_infos, gathered_parameters
 
 BUFFER = 300 << 10  # above the largest tensor (256 KiB); the tiny GPT-2 (~4.8 MB) goes over in ~16 chunks
@@ -212,8 +213,8 @@ def test_rollout_actor_runs_the_engine_side_of_vllms_protocol_on_cpu(ray_head, t
 
     ray.init(address=ray_head.address, log_to_driver=False)
     try:
-        actor = start_actor(RolloutActor, "rollout", 0, RoleResources(num_cpus=0.1), None, 0, "vllm", tiny_model_dir,
-                            0, 32, 64, "float32", 0, weight_transfer="ipc", tag="transfer")
+        spec = RolloutSpec(tiny_model_dir, EngineSpec("vllm", 0, 32, 64, "float32", 0, weight_transfer="ipc"))
+        actor = start_actor(RolloutActor, "rollout", 0, RoleResources(num_cpus=0.1), None, 0, spec, tag="transfer")
         sequences, prompt_lengths = [[1, 3, 5, 7, 9, 11], [2, 4, 6, 8]], [1, 2]
         before = ray.get(actor.probe.remote(sequences, prompt_lengths))
         client = EngineClient([actor], workers_per_engine=1, timeout_s=120)
