@@ -1,0 +1,92 @@
+"""Resolve once, then run: the settings reach actors, ranks, the fleet, the learner group and the weight sync only
+through their specs (``learner.plan``). Read from the source, with the checks shown to fail on code made for them."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from actors.specs import EngineSpec, ReferenceSpec, RewardSpec, RolloutSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("actors", "learner", "services")
+# the plan and what runs it: the config itself, the plan, the cluster's reservation and pre-flight, the run directory
+# and a resume's checks, the driver's setup and entry point
+PLAN_PHASE = {"services/config.py", "learner/plan.py", "learner/cluster.py", "learner/rundir.py",
+              "learner/checkpoint.py", "learner/loop.py", "learner/main.py", "learner/algorithm.py"}
+MAX_CONSTRUCTOR_ARGUMENTS = 6
+
+
+def takes_the_whole_config(source: str) -> list[str]:
+    """The functions of ``source`` with a parameter annotated ``JobConfig``."""
+    return [node.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            for a in node.args.args + node.args.kwonlyargs
+            if a.annotation is not None and "JobConfig" in ast.unparse(a.annotation)]
+
+
+def wide_constructors(source: str) -> list[tuple[str, int]]:
+    """(class, arguments) of every ``__init__`` in ``source`` taking more than six arguments besides self."""
+    wide = []
+    for cls in ast.walk(ast.parse(source)):
+        if isinstance(cls, ast.ClassDef):
+            for init in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"):
+                count = len(init.args.args) - 1 + len(init.args.kwonlyargs)
+                if count > MAX_CONSTRUCTOR_ARGUMENTS:
+                    wide.append((cls.name, count))
+    return wide
+
+
+def layer_files():
+    return sorted(p for layer in LAYERS for p in (ROOT / layer).rglob("*.py"))
+
+
+def test_below_the_plan_no_function_takes_the_whole_config():
+    found = {str(p.relative_to(ROOT)): names for p in layer_files() if (names := takes_the_whole_config(p.read_text()))}
+    assert set(found) <= PLAN_PHASE, {k: v for k, v in found.items() if k not in PLAN_PHASE}
+    assert "learner/fleet.py" not in found and "learner/group.py" not in found  # built from their specs
+    made = "from services.config import JobConfig\n\nclass Fleet:\n    def __init__(self, cfg: JobConfig) -> None: ...\n"
+    assert takes_the_whole_config(made) == ["__init__"]
+
+
+def test_no_constructor_takes_more_than_six_arguments():
+    wide = {str(p.relative_to(ROOT)): w for p in layer_files() if (w := wide_constructors(p.read_text()))}
+    assert wide == {}
+    made = "class Engine:\n    def __init__(self, a, b, c, d, e, f, *, g=0) -> None: ...\n"
+    assert wide_constructors(made) == [("Engine", 7)]
+
+
+@pytest.mark.parametrize("actor", ["actors.rollout:RolloutActor", "actors.reference:ReferenceActor",
+                                   "actors.reference:TeacherActor", "actors.reward:RewardActor",
+                                   "actors.environment:EnvironmentWorker"])
+def test_every_actor_is_built_from_its_index_and_spec(actor):
+    from services.errors import load_object
+
+    init = load_object(actor, "actor").__init__
+    init = getattr(init, "__wrapped__", init)
+    assert list(inspect.signature(init).parameters) == ["self", "index", "spec"]
+
+
+def test_the_plan_gives_each_engine_its_seed_core_and_the_learners_dtype():
+    from actors.engines import SamplingSettings
+    from learner.plan import Models, SyncSpec, fleet_spec
+    from services.config import load_config
+
+    cfg = load_config(None, {"rollout": {"num_engines": 2}, "learner": {"dtype": "bfloat16"}, "run": {"seed": 7},
+                             "reward": {"num_actors": 2}})
+    spec = fleet_spec(cfg, Models("/models/policy"), SamplingSettings(), 0, 40)
+    assert [r.engine for r in spec.rollouts] == [
+        EngineSpec("vllm", 7 + i, 40, cfg.rollout.kv_cache_mib, "bfloat16", i, "cpu", cfg.rollout.vllm_engine_args())
+        for i in range(2)]
+    assert all(isinstance(r, RolloutSpec) and r.model == "/models/policy" for r in spec.rollouts)
+    assert spec.references == (ReferenceSpec("/models/policy", "hf", "bfloat16", 40, 128, cfg.rollout.temperature,
+                                             engine_args=cfg.reference_vllm_engine_args()),)
+    assert spec.rewards == (RewardSpec("randomwalks", cfg.task.options(), "/models/policy"),) * 2
+    assert spec.roles == [("rollout", 0), ("rollout", 1), ("reference", 0), ("reward", 0), ("reward", 1)]
+    assert (spec.teachers, spec.environments, spec.engine_restarts) == ((), (), cfg.run.actor_max_restarts)
+    nccl = load_config(None, {"learner": {"weight_sync": "nccl"}, "rollout": {"gpu_memory_utilization": 0.3},
+                              "cluster": {"rollout": {"num_gpus": 1}, "learner": {"num_gpus": 1}}})
+    assert fleet_spec(nccl, Models("/m"), SamplingSettings(), 0, 40).engine_restarts == 0  # NCCL takes none back
+    assert SyncSpec.of(nccl).transfer == "nccl"
