@@ -4,7 +4,7 @@ Each turn is one batched engine call over every episode still running (the engin
 trajectories so far); then the environment workers step every episode's environment at once, outside the
 engine's process. Token-in/token-out: the model's ids go into the trajectory as the engine sampled them,
 never decoded and encoded again; each observation is encoded once, by the worker, and appended as ids
-(the README's "The KL of a trajectory"). An episode whose environment failed is generated again from its reset, and counted.
+(docs/agents-and-environments.md, "The KL of a trajectory"). An episode whose environment failed is generated again from its reset, and counted.
 """
 
 from __future__ import annotations

@@ -134,24 +134,24 @@ def to_target(run, steps: int, max_steps: int) -> list[dict]:
 
 
 def write_readme(table: list[str], mark: tuple[str, str] = README_MARK) -> None:
-    """``table`` into the README between ``mark``'s comments (replacing what is there), or at the top of
-    its measured figures the first time."""
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+    """``table`` into the figures page (docs/benchmarks.md) between ``mark``'s comments (replacing what is
+    there), or at its end the first time."""
+    page = ROOT / "docs" / "benchmarks.md"
+    text = page.read_text()
     block = "\n".join([mark[0], *table, mark[1]])
     if mark[0] in text:
         head, rest = text.split(mark[0], 1)
         text = head + block + rest.split(mark[1], 1)[1]
     else:
-        text = text.replace("### Measured figures\n", f"### Measured figures\n\n{block}\n", 1)
-    readme.write_text(text)
+        text = text.rstrip("\n") + f"\n\n{block}\n"
+    page.write_text(text)
 
 
 def parse_args(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, Path]:
     """``parser``'s arguments plus those every TRL comparison takes; the cache directory, made."""
     parser.add_argument("--cache-dir", default="~/.cache/tether/trl-compare", help="TRL's virtualenv goes here")
     parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--readme", action="store_true", help="write the table into README's Performance section")
+    parser.add_argument("--readme", action="store_true", help="write the table into docs/benchmarks.md")
     args = parser.parse_args()
     cache = Path(args.cache_dir).expanduser()
     cache.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ os.environ.update(RAY_ENV_DEFAULTED)
 
 # OpenMP (torch's CPU threads) lets an idle worker thread spin up to 300k rounds before it sleeps. Where roles
 # share cores, a spinning thread holds the core that its sibling or another role needs: a 2-thread loop of
-# tiny ops ran 6-95 s under load instead of 1.3 s here (README, Performance). 10k rounds keeps the spin
+# tiny ops ran 6-95 s under load instead of 1.3 s here (docs/benchmarks.md). 10k rounds keeps the spin
 # between back-to-back ops (the same 1.3-2.0 s unloaded) and yields the core soon after (2.7-4.3 s loaded).
 # For the driver (its SFT warm start) and every actor, unless the environment sets it; read when torch loads.
 THREAD_ENV = {"GOMP_SPINCOUNT": "10000"}

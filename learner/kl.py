@@ -1,6 +1,6 @@
 """KL estimators, response-level KL penalties and rewards, and the KL controllers.
 
-Pure torch: this module imports neither Ray nor DeepSpeed. It implements the README's KL accounting exactly.
+Pure torch: this module imports neither Ray nor DeepSpeed. It implements the KL accounting of docs/kl-accounting.md exactly.
 
 Every per-token tensor is *response-aligned*, shape [B, T]: position t is the t-th token after the prompt
 of sequence b, and ``mask[b, t] = 1`` for the tokens the model sampled (up to and including the first
