@@ -44,7 +44,7 @@ class EnvironmentWorker:
         from services.environments import load_environment_factory
         from services.models import load_tokenizer
 
-        self.index, self.spec, self.kwargs = index, spec.environment, spec.kwargs
+        self.index, self.environment, self.kwargs = index, spec.environment, spec.kwargs  # its name, in errors
         self.step_timeout_s = spec.step_timeout_s
         self.factory = load_environment_factory(spec.environment)
         self.tokenizer = load_tokenizer(as_source(spec.policy).resolve(f"environment-{index}"))
@@ -78,9 +78,9 @@ class EnvironmentWorker:
 
         start = time.perf_counter()
         try:
-            env = self.environments[key] = make_environment(self.factory, self.kwargs, self.spec)
+            env = self.environments[key] = make_environment(self.factory, self.kwargs, self.environment)
             observation = await self._call(env.reset, row, seed)
-            observation = check_reset_result(observation, self.spec, row=row_index)
+            observation = check_reset_result(observation, self.environment, row=row_index)
             ids = encode_observation(observation, self.tokenizer, first=True)
         except Exception as err:  # noqa: BLE001 - whatever the environment does wrong fails this episode only
             self._close(key)
@@ -95,7 +95,7 @@ class EnvironmentWorker:
         if env is None:  # this worker restarted since the reset: the episode's environment is gone
             return Outcome([], error=f"environment worker {self.index} lost the episode (it restarted)")
         try:
-            result = check_step_result(await self._call(env.step, action), self.spec, row=row_index, turn=turn)
+            result = check_step_result(await self._call(env.step, action), self.environment, row=row_index, turn=turn)
             ids = [] if result.done else encode_observation(result.observation, self.tokenizer, first=False,
                                                             turn_closed=closed)
             tool_calls = int(result.info.get("tool_calls", 0))

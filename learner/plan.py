@@ -16,6 +16,7 @@ from actors.engines import SamplingSettings
 from actors.episodes import EpisodeLimits
 from actors.specs import EngineSpec, EnvironmentSpec, ReferenceSpec, RewardSpec, RolloutSpec
 from learner.algorithm import Algorithm
+from learner.cluster import role_counts
 from services.config import JobConfig, LearnerConfig, RoleResources
 from services.model_source import ModelSource
 from services.storage import RunStorage
@@ -118,7 +119,6 @@ class Plan:
     """Everything the driver starts from, checked: the task's prompts, a resume's checkpoint,
     the models, the probe set and one spec per role."""
 
-    task: object  # services.tasks.Task
     models: Models
     prompts: list
     eval_prompts: list
@@ -136,17 +136,17 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
     their role reserved. ``task_options``: what the reward actors build the task from (``Task.reward_actor_options``;
     none: the task's settings)."""
     c, dtype, model = cfg.cluster, cfg.learner.dtype, models.policy
-    sync = SyncSpec.of(cfg)
+    sync, counts = SyncSpec.of(cfg), role_counts(cfg)  # actors per role: the cluster reserves a bundle for each
     rollouts = tuple(
         RolloutSpec(model, EngineSpec(cfg.rollout.engine, cfg.run.seed + i, max_model_len, cfg.rollout.kv_cache_mib,
                                       dtype, i, cfg.device("rollout"), cfg.rollout.vllm_engine_args(), sync.transfer,
                                       cfg.engine_lora_rank if cfg.rollout.engine == "vllm" else None))
-        for i in range(cfg.rollout.num_engines))
+        for i in range(counts["rollout"]))
     references = tuple(
         ReferenceSpec(model, cfg.reference.backend, dtype, max_model_len, 128, cfg.rollout.temperature,
                       cfg.device("reference"), cfg.reference.torch_threads, cfg.reference_vllm_engine_args(),
                       cfg.learner.max_tokens_per_microbatch)
-        for _ in range(0 if cfg.learner.reference_in_learner else cfg.reference.num_actors))
+        for _ in range(counts["reference"]))
     reward = RewardSpec(cfg.task.name, task_options or cfg.task.options(), model, cfg.reward.kind, models.reward, cfg.reward.score_clip,
                         cfg.device("reward"), cfg.reward.label)
     if cfg.reward.kind == "remote":  # the driver's token goes to the reward actors whose environment lacks it
@@ -157,7 +157,7 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
     teachers = tuple(
         ReferenceSpec(models.teacher, "hf", dtype, max_model_len, 128, cfg.rollout.temperature, cfg.device("teacher"),
                       max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch)
-        for _ in range(cfg.distill.num_actors if models.teacher is not None else 0))
+        for _ in range(counts["teacher"]))
     # multi-turn episodes: the environments step on workers of their own, outside the engines' processes
     environments, limits, task = (), None, cfg.task
     if task.name == "environment":
@@ -170,7 +170,7 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
     resources = {"rollout": c.rollout, "reference": c.reference, "reward": c.reward, "teacher": c.teacher,
                  "environment": RoleResources(num_cpus=task.environment_num_cpus)}
     return FleetSpec(
-        rollouts, references, (reward,) * cfg.reward.num_actors, teachers, environments, resources,
+        rollouts, references, (reward,) * counts["reward"], teachers, environments, resources,
         cfg.run.actor_max_restarts, cfg.run.actor_max_restarts if sync.transfer is None else 0, sampling, pad_id,
         cfg.rollout.chunk_size, cfg.rollout.samples_per_prompt, cfg.run.seed, cfg.run.max_chunk_retries,
         cfg.learner.collective_timeout_s, cfg.probe_tolerance, dtype, cfg.rollout.eval_samples_per_prompt,
@@ -252,6 +252,6 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print) -> Plan:
         raise ValueError(f"task.max_prompt_tokens={cfg.task.max_prompt_tokens} + "
                          f"{'rollout.max_trajectory_tokens' if episodic else 'rollout.max_new_tokens'}="
                          f"{response_width} + 1 = {max_model_len} tokens do not fit the model's {positions} positions")
-    return Plan(task, models, prompts, eval_prompts, probe_set,
+    return Plan(models, prompts, eval_prompts, probe_set,
                 fleet_spec(cfg, models, sampling, pad_id, max_model_len, task.reward_actor_options()),
                 RankSpec.of(cfg, model), SyncSpec.of(cfg), resume_from, resume_state)
