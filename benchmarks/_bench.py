@@ -51,12 +51,13 @@ def stamp() -> dict:
 
 
 def write_results(out_dir: str | Path, name: str, results: dict, table: list[str]) -> tuple[Path, Path]:
-    """``<out>/<name>.json`` and ``<out>/<name>.md`` (date and machine on top, then ``table``)."""
+    """``<out>/<name>.json`` and ``<out>/<name>.md`` (the name as its title, date and machine, then ``table``;
+    the docs site shows the .md as a page of its own)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / f"{name}.json", out / f"{name}.md"
     json_path.write_text(json.dumps(results, indent=2) + "\n")
-    md_path.write_text(f"{results['date']}, {results['machine']}\n\n" + "\n".join(table) + "\n")
+    md_path.write_text(f"# {name}\n\n{results['date']}, {results['machine']}\n\n" + "\n".join(table) + "\n")
     return json_path, md_path
 
 

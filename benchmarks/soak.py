@@ -118,7 +118,8 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "soak.json").write_text(json.dumps({**result, "memory": memory}, indent=1) + "\n")
     rows = [f"| {k} | {v} |" for k, v in result.items() if k not in ("kills",)]
-    rows.insert(0, "| figure | value |\n|---|---|")
+    rows.insert(0, f"# soak\n\n`.venv/bin/python benchmarks/soak.py --minutes {args.minutes:g}`\n\n"
+                   "| figure | value |\n|---|---|")
     rows.append(f"| kills | {len(kills)}: " + ", ".join(f"{k['actor']}@{k['t']:.0f}s" for k in kills) + " |")
     (RESULTS / "soak.md").write_text("\n".join(rows) + "\n")
     import matplotlib

@@ -10,7 +10,7 @@ sampled optimality >= 0.95; reports the whole-process time of each and their rat
 - A side that stays below 0.95 after ``--steps`` is run again with twice the steps, up to ``--max-steps``.
 - Whole process: from starting the command to its exit, SFT model cached, evaluation not included.
 
-    .venv/bin/python benchmarks/trl_compare.py [--steps 20] [--max-steps 80] [--readme]
+    .venv/bin/python benchmarks/trl_compare.py [--steps 20] [--max-steps 80]
 """
 
 from __future__ import annotations
@@ -29,9 +29,6 @@ from _bench import RESULTS, ROOT, cpu_model, stamp, write_results
 TRL_VERSION = "1.16.0"
 TORCH_VERSION = "2.13.0"
 TARGET = 0.95
-README_MARK = ("<!-- trl_compare:start -->", "<!-- trl_compare:end -->")
-
-
 def cpu_flags() -> str:
     """The flags that decide matmul speed here: AMX and AVX-512 BF16, or neither."""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -133,25 +130,10 @@ def to_target(run, steps: int, max_steps: int) -> list[dict]:
     return tries
 
 
-def write_readme(table: list[str], mark: tuple[str, str] = README_MARK) -> None:
-    """``table`` into the figures page (docs/benchmarks.md) between ``mark``'s comments (replacing what is
-    there), or at its end the first time."""
-    page = ROOT / "docs" / "benchmarks.md"
-    text = page.read_text()
-    block = "\n".join([mark[0], *table, mark[1]])
-    if mark[0] in text:
-        head, rest = text.split(mark[0], 1)
-        text = head + block + rest.split(mark[1], 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n{block}\n"
-    page.write_text(text)
-
-
 def parse_args(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, Path]:
     """``parser``'s arguments plus those every TRL comparison takes; the cache directory, made."""
     parser.add_argument("--cache-dir", default="~/.cache/tether/trl-compare", help="TRL's virtualenv goes here")
     parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--readme", action="store_true", help="write the table into docs/benchmarks.md")
     args = parser.parse_args()
     cache = Path(args.cache_dir).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
@@ -178,7 +160,7 @@ def main() -> None:
         (f"randomwalks, tether's default job against TRL {TRL_VERSION} GRPO (16 prompts x 8, lr 3e-4, beta 0, 2 "
          f"threads), same SFT start (optimality {sft_optimality:.2f}), one evaluation (20 prompts x 50 samples); "
          f"{results['date']}, {results['machine']}, CPU flags: {results['cpu_flags']}; "
-         "`.venv/bin/python benchmarks/trl_compare.py --readme`"),
+         "`.venv/bin/python benchmarks/trl_compare.py`"),
         "",
         "| | steps | whole process | sampled optimality |",
         "|---|---|---|---|",
@@ -190,8 +172,6 @@ def main() -> None:
     json_path, md_path = write_results(args.out, "trl_compare", results, table)
     print("\n".join(table), flush=True)
     print(f"[trl_compare] {json_path} {md_path} (CPU {cpu_model()})", flush=True)
-    if args.readme:
-        write_readme(table)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 same machine, at the same batch (64 completions of at most 32 tokens: 8 prompts x 8), one gradient pass over
 each batch for both, beta 0.05 with a reference model for both; and each against the FLOP bound.
 
-    .venv/bin/python benchmarks/trl_smollm2.py [--steps 4] [--dtypes float32 bfloat16] [--lora-rank 16] [--readme]
+    .venv/bin/python benchmarks/trl_smollm2.py [--steps 4] [--dtypes float32 bfloat16] [--lora-rank 16]
 
 - TRL 1.16 in its own virtualenv (``trl_compare.trl_python``, with peft), its defaults otherwise (gradient
   checkpointing on, as TRL's GRPOConfig sets it), 2 threads, ``benchmarks/_trl_grpo.py``.
@@ -23,8 +23,7 @@ each batch for both, beta 0.05 with a reference model for both; and each against
   forward and a training pass of forward and backward, 3), at the prompt and response lengths measured.
 - Peak RSS: TRL's one process; tether's every process (driver, Ray, actors) and its learner rank alone.
 
-Writes ``benchmarks/results/trl_smollm2[-lora{R}].json`` and ``.md``; with ``--readme``, the table into the
-README.
+Writes ``benchmarks/results/trl_smollm2[-lora{R}].json`` and ``.md`` (the docs site shows the .md).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import ROOT, MeasuredJob, count_params, read_records, stamp, steady_state, write_results
-from trl_compare import TRL_VERSION, cpu_flags, parse_args, timed, trl_python, write_readme
+from trl_compare import TRL_VERSION, cpu_flags, parse_args, timed, trl_python
 
 PROMPTS, SAMPLES, NEW_TOKENS, BETA, LR, LORA_LR = 8, 8, 32, 0.05, 5e-5, 5e-4
 PEFT_VERSION = version("peft")  # the project's, in TRL's virtualenv too
@@ -177,8 +176,7 @@ def main() -> None:
          f"median step after the first; FLOP bound: {', '.join(f'{d} {g:.0f} GFLOP/s' for d, g in bounds.items())} "
          f"(best SmolLM2-shaped matmul, 2 threads) over 5 forward passes of {params / 1e6:.0f}M parameters per "
          f"episode; {results['date']}, {results['machine']}, CPU flags: {results['cpu_flags']}; "
-         f"`.venv/bin/python benchmarks/trl_smollm2.py{f' --lora-rank {args.lora_rank}' if args.lora_rank else ''} "
-         "--readme`"),
+         f"`.venv/bin/python benchmarks/trl_smollm2.py{f' --lora-rank {args.lora_rank}' if args.lora_rank else ''}`"),
         "",
         ("| side | dtype | steady step | response tokens | trained tokens/s | tether / TRL per token | episodes/s | "
          "times the FLOP bound | peak RSS | step: generate / reference / update |"),
@@ -198,8 +196,6 @@ def main() -> None:
     name += "" if set(args.sides) == {"tether", "trl"} else f"-{args.sides[0]}-only"
     write_results(args.out, name, results, table)
     print("\n".join(table), flush=True)
-    if args.readme:
-        write_readme(table, (f"<!-- {name}:start -->", f"<!-- {name}:end -->"))
 
 
 if __name__ == "__main__":

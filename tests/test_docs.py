@@ -1,17 +1,24 @@
-"""docs/settings.md is the config's own reference: current, and with every setting and every rule in it."""
+"""The docs site: it builds in strict mode, shows every benchmark result as written, every `learner.main` command
+in it parses, and docs/settings.md is the config's own reference (current, with every setting and rule)."""
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from pydantic import BaseModel
 
+from learner.main import parse_cli
 from services.config import JobConfig, _section
 from services.rules import BOOKS
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.DOTALL)
 
 
 def leaf_settings(model: type[BaseModel], path: str = "") -> list[str]:
@@ -34,3 +41,52 @@ def test_the_reference_lists_every_setting_with_the_jobs_default_and_every_rule(
     assert missing == []
     assert "| `kl.init_kl_coef` | float | `0.05` |" in page  # the job's beta, not KLConfig's 0.15
     assert [r.name for b in BOOKS for r in b.rules if f"| `{r.name}` |" not in page] == []
+
+
+def test_the_site_builds_with_no_warning_and_shows_every_result(tmp_path):
+    """Strict: a broken link, a page in no table of contents, a missing anchor or any other warning fails."""
+    done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-c", "docs", "-b", "html",
+                           ".", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    results = sorted((ROOT / "benchmarks" / "results").glob("*.md"))
+    assert len(results) > 10
+    assert [r.name for r in results if not (tmp_path / "benchmarks" / "results" / f"{r.stem}.html").exists()] == []
+    assert [r.name for r in results if not r.read_text().startswith(f"# {r.stem}\n")] == []  # the page's title
+
+
+def learner_main_commands(page: Path) -> list[list[str]]:
+    """The arguments of each `learner.main` command on ``page``: in code blocks (continued lines joined) and
+    inline code; a shell comment ends a command."""
+    text = page.read_text()
+    lines = [line for block in CODE_BLOCK.findall(text) for line in re.sub(r"\\\n\s*", " ", block).split("\n")]
+    lines += re.findall(r"`([^`\n]*learner\.main[^`\n]*)`", CODE_BLOCK.sub("", text))
+    return [shlex.split(line.split("learner.main", 1)[1], comments=True) for line in lines if "learner.main" in line]
+
+
+def files_the_page_writes(page: Path) -> dict[str, str]:
+    """Code blocks that open with a comment naming a file (``# my-prompts.yaml``): the page's own example files."""
+    files = {}
+    for block in CODE_BLOCK.findall(page.read_text()):
+        named = re.match(r"# ([\w./-]+\.(?:yaml|py|jsonl))\b", block)
+        if named:
+            files[named.group(1)] = block
+    return files
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_learner_main_command_in_the_docs_parses(page, tmp_path, monkeypatch, capsys):
+    """Each command line, run with --print-config beside the files the page itself shows and the repository's
+    configs, resolves to a config: a renamed setting or a refused combination in the docs fails here."""
+    for name, text in files_the_page_writes(page).items():
+        (tmp_path / name).write_text(text)
+    for shared in ("deploy", "tests", "data"):
+        if (ROOT / shared).exists():
+            (tmp_path / shared).symlink_to(ROOT / shared)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for args in learner_main_commands(page):
+        if args in (["ARGS"], ["--help"]):  # the placeholder and the help, not a job
+            continue
+        capsys.readouterr()
+        assert parse_cli([*args, "--print-config"]) is None, args
+        assert "kl:" in capsys.readouterr().out, args
