@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from services.config import JobConfig, RoleResources
+from services.config import RoleResources
 from services.errors import TetherError
 
 # Defaults for every Ray process of tether: stay on loopback and send nothing home. Only
@@ -58,9 +58,31 @@ def _check_reachable(address: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
-def namespace(cfg: JobConfig) -> str:
-    """Actors live in ``tether-<run name>``, so the dashboard and operators find them by role."""
-    return f"tether-{cfg.run.name}"
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What joining the cluster, reserving a bundle per actor and the pre-flight read (``learner.plan`` builds it
+    from the job's settings)."""
+
+    run_name: str  # run.name: the namespace and the placement group are named for it
+    counts: dict[str, int]  # actors per role, in bundle order (``learner.plan.role_counts``)
+    resources: dict[str, RoleResources]  # cluster.<role>: each actor's bundle
+    address: str | None = None  # cluster.address
+    connect_timeout_s: float = 30.0
+    placement_timeout_s: float = 30.0
+    num_cpus: int | None = None  # a local Ray's
+    object_store_mib: int = 512  # a local Ray's
+    log_level: str = "info"  # metrics.log_level: Ray's own and the libraries' in the actors
+    weight_transfer: bool = False  # learner.weight_sync 'nccl': every engine reaches learner rank 0's node
+
+    @property
+    def namespace(self) -> str:
+        """Actors live in ``tether-<run name>``, so the dashboard and operators find them by role."""
+        return f"tether-{self.run_name}"
+
+    @property
+    def roles(self) -> list[tuple[str, int]]:
+        """(role, index) of every actor the job starts, in bundle order."""
+        return [(role, i) for role, n in self.counts.items() for i in range(n)]
 
 
 # tether's variables for every actor, set by connect(): what the actors need, never what the job set
@@ -75,57 +97,57 @@ def in_submitted_job() -> bool:
     return RAY_JOB_CONFIG_JSON_ENV_VAR in os.environ
 
 
-def actor_env(cfg: JobConfig) -> dict[str, str]:
+def actor_env(run_name: str, log_level: str) -> dict[str, str]:
     """tether's environment variables for its actors: the libraries' log level (``services.console``), the
     run's name, and settings every actor needs. A value the driver's environment has wins: inside a job
     that is the job's runtime env, which actors inherit, so the variable is left out here."""
     from services.console import library_env
 
-    defaults = {"TOKENIZERS_PARALLELISM": "false", **THREAD_ENV, **library_env(cfg.metrics.log_level)}
+    defaults = {"TOKENIZERS_PARALLELISM": "false", **THREAD_ENV, **library_env(log_level)}
     if in_submitted_job():
         env = {k: v for k, v in defaults.items() if k not in os.environ}
     else:
         env = {k: os.environ.get(k, v) for k, v in defaults.items()}
         if os.environ.get("DS_ACCELERATOR"):
             env["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"]
-    return {**RAY_ENV_DEFAULTED, **env, "TETHER_RUN": cfg.run.name}
+    return {**RAY_ENV_DEFAULTED, **env, "TETHER_RUN": run_name}
 
 
-def connect(cfg: JobConfig, log=print) -> None:
+def connect(spec: ClusterSpec, log=print) -> None:
     """Join the configured cluster, the one `ray job submit` runs us in, or start a local Ray. tether's
     environment variables go to each actor (``_options``), so a job's own runtime env stays as it is."""
     ACTOR_ENV.clear()
-    ACTOR_ENV.update(actor_env(cfg))
-    os.environ["TETHER_RUN"] = cfg.run.name  # the driver's metrics carry the run, like the actors'
+    ACTOR_ENV.update(actor_env(spec.run_name, spec.log_level))
+    os.environ["TETHER_RUN"] = spec.run_name  # the driver's metrics carry the run, like the actors'
     if ray.is_initialized():
         log("ray: already connected")
         return
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    quiet = {"logging_level": "WARNING" if cfg.metrics.log_level != "debug" else "DEBUG"}
+    address = spec.address or os.environ.get("RAY_ADDRESS")
+    quiet = {"logging_level": "WARNING" if spec.log_level != "debug" else "DEBUG"}
     if address:
-        _check_reachable(address, cfg.cluster.connect_timeout_s)
+        _check_reachable(address, spec.connect_timeout_s)
         # outside a job the driver's runtime env reaches every worker; inside one the job's stays as it is
         runtime_env = None if in_submitted_job() else {"env_vars": ACTOR_ENV}
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, namespace=namespace(cfg), **quiet)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, namespace=spec.namespace, **quiet)
         log(f"ray: joined {address}")
     else:
         ray.init(
-            num_cpus=cfg.cluster.num_cpus or os.cpu_count(),
-            object_store_memory=cfg.cluster.object_store_mib << 20,
+            num_cpus=spec.num_cpus or os.cpu_count(),
+            object_store_memory=spec.object_store_mib << 20,
             include_dashboard=False,
             runtime_env={"env_vars": ACTOR_ENV},
             _node_ip_address="127.0.0.1",
-            namespace=namespace(cfg),
+            namespace=spec.namespace,
             **quiet,
         )
         log("ray: started a local Ray (no cluster.address and no RAY_ADDRESS)")
 
 
-def check_role_resources(cfg: JobConfig) -> None:
+def check_role_resources(spec: ClusterSpec) -> None:
     """Each role's request must fit what the cluster has at all; otherwise Ray would wait forever."""
     available = ray.cluster_resources()
-    for role in role_counts(cfg):
-        res = getattr(cfg.cluster, role)
+    for role in spec.counts:
+        res = spec.resources[role]
         wanted = {"CPU": res.num_cpus, "GPU": res.num_gpus, **res.resources}
         for name, amount in wanted.items():
             if amount and available.get(name, 0) < amount:
@@ -134,15 +156,6 @@ def check_role_resources(cfg: JobConfig) -> None:
                     f"{available.get(name, 0)} {name} in total"
                     + (" (a CPU-only cluster: set cluster.<role>.num_gpus=0)" if name == "GPU" else "")
                 )
-
-
-def role_counts(cfg: JobConfig) -> dict[str, int]:
-    """Actors per role, in bundle order; each role's resources are ``cfg.cluster.<role>``."""
-    # LoRA with the base model as the reference: the learner ranks score it, no reference actor
-    references = 0 if cfg.learner.reference_in_learner else cfg.reference.num_actors
-    return {"rollout": cfg.rollout.num_engines, "reference": references,
-            "reward": cfg.reward.num_actors, "teacher": cfg.distill.num_actors if cfg.distill.teacher_path else 0,
-            "learner": cfg.learner.world_size}
 
 
 def _options(res: RoleResources) -> dict:
@@ -186,20 +199,20 @@ def role_bundle(res: RoleResources) -> dict[str, float]:
     return {k: v for k, v in bundle.items() if v} or {"CPU": 0.01}
 
 
-def reserve(cfg: JobConfig) -> Placement:
+def reserve(spec: ClusterSpec) -> Placement:
     """Reserve a bundle for every actor of every role, or fail naming the wait."""
-    check_role_resources(cfg)
+    check_role_resources(spec)
     bundles, index = [], {}
-    for role, count in role_counts(cfg).items():
+    for role, count in spec.counts.items():
         index[role] = list(range(len(bundles), len(bundles) + count))
-        bundles += [role_bundle(getattr(cfg.cluster, role))] * count
-    group = placement_group(bundles, strategy="PACK", name=f"tether-{cfg.run.name}")
+        bundles += [role_bundle(spec.resources[role])] * count
+    group = placement_group(bundles, strategy="PACK", name=spec.namespace)
     try:
-        ray.get(group.ready(), timeout=cfg.cluster.placement_timeout_s)
+        ray.get(group.ready(), timeout=spec.placement_timeout_s)
     except ray.exceptions.GetTimeoutError as err:
         remove_placement_group(group)
         raise ClusterError(
-            f"the cluster could not place all roles within {cfg.cluster.placement_timeout_s:.0f}s "
+            f"the cluster could not place all roles within {spec.placement_timeout_s:.0f}s "
             f"(bundles: {bundles}); free resources: {ray.available_resources()}"
         ) from err
     return Placement(group, index)
@@ -216,11 +229,6 @@ def start_actor(cls, role: str, i: int, res: RoleResources, placement: Placement
 
 
 # ---------------------------------------------------------------------------------------------- pre-flight
-
-def roles(cfg: JobConfig) -> list[tuple[str, int]]:
-    """(role, index) of every actor the job starts, in bundle order."""
-    return [(role, i) for role, n in role_counts(cfg).items() for i in range(n)]
-
 
 # a connection that takes longer than this is blocked (dropped by a firewall); one refused fails at once
 PREFLIGHT_CONNECT_TIMEOUT_S = 10.0
@@ -279,20 +287,20 @@ def _check_node(models: list, storage, probe: str, rendezvous: tuple[str, int] |
     return found
 
 
-def rank0_reach(cfg: JobConfig, actors_on: dict[str, list[tuple[str, int]]],
+def rank0_reach(weight_transfer: bool, actors_on: dict[str, list[tuple[str, int]]],
                 rank0_node: str) -> dict[str, set[str]]:
     """What each node (``actors_on``: node -> its (role, index)) must reach on learner rank 0's node:
     'rendezvous' where learner ranks run away from it (ranks on its node meet it on loopback), and
-    'weight_transfer' where rollout engines run with learner.weight_sync nccl: every engine worker joins vLLM's
-    store at rank 0's node address, from rank 0's node too (ipc stays within a GPU; the object store is Ray's)."""
-    transfer = cfg.learner.weight_sync == "nccl"
+    'weight_transfer' where rollout engines run with learner.weight_sync nccl (``weight_transfer``): every engine
+    worker joins vLLM's store at rank 0's node address, from rank 0's node too (ipc stays within a GPU; the object
+    store is Ray's)."""
     return {node: {purpose for purpose, needed in (
                 ("rendezvous", node != rank0_node and any(role == "learner" for role, _ in actors)),
-                ("weight_transfer", transfer and any(role == "rollout" for role, _ in actors))) if needed}
+                ("weight_transfer", weight_transfer and any(role == "rollout" for role, _ in actors))) if needed}
             for node, actors in actors_on.items()}
 
 
-def preflight(cfg: JobConfig, placement: Placement, models: list, storage, log=print) -> None:
+def preflight(spec: ClusterSpec, placement: Placement, models: list, storage, log=print) -> None:
     """Before any model loads, check every node that holds a role: the models resolve there, the run
     storage (a ``RunStorage``) is shared and writable from there, and a node reaches learner rank 0's node
     where it must (``rank0_reach``). One check per node, not per actor: what is checked belongs to the node
@@ -301,9 +309,9 @@ def preflight(cfg: JobConfig, placement: Placement, models: list, storage, log=p
     missing."""
     node_of = placement.bundle_nodes()
     actors_on: dict[str, list[tuple[str, int]]] = {}
-    for role, i in roles(cfg):
+    for role, i in spec.roles:
         actors_on.setdefault(node_of[placement.bundles[role][i]], []).append((role, i))
-    reach = rank0_reach(cfg, actors_on, node_of[placement.bundles["learner"][0]])
+    reach = rank0_reach(spec.weight_transfer, actors_on, node_of[placement.bundles["learner"][0]])
     probe = storage.write_probe()
     check = ray.remote(num_cpus=0, max_retries=0)(_check_node)
     stand_in = None
@@ -312,17 +320,17 @@ def preflight(cfg: JobConfig, placement: Placement, models: list, storage, log=p
             num_cpus=0, scheduling_strategy=placement.strategy("learner", 0)).remote()
     names = {node: ", ".join(f"{role}-{i}" for role, i in actors) for node, actors in actors_on.items()}
     try:
-        rendezvous = ray.get(stand_in.address.remote(), timeout=cfg.cluster.placement_timeout_s) if stand_in else None
+        rendezvous = ray.get(stand_in.address.remote(), timeout=spec.placement_timeout_s) if stand_in else None
         calls = {node: check.options(scheduling_strategy=placement.strategy(*actors[0])).remote(
                      models, storage, probe, rendezvous if "rendezvous" in reach[node] else None,
                      rendezvous if "weight_transfer" in reach[node] else None)
                  for node, actors in actors_on.items()}
         try:
-            found = dict(zip(calls, ray.get(list(calls.values()), timeout=cfg.cluster.placement_timeout_s),
+            found = dict(zip(calls, ray.get(list(calls.values()), timeout=spec.placement_timeout_s),
                              strict=True))
         except ray.exceptions.GetTimeoutError as err:
             late = [names[node] for node, ref in calls.items() if not ray.wait([ref], timeout=0)[0]]
-            raise ClusterError(f"pre-flight: node checks did not answer within {cfg.cluster.placement_timeout_s:.0f}s "
+            raise ClusterError(f"pre-flight: node checks did not answer within {spec.placement_timeout_s:.0f}s "
                                f"for the nodes of {late}") from err
     finally:
         storage.remove(probe)  # a leftover would make the run directory look like it holds a run

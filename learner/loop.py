@@ -24,7 +24,7 @@ from learner.kl import AdaptiveKLController, FixedKLController, controller_stati
 from learner.plan import plan as plan_job
 from learner.results import UpdateResult
 from learner.weight_sync import WeightSync
-from services.config import JobConfig
+from services.config import JobConfig, config_to_yaml
 from services.errors import TetherError
 from services.metrics import DriverMetrics, iteration_record
 from services.prompts import PromptSampler
@@ -355,13 +355,13 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
 
     wall_start = time.perf_counter()
     plan = plan_job(cfg, log)  # whatever can be wrong with the input fails here
-    run_path = rundir.prepare(cfg)
+    run_path = rundir.prepare(cfg.run, config_to_yaml(cfg))
     log(f"run directory {run_path}")
 
     # cluster and actors: each role on its own bundle
-    cluster.connect(cfg, log=log)
-    placement = cluster.reserve(cfg)
-    cluster.preflight(cfg, placement, plan.models.all(), run_path, log=log)
+    cluster.connect(plan.cluster, log=log)
+    placement = cluster.reserve(plan.cluster)
+    cluster.preflight(plan.cluster, placement, plan.models.all(), run_path, log=log)
     fleet = Fleet(plan.fleet, placement, wait=False)
     learner = LearnerGroup(plan.rank, placement)  # DeepSpeed sets up while the engines start
     fleet.wait_ready()

@@ -16,10 +16,28 @@ from actors.engines import SamplingSettings
 from actors.episodes import EpisodeLimits
 from actors.specs import EngineSpec, EnvironmentSpec, ReferenceSpec, RewardSpec, RolloutSpec
 from learner.algorithm import Algorithm
-from learner.cluster import role_counts
+from learner.cluster import ClusterSpec
 from services.config import JobConfig, LearnerConfig, RoleResources
 from services.model_source import ModelSource
 from services.storage import RunStorage
+
+
+def role_counts(cfg: JobConfig) -> dict[str, int]:
+    """Actors per role, in bundle order; each role's resources are ``cfg.cluster.<role>``."""
+    # LoRA with the base model as the reference: the learner ranks score it, no reference actor
+    references = 0 if cfg.learner.reference_in_learner else cfg.reference.num_actors
+    return {"rollout": cfg.rollout.num_engines, "reference": references,
+            "reward": cfg.reward.num_actors, "teacher": cfg.distill.num_actors if cfg.distill.teacher_path else 0,
+            "learner": cfg.learner.world_size}
+
+
+def cluster_spec(cfg: JobConfig) -> ClusterSpec:
+    """What joining, reserving and the pre-flight read (``learner.cluster``)."""
+    c = cfg.cluster
+    counts = role_counts(cfg)
+    return ClusterSpec(cfg.run.name, counts, {role: getattr(c, role) for role in counts}, c.address,
+                       c.connect_timeout_s, c.placement_timeout_s, c.num_cpus, c.object_store_mib,
+                       cfg.metrics.log_level, cfg.learner.weight_sync == "nccl")
 
 
 @dataclass(frozen=True)
@@ -117,7 +135,7 @@ class Models:
 @dataclass(frozen=True)
 class Plan:
     """Everything the driver starts from, checked: the task's prompts, a resume's checkpoint,
-    the models, the probe set and one spec per role."""
+    the models, the probe set, one spec per role and the cluster's."""
 
     models: Models
     prompts: list
@@ -126,6 +144,7 @@ class Plan:
     fleet: FleetSpec
     rank: RankSpec
     sync: SyncSpec
+    cluster: ClusterSpec
     resume_from: RunStorage | None = None
     resume_state: dict | None = None
 
@@ -192,7 +211,7 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print) -> Plan:
         from actors.agent_endpoint import load_agent
 
         load_agent(cfg.rollout.agent)  # an agent that cannot be imported fails before any actor starts
-    run_path = rundir.check_free(cfg)
+    run_path = rundir.check_free(cfg.run)
     if cfg.reward.kind == "remote":
         check_reward_service(cfg.reward, log=log)  # the service answers at reward.url, before any actor
     resume_from, resume_state = None, None
@@ -254,4 +273,4 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print) -> Plan:
                          f"{response_width} + 1 = {max_model_len} tokens do not fit the model's {positions} positions")
     return Plan(models, prompts, eval_prompts, probe_set,
                 fleet_spec(cfg, models, sampling, pad_id, max_model_len, task.reward_actor_options()),
-                RankSpec.of(cfg, model), SyncSpec.of(cfg), resume_from, resume_state)
+                RankSpec.of(cfg, model), SyncSpec.of(cfg), cluster_spec(cfg), resume_from, resume_state)

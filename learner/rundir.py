@@ -10,7 +10,7 @@ import json
 import os
 import tempfile
 
-from services.config import JobConfig, config_to_yaml
+from services.config import RunConfig
 from services.errors import TetherError
 from services.storage import RunStorage
 
@@ -19,34 +19,30 @@ class RunDirectoryError(TetherError, RuntimeError):
     pass
 
 
-def run_storage(cfg: JobConfig) -> RunStorage:
-    """The run directory ``output_dir/name`` as a storage."""
-    return RunStorage(cfg.run.output_dir).child(cfg.run.name)
-
-
-def check_free(cfg: JobConfig) -> RunStorage:
-    """The run directory, refused if it already holds a run and ``run.overwrite`` is not set."""
-    run = run_storage(cfg)
-    if cfg.run.resume:
+def check_free(settings: RunConfig) -> RunStorage:
+    """The run directory ``output_dir/name``, refused if it already holds a run and ``run.overwrite`` is not set."""
+    run = RunStorage(settings.output_dir).child(settings.name)
+    if settings.resume:
         if not run.isdir():
             raise RunDirectoryError(f"--run.resume: run directory {run} does not exist")
         return run
-    if run.isdir() and run.listdir() and not cfg.run.overwrite:
+    if run.isdir() and run.listdir() and not settings.overwrite:
         raise RunDirectoryError(
             f"run directory {run} already holds a run; pick another run.name or pass --run.overwrite"
         )
     return run
 
 
-def prepare(cfg: JobConfig) -> RunStorage:
-    """Create ``output_dir/name`` (replacing an old run only with ``run.overwrite``) with config.yaml."""
-    run = check_free(cfg)
-    if cfg.run.overwrite and not cfg.run.resume:
+def prepare(settings: RunConfig, config_yaml: str) -> RunStorage:
+    """Create ``output_dir/name`` (replacing an old run only with ``run.overwrite``) with the job's resolved
+    settings as config.yaml."""
+    run = check_free(settings)
+    if settings.overwrite and not settings.resume:
         run.remove()
-    if cfg.run.resume and run.exists("config.yaml"):
+    if settings.resume and run.exists("config.yaml"):
         run.write_bytes(run.read_bytes("config.yaml"), "config.before-resume.yaml")
     run.makedirs()
-    run.write_text(config_to_yaml(cfg), "config.yaml")
+    run.write_text(config_yaml, "config.yaml")
     return run
 
 

@@ -211,6 +211,7 @@ def test_a_tensor_parallel_engine_runs_its_workers_from_its_actor_in_a_placement
 
 def test_preflight_names_the_node_and_port_an_engine_cannot_reach_for_the_weight_transfer(ray_client, tmp_path):
     from learner.cluster import Placement, RendezvousStandIn, _check_node, preflight, rank0_reach
+    from learner.plan import cluster_spec
     from services.config import load_config
     from services.storage import RunStorage
     from tests.conftest import free_port
@@ -219,9 +220,9 @@ def test_preflight_names_the_node_and_port_an_engine_cannot_reach_for_the_weight
                               "cluster": {"rollout": {"num_gpus": 1}, "learner": {"num_gpus": 1}}})
     # who reaches rank 0's node for what: with nccl every engine's node, rank 0's own too; ranks away from it
     actors_on = {"a": [("rollout", 0), ("learner", 0)], "b": [("rollout", 1), ("reward", 0)], "c": [("learner", 1)]}
-    assert rank0_reach(nccl, actors_on, "a") == {"a": {"weight_transfer"}, "b": {"weight_transfer"},
+    assert rank0_reach(True, actors_on, "a") == {"a": {"weight_transfer"}, "b": {"weight_transfer"},
                                                  "c": {"rendezvous"}}
-    assert rank0_reach(load_config(None, {}), actors_on, "a") == {"a": set(), "b": set(), "c": {"rendezvous"}}
+    assert rank0_reach(False, actors_on, "a") == {"a": set(), "b": set(), "c": {"rendezvous"}}
 
     storage = RunStorage(str(tmp_path)).child("run")
     storage.makedirs()
@@ -230,7 +231,7 @@ def test_preflight_names_the_node_and_port_an_engine_cannot_reach_for_the_weight
     try:
         ray_client.get(group.ready())
         logged = []
-        preflight(nccl, Placement(group, {"rollout": [0], "reference": [1], "reward": [2], "learner": [3]}), [],
+        preflight(cluster_spec(nccl), Placement(group, {"rollout": [0], "reference": [1], "reward": [2], "learner": [3]}), [],
                   storage, log=logged.append)
         assert logged and logged[-1].startswith("pre-flight: models and run storage ok on")
     finally:
