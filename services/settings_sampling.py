@@ -29,7 +29,8 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    path: str | None = Field(None, description="HF model dir (config, weights, tokenizer); none = task recipe + SFT")
+    path: str | None = Field(None, description="HF model dir (config, weights, tokenizer) or hub id; smollm2: "
+                             "the SmolLM2-135M-Instruct installed with the project; none: task recipe + SFT")
     cache_dir: str = Field("~/.cache/tether", description="where SFT warm starts are cached by config hash")
     sft_steps: PositiveInt = Field(400, description="SFT warm-start optimizer steps on the task's corpus")
     sft_batch_size: PositiveInt = Field(100, description="SFT warm-start batch size")

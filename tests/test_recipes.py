@@ -1,0 +1,174 @@
+"""The recipes (docs/recipes.md): the adapters to textarena, reasoning-gym and gymnasium on the real packages,
+then each command on the page run as a job of one iteration, on a tiny random Llama in place of SmolLM2."""
+
+from __future__ import annotations
+
+import math
+import string
+from pathlib import Path
+
+import gymnasium
+import pytest
+
+from services.environments import load_environment_factory, make_environment
+from services.environments.base import check_reset_result, check_step_result
+from services.environments.gym import GymnasiumEnvironment, gymnasium_environment
+from services.environments.reasoning_gym import reasoning_gym_environment
+from services.environments.textarena import EVAL_GAMES_START, textarena_environment
+from tests.test_agents import read_run
+from tests.test_docs import learner_main_commands
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIFF = {"id": "CliffWalking-v1", "render_mode": "ansi", "action_names": ["up", "right", "down", "left"]}
+
+
+# ---------------------------------------------------------------- textarena
+
+
+def test_a_textarena_game_is_played_turn_by_turn_and_rewarded_at_its_end():
+    env = textarena_environment("GuessTheNumber-v0", games=4, eval_games=2)
+    assert env.rows() == [{"game": n} for n in range(4)]
+    assert env.eval_rows() == [{"game": EVAL_GAMES_START}, {"game": EVAL_GAMES_START + 1}]
+    (first,) = check_reset_result(env.reset({"game": 5}, seed=0), "ta")
+    assert first["role"] == "user" and "Guess The Number" in first["content"]
+    assert "[GAME]" not in first["content"]  # no observation wrapper's history or prefixes
+    secret = env.env.env.state.game_state["game_number"]
+    assert env.reset({"game": 5}, seed=1) == [first]  # a row is one game, whatever the episode's seed
+    wrong = 1 if secret != 1 else 2
+    turn = check_step_result(env.step(f"my guess is [{wrong}]"), "ta")
+    assert not turn.done and turn.reward == 0
+    # what the game said since the move, not the move itself (the trajectory has it)
+    assert turn.observation == [{"role": "user", "content": "The target number is "
+                                 + ("higher." if wrong < secret else "lower.")}]
+    won = check_step_result(env.step(f"[{secret}]"), "ta")
+    assert won.done and won.reward == 1.0 and won.observation is None
+    env.reset({"game": 5}, seed=0)
+    notice = env.step("no brackets")[0][0]["content"]
+    assert "invalid move" in notice.lower()
+    plain = textarena_environment("GuessTheNumber-v0", chat=False)
+    assert isinstance(plain.reset({"game": 0}, seed=0), str)
+
+
+def test_a_textarena_game_for_two_players_is_refused_by_name():
+    with pytest.raises(ValueError, match="'TicTacToe-v0' cannot be played by one player"):
+        textarena_environment("TicTacToe-v0")
+
+
+# ---------------------------------------------------------------- reasoning-gym
+
+
+def test_a_reasoning_gym_answer_is_scored_by_the_datasets_verifier():
+    spec = "services.environments.reasoning_gym:reasoning_gym_environment"
+    env = make_environment(load_environment_factory(spec), {"dataset": "leg_counting", "size": 3, "eval_size": 2,
+                                                            "min_animals": 1, "max_animals": 2}, spec)
+    assert env.rows() == [{"index": i} for i in range(3)] and env.eval_rows() == [{"index": 3}, {"index": 4}]
+    system, question = check_reset_result(env.reset({"index": 4}, seed=0), spec)
+    assert system["role"] == "system" and "<answer>" in system["content"]
+    assert "legs" in question["content"]
+    answer = env.dataset[4]["answer"]
+    assert check_step_result(env.step(f"I think <answer>{answer}</answer>"), spec).reward == 1.0
+    env.reset({"index": 4}, seed=0)
+    assert env.step(str(answer)) == (None, 1.0, True, {})  # no tags: the whole turn is the answer
+    env.reset({"index": 4}, seed=0)
+    assert env.step(f"<answer>{int(answer) + 1}</answer>")[1] < 1.0
+    with pytest.raises(ValueError, match="system_prompt 'terse' is not one of reasoning-gym's"):
+        reasoning_gym_environment("leg_counting", system_prompt="terse")
+
+
+# ---------------------------------------------------------------- gymnasium
+
+
+def test_a_gymnasium_env_is_read_from_its_rendering_and_its_discrete_actions_from_their_names():
+    env = gymnasium_environment(**CLIFF, instructions="reach T", chat=True, episodes=2, eval_episodes=1)
+    assert env.rows() == [{"seed": 0}, {"seed": 1}]
+    system, grid = env.reset({"seed": 0}, seed=5)
+    assert system == {"role": "system", "content": "reach T"}
+    assert grid["content"].splitlines()[3].startswith("x  C")  # the player at the bottom left
+    assert [env.parse_action(t) for t in ("UP!", "go right", "3", "upright", "9", "")] == [0, 1, 3, None, None, None]
+    step = check_step_result(env.step("I move up"), "cliff")
+    assert step.reward == -1 and not step.done and step.observation[0]["content"].splitlines()[2].startswith("x")
+    invalid = check_step_result(env.step("jump"), "cliff")
+    assert invalid == check_step_result((None, 0.0, True, {"invalid_action": True}), "cliff")
+    plain = gymnasium_environment(**CLIFF, instructions="reach T", invalid_action_reward=-5)
+    assert plain.reset({"seed": 0}, seed=0).startswith("reach T\no  o")
+    assert plain.step("?")[:3] == (None, -5.0, True)
+
+
+def test_a_gymnasium_env_that_cannot_be_text_is_refused_naming_its_spaces():
+    with pytest.raises(ValueError, match=r"observation space Discrete\(48\) and render_mode None.*render_mode: ansi"):
+        gymnasium_environment("CliffWalking-v1")
+    with pytest.raises(ValueError, match=r"action space Box\(-1.0, 1.0, \(1,\), float32\)"):
+        GymnasiumEnvironment(_text_env_with(gymnasium.spaces.Box(-1, 1, (1,))))
+    with pytest.raises(ValueError, match=r"needs 4 distinct names"):
+        gymnasium_environment(**{**CLIFF, "action_names": ["up", "down"]})
+    with pytest.raises(ValueError, match=r"action space Text.*is not Discrete"):
+        GymnasiumEnvironment(_text_env_with(gymnasium.spaces.Text(8)), action_names=["a"])
+
+
+def _text_env_with(action_space) -> gymnasium.Env:
+    env = gymnasium.Env()
+    env.observation_space, env.action_space = gymnasium.spaces.Text(8), action_space
+    return env
+
+
+# ---------------------------------------------------------------- the page's commands as jobs
+
+RECIPES = ROOT / "docs" / "recipes.md"
+# what the tiny model's character tokenizer needs (a character a token): the prompts and turns are longer
+SIZES = {
+    "textarena-guess-the-number": ["--task.max_prompt_tokens", "640", "--rollout.max_turns", "2",
+                                   "--rollout.max_trajectory_tokens", "320"],
+    "reasoning-gym-leg-counting": ["--task.max_prompt_tokens", "400", "--rollout.max_trajectory_tokens", "8"],
+    "gymnasium-cliffwalking": ["--task.max_prompt_tokens", "400", "--rollout.max_turns", "2",
+                               "--rollout.max_trajectory_tokens", "200"],
+}
+
+
+def recipe_commands() -> dict[str, list[str]]:
+    commands = {Path(args[args.index("--config") + 1]).stem: args for args in learner_main_commands(RECIPES)}
+    assert sorted(commands) == sorted(SIZES), "a recipe on the page without its test sizes, or the reverse"
+    return commands
+
+
+@pytest.fixture(scope="module")
+def printable_llama_dir(tmp_path_factory) -> str:
+    """A random-init Llama over printable characters, with a chat template whose assistant turns end in the
+    tokenizer's EOS, as SmolLM2's end in <|im_end|>."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.models import build_char_tokenizer, save_model_dir
+
+    tokenizer = build_char_tokenizer(list(string.printable))
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                               "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    return str(save_model_dir(LlamaForCausalLM(config), tokenizer, tmp_path_factory.mktemp("printable") / "llama"))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("recipe", sorted(SIZES))
+def test_each_recipe_command_runs_an_iteration(recipe, shared_runs, printable_llama_dir, monkeypatch):
+    """The page's command, as written, with the tiny model and a batch of 8 episodes (2 rows of 4) for one
+    iteration: the episodes run without an environment failure, and the returns are the game's."""
+    monkeypatch.chdir(ROOT)
+    run_dir, proc = shared_runs.get(
+        f"recipe-{recipe}", *recipe_commands()[recipe], "--model.path", printable_llama_dir, *SIZES[recipe],
+        "--rollout.batch_size", "8", "--rollout.chunk_size", "8", "--ppo.minibatch_size", "8",
+        "--rollout.max_new_tokens", "8", "--run.iterations", "1", "--run.eval_every", "100")
+    records, summary = read_run(run_dir, proc)
+    (record,) = records
+    assert record["iteration"] == 1 and record["environment_failures"] == 0
+    turns = 1 if recipe.startswith("reasoning-gym") else 2
+    assert 1 <= record["turns_mean"] <= turns
+    assert math.isfinite(record["kl_response_mean"]) and math.isfinite(record["score_mean"])
+    low = {"textarena-guess-the-number": 0, "reasoning-gym-leg-counting": 0, "gymnasium-cliffwalking": -200}[recipe]
+    high = {"textarena-guess-the-number": 1, "reasoning-gym-leg-counting": 1, "gymnasium-cliffwalking": 0}[recipe]
+    assert low <= record["score_mean"] <= high
+    for evaluation in (summary["eval_start"], summary["eval_final"]):
+        assert low <= evaluation["return"] <= high
