@@ -204,6 +204,7 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print) -> Plan:
     from learner.lora import check_lora_model
     from services.models import load_tokenizer, model_positions, parameter_count, policy_source, sft_tokenizer
     from services.prompts import encode_prompts
+    from services.smollm2 import SMOLLM2, smollm2_dir
     from services.tasks import get_task
 
     task = get_task(cfg.task.name, **cfg.task.options())
@@ -236,8 +237,11 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print) -> Plan:
 
     if not cfg.model.path and (early := sft_tokenizer(task)) is not None:
         encoded_prompts(early, log=lambda _: None)  # bad prompts fail before an SFT warm start trains for them
-    model = policy_source(task, cfg.model.path, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps,
-                          cfg.model.sft_batch_size, cfg.model.sft_lr, log=log)
+    if cfg.model.path == SMOLLM2:  # the SmolLM2-135M-Instruct that installs with the project, converted once
+        model = ModelSource.produced(smollm2_dir(cfg.model.cache_dir, log), cfg.model.cache_dir)
+    else:
+        model = policy_source(task, cfg.model.path, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps,
+                              cfg.model.sft_batch_size, cfg.model.sft_lr, log=log)
     reward_model = ModelSource.configured(cfg.reward.model_path) if cfg.reward.kind == "model" else None
     if reward_model is not None:
         check_reward_label(cfg.reward.model_path, cfg.reward.label)  # a local dir: its labels, before any actor

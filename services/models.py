@@ -120,18 +120,10 @@ def sft_tokenizer(task: PolicyRecipe):
     return build_char_tokenizer(task.vocabulary)
 
 
-SMOLLM2 = "smollm2"  # model.path naming the installed SmolLM2-135M-Instruct
-
-
 def policy_source(task: PolicyRecipe, model_path: str | None, cache_dir: str, seed: int, steps: int, batch_size: int,
                   lr: float, log=print) -> ModelSource:
     """The policy as every node can reach it: ``model_path`` (a directory every node has, or a hub id), or
-    a model the driver makes here (the task's SFT warm start or conversion, or ``model_path: smollm2``, the
-    SmolLM2-135M-Instruct that installs with the project, converted once) and ships to the nodes."""
-    if model_path == SMOLLM2:
-        from services.smollm2 import smollm2_dir
-
-        return ModelSource.produced(smollm2_dir(cache_dir, log), cache_dir)
+    a model the driver makes here (the task's SFT warm start or conversion) and ships to the nodes."""
     if model_path:
         return ModelSource.configured(model_path)
     return ModelSource.produced(policy_dir(task, None, cache_dir, seed, steps, batch_size, lr, log), cache_dir)

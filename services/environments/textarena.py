@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import textarena
 
-from services.environments.base import Environment
-
-EVAL_GAMES_START = 1_000_000  # evaluation games' seeds, apart from the training games'
+from services.environments.base import EVAL_SEEDS_START, Environment, as_observation
 
 
 def _without_observation_wrappers(env):
@@ -44,7 +42,7 @@ class TextArenaEnvironment(Environment):
         return [{"game": n} for n in range(self.games)]
 
     def eval_rows(self) -> list[dict]:
-        return [{"game": EVAL_GAMES_START + n} for n in range(self.eval_games)]
+        return [{"game": EVAL_SEEDS_START + n} for n in range(self.eval_games)]
 
     def reset(self, row: dict, seed: int) -> str | list[dict]:
         """The game of ``row`` (its ``game`` is textarena's seed; ``seed``, the episode's, is not used: the
@@ -66,7 +64,7 @@ class TextArenaEnvironment(Environment):
                              "plays single-player games (player 0)")
         # the model's own move is in the trajectory already: only what the game said
         text = "\n".join(text for _, text, kind in messages if kind != textarena.ObservationType.PLAYER_ACTION)
-        return [{"role": "user", "content": text}] if self.chat else text
+        return as_observation(text, self.chat)
 
 
 def textarena_environment(id: str, games: int = 256, eval_games: int = 32, chat: bool = True,
