@@ -13,7 +13,7 @@ run: $(STAMP)
 
 # Two pytest workers (pytest-xdist), a test module each at a time: a job test leaves a core idle for about
 # a third of its time (the driver's imports, single-threaded generation, teardown), which the other fills.
-PYTEST_ARGS ?= -n 2 --dist loadfile
+PYTEST_ARGS ?= -n 2 --dist loadfile --durations=40
 test: $(STAMP) $(VERIFIERS_STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 

@@ -3,8 +3,15 @@ then each command on the page run as a job of one iteration, on a tiny random Ll
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
+import json
 import math
+import re
+import shutil
 import string
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import gymnasium
@@ -121,13 +128,38 @@ SIZES = {
     "reasoning-gym-chain-sum": ["--task.max_prompt_tokens", "400", "--rollout.max_trajectory_tokens", "8"],
     "gymnasium-cliffwalking": ["--task.max_prompt_tokens", "400", "--rollout.max_turns", "2",
                                "--rollout.max_trajectory_tokens", "200"],
+    # "<system>Answer with the number only.<user>What is 4 + 4?<assistant>": 67 characters
+    "verifiers-sums": ["--task.max_prompt_tokens", "96", "--rollout.max_trajectory_tokens", "8"],
 }
+# each recipe's (least, greatest) return; turns (model calls) per episode at most
+RETURNS = {"textarena-guess-the-number": (0, 1), "reasoning-gym-chain-sum": (0, 1), "gymnasium-cliffwalking": (-200, 0),
+           "verifiers-sums": (0, 1)}
+TURNS = {"textarena-guess-the-number": 2, "reasoning-gym-chain-sum": 1, "gymnasium-cliffwalking": 2,
+         "verifiers-sums": 1}
+# the verifiers recipe's episodes are processes that import verifiers (about 3 s of CPU each): it trains on one
+# group of 4 episodes, not 2, and its evaluations take the first of its evaluation rows, not 16
+EPISODES = {"verifiers-sums": 4}
+EVAL_ROWS = {"verifiers-sums": 1}
 
 
 def recipe_commands() -> dict[str, list[str]]:
     commands = {Path(args[args.index("--config") + 1]).stem: args for args in learner_main_commands(RECIPES)}
     assert sorted(commands) == sorted(SIZES), "a recipe on the page without its test sizes, or the reverse"
     return commands
+
+
+def fewer_eval_rows(recipe: str, args: list[str], directory: Path) -> list[str]:
+    """``--task.eval_path`` to a file of the recipe's first ``EVAL_ROWS[recipe]`` evaluation rows, where it has
+    a limit."""
+    if recipe not in EVAL_ROWS:
+        return []
+    import yaml
+
+    config = yaml.safe_load((ROOT / args[args.index("--config") + 1]).read_text())
+    rows = (ROOT / config["task"]["eval_path"]).read_text().splitlines()[:EVAL_ROWS[recipe]]
+    path = directory / f"{recipe}-eval.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return ["--task.eval_path", str(path)]
 
 
 @pytest.fixture(scope="module")
@@ -153,22 +185,86 @@ def printable_llama_dir(tmp_path_factory) -> str:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("recipe", sorted(SIZES))
-def test_each_recipe_command_runs_an_iteration(recipe, shared_runs, printable_llama_dir, monkeypatch):
-    """The page's command, as written, with the tiny model and a batch of 8 episodes (2 rows of 4) for one
-    iteration: the episodes run without an environment failure, and the returns are the game's."""
+def test_each_recipe_command_runs_an_iteration(recipe, shared_runs, printable_llama_dir, monkeypatch, tmp_path):
+    """The page's command, as written, with the tiny model and a batch of 8 episodes (2 rows of 4; the verifiers
+    recipe 4) for one iteration: the episodes run without an environment's (or an agent's) failure, and the
+    returns are the game's. The verifiers recipe's episodes are verifiers' own, each a process of .venv-verifiers."""
     monkeypatch.chdir(ROOT)
+    command, episodes = recipe_commands()[recipe], EPISODES.get(recipe, 8)
     run_dir, proc = shared_runs.get(
-        f"recipe-{recipe}", *recipe_commands()[recipe], "--model.path", printable_llama_dir, *SIZES[recipe],
-        "--rollout.batch_size", "8", "--rollout.chunk_size", "8", "--ppo.minibatch_size", "8",
+        f"recipe-{recipe}", *command, "--model.path", printable_llama_dir, *SIZES[recipe],
+        *fewer_eval_rows(recipe, command, tmp_path),
+        "--rollout.batch_size", str(episodes), "--rollout.chunk_size", str(episodes), "--ppo.minibatch_size",
+        str(episodes),
         "--rollout.max_new_tokens", "8", "--run.iterations", "1", "--run.eval_every", "100")
     records, summary = read_run(run_dir, proc)
     (record,) = records
     assert record["iteration"] == 1 and record["environment_failures"] == 0
-    turns = 1 if recipe.startswith("reasoning-gym") else 2
-    assert 1 <= record["turns_mean"] <= turns
+    assert record["episodes"] == episodes
+    assert 1 <= record["turns_mean"] <= TURNS[recipe]
     assert math.isfinite(record["kl_response_mean"]) and math.isfinite(record["score_mean"])
-    low = {"textarena-guess-the-number": 0, "reasoning-gym-chain-sum": 0, "gymnasium-cliffwalking": -200}[recipe]
-    high = {"textarena-guess-the-number": 1, "reasoning-gym-chain-sum": 1, "gymnasium-cliffwalking": 0}[recipe]
+    low, high = RETURNS[recipe]
     assert low <= record["score_mean"] <= high
     for evaluation in (summary["eval_start"], summary["eval_final"]):
         assert low <= evaluation["return"] <= high
+    if recipe.startswith("verifiers"):  # an agent's episodes: one model call each, one row, nothing between
+        assert record["rows_per_episode"] == 1 and record["trajectory_environment_tokens_mean"] == 0
+
+
+def test_a_verifiers_episode_is_scored_by_the_environments_own_reward():
+    """The recipe's agent, outside a job: a process of .venv-verifiers plays a task of tether-sums against an
+    OpenAI-compatible endpoint (here one that answers the sum, or the sum plus one), and the task's @vf.reward
+    scores the reply. The request leaves the sampling to the job: only the model's name and the messages."""
+    from deploy.recipes.verifiers.agent import agent
+
+    requests = []
+
+    class Endpoint(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            requests.append((self.path, body))
+            a, b = map(int, re.findall(r"\d+", body["messages"][-1]["content"]))
+            answer = a + b + ("/wrong/" in self.path)
+            reply = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                                "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                                             "message": {"role": "assistant", "content": f"{a} + {b} = {answer}"}}],
+                                "usage": {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/episodes/{{}}/v1"
+
+    async def both():
+        return await asyncio.gather(agent(url.format("right"), {"taskset": "tether-sums", "idx": 3}),
+                                    agent(url.format("wrong"), {"taskset": "tether-sums", "idx": 3}))
+
+    try:
+        assert asyncio.run(both()) == [1.0, 0.0]
+    finally:
+        server.shutdown()
+    assert sorted(path for path, _ in requests) == ["/episodes/right/v1/chat/completions",
+                                                    "/episodes/wrong/v1/chat/completions"]
+    for _, body in requests:
+        assert sorted(body) == ["messages", "model"] and body["model"] == "tether"
+        assert body["messages"][0] == {"role": "system", "content": "Answer with the number only."}
+        assert re.fullmatch(r"What is \d \+ \d\?", body["messages"][1]["content"])
+
+
+def test_the_verifiers_recipe_without_its_virtualenv_says_to_make_it(tmp_path):
+    """A clone without .venv-verifiers: importing the recipe's agent, which the job does before any actor
+    starts, fails saying what to run."""
+    clone = tmp_path / "clone" / "deploy" / "recipes" / "verifiers"
+    clone.mkdir(parents=True)
+    shutil.copy(ROOT / "deploy" / "recipes" / "verifiers" / "agent.py", clone)
+    spec = importlib.util.spec_from_file_location("clone_verifiers_agent", clone / "agent.py")
+    with pytest.raises(FileNotFoundError, match=r"\.venv-verifiers/bin/python, which is not there .*run `make "
+                                                r"verifiers` in .*clone"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
