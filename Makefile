@@ -12,8 +12,9 @@ run: $(STAMP)
 	$(VENV)/bin/python -m learner.main $(ARGS)
 
 # Two pytest workers (pytest-xdist), a test module each at a time: a job test leaves a core idle for about
-# a third of its time (the driver's imports, single-threaded generation, teardown), which the other fills.
-PYTEST_ARGS ?= -n 2 --dist loadfile --durations=40
+# a third of its time (the driver's imports, single-threaded generation, teardown), which the other fills. The
+# modules go longest first (tests/conftest.py's MODULE_SECONDS), not xdist's most-tests-first.
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=40
 test: $(STAMP) $(VERIFIERS_STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 

@@ -59,6 +59,8 @@ from learner.kl import (
 from learner.ppo import (
     LOCAL,
     RATIO_LEVELS,
+    SEQUENCE_STATS,
+    SURROGATES,
     Reducer,
     entropy_from_logits,
     global_loss_denominator,
@@ -297,6 +299,23 @@ class Algorithm:
                                                          reducer, width)
         return counts
 
+    def correction(self, old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, logprobs: Tensor,
+                   advantages: Tensor) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """``ppo.correction``'s factor on each token's policy term and its statistics
+        (``learner.ppo.rollout_correction_weights``): TIS or MIS at ``ppo.is_cap``, IcePop's band, or TIS with the
+        geometric or the off-policy sequence mask, each mask's settings read only where it is on. All [B, T]:
+        pi_old's and the engine's log-probs, the mask, the policy being trained (``logprobs``, for the off-policy
+        mask) and the advantages."""
+        p, settings = self.ppo, {}
+        if p.correction == "icepop":
+            settings["band"] = (p.icepop_low, p.icepop_high)
+        elif p.correction == "geometric_mask":
+            settings["band"] = (p.geometric_mask_low, p.geometric_mask_high)
+        elif p.correction == "off_policy_mask":
+            settings |= {"delta": p.off_policy_mask_delta, "logprobs": logprobs, "advantages": advantages}
+        return rollout_correction_weights(old_logprobs, behaviour_logprobs, mask, p.correction, p.correction_level,
+                                          p.is_cap, **settings)
+
     def loss(self, mb: RolloutBatch, forward: tuple[Tensor, Tensor | None, Tensor], counts: dict[str, Tensor],
              kl_coef: float) -> tuple[Tensor, dict]:
         """The PPO loss of the rows ``mb`` (a minibatch, or a micro-batch of whole episodes), each term's sum over
@@ -305,7 +324,16 @@ class Algorithm:
         Args: mb: rows with old_logprobs, old_values (gae), ref_logprobs, advantages, returns; forward: the
             current policy's (log-probs [b, T] with grad, values [b, T] or None, logits [b, T, V]) of those rows.
         Returns (loss, {name: (value, count)}): the losses with count None (summed over the micro-batches, one
-        count a step), token statistics with this micro-batch's tokens.
+        count a step), token statistics with this micro-batch's tokens, and the rollout correction's sequence
+        statistics (``learner.ppo.SEQUENCE_STATS``: the masks' fraction of episodes) with its episodes that
+        hold a token, so that the rank's sums over count give each over the whole update.
+
+        The policy term is ``ppo.policy_loss``'s (``learner.ppo.policy_loss``): PPO's clip, GSPO's sequence
+        ratio, CISPO's clipped detached weight or SAPO's soft gate, each on the ratio to pi_old (async:
+        pi_prox) and times the rollout correction's factor against the engine's sampled log-probs
+        (``ppo.correction``: TIS, MIS, IcePop's band, or TIS with the geometric or DeepSeek-V3.2's off-policy
+        sequence mask); the masks weigh the policy term alone, never the KL term in the loss or the
+        controller's statistic.
         """
         p, aggregation, denominator = self.ppo, self.ppo.loss_aggregation, counts["denominator"]
         logprobs, values, logits = forward
@@ -315,14 +343,20 @@ class Algorithm:
         mask, logp = view.merge(row_mask), view.merge(logprobs)
         old_logprobs = view.merge(mb.old_logprobs.to(device))
         behaviour = view.merge(mb.rollout_logprobs.to(device) * row_mask)
+        advantages = view.merge(mb.advantages.to(device))
         # the rollout correction, both modes: the ratio against pi_old (async: pi_prox, decoupled PPO), each token's
-        # term times pi_old / pi_behav, truncated (tis) or masked (mis) at ppo.is_cap
-        weights, is_stats = rollout_correction_weights(old_logprobs, behaviour, mask, p.correction, p.correction_level,
-                                                       p.is_cap)
-        clip_low, clip_high = p.ratio_clip_range()
-        pg_loss, pg_stats = policy_loss(logp, old_logprobs, view.merge(mb.advantages.to(device)), mask, clip_low,
-                                        aggregation, denominator, weights, clip_range_high=clip_high,
-                                        ratio_level=RATIO_LEVELS[p.policy_loss])
+        # term times pi_old / pi_behav (the off-policy mask against the policy being trained: this step's)
+        weights, is_stats = self.correction(old_logprobs, behaviour, mask, logp, advantages)
+        if p.policy_loss == "sapo":  # a soft gate, no clip
+            bounds = {"sapo_temperatures": (p.sapo_tau_pos, p.sapo_tau_neg)}
+        else:
+            clip_low, clip_high = p.ratio_clip_range()
+            bounds = {"clip_range": clip_low, "clip_range_high": clip_high}
+        pg_loss, pg_stats = policy_loss(logp, old_logprobs, advantages, mask, aggregation=aggregation,
+                                        denominator=denominator, importance_weights=weights,
+                                        ratio_level=RATIO_LEVELS[p.policy_loss],
+                                        surrogate=SURROGATES[p.policy_loss], **bounds)
+        sequence_stats = {k: is_stats.pop(k) for k in SEQUENCE_STATS & is_stats.keys()}
         loss, losses, stats = pg_loss, {"policy_loss": pg_loss}, {**pg_stats, **is_stats}
         if self.has_critic:  # GAE's critic; the other estimators have none
             vf_loss, vf_stats = value_loss(view.merge(values), view.merge(mb.old_values.to(device)),
@@ -343,4 +377,7 @@ class Algorithm:
         with torch.no_grad():
             stats["entropy"] = masked_mean(entropy_from_logits(logits), row_mask)
         tokens = row_mask.sum().double()  # stays on the device: the stats reach the host once, at the end
-        return loss, {**{k: (v, None) for k, v in losses.items()}, **{k: (v, tokens) for k, v in stats.items()}}
+        sequences = (mask.sum(-1) > 0).sum().double()  # episodes with a token: what the fractions count
+        return loss, {**{k: (v, None) for k, v in losses.items()},
+                      **{k: (v, tokens) for k, v in stats.items()},
+                      **{k: (v, sequences) for k, v in sequence_stats.items()}}

@@ -7,7 +7,7 @@ prefix per row for a single response, with gaps at the environment's tokens for 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -250,7 +250,14 @@ def gae_advantages(
 
 
 RatioLevel = Literal["token", "sequence", "sequence_token"]
-RATIO_LEVELS: dict[str, RatioLevel] = {"ppo": "token", "gspo": "sequence", "gspo_token": "sequence_token"}
+# ppo.policy_loss -> the ratio its term takes, and the surrogate that makes the term of it (``policy_loss``)
+RATIO_LEVELS: dict[str, RatioLevel] = {"ppo": "token", "gspo": "sequence", "gspo_token": "sequence_token",
+                                       "cispo": "token", "sapo": "token"}
+Surrogate = Literal["clip", "cispo", "sapo"]
+SURROGATES: dict[str, Surrogate] = {"ppo": "clip", "gspo": "clip", "gspo_token": "clip", "cispo": "cispo",
+                                    "sapo": "sapo"}
+# beyond e^+-20 the gate's gradient is 0 in float32 anyway, and exp(ratio) never overflows
+SAPO_LOG_RATIO_BOUND = 20.0
 
 
 def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -276,7 +283,29 @@ def policy_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, ratio
         return log_s
     if ratio_level == "sequence_token":
         return log_s.detach() + logprobs - logprobs.detach()
-    raise ValueError(f"unknown ratio_level {ratio_level!r}; expected one of {tuple(RATIO_LEVELS.values())}")
+    raise ValueError(f"unknown ratio_level {ratio_level!r}; expected one of {get_args(RatioLevel)}")
+
+
+def cispo_weight(log_ratio: Tensor, clip_low: float, clip_high: float) -> Tensor:
+    """[B, T] CISPO's weight (MiniMax-M1, 2025): the token's ratio clipped to
+    ``[1 - clip_low, 1 + clip_high]``, detached. ``log_ratio``: [B, T] ``log pi_t - log pi_old_t``;
+    ``clip_low`` = 1 puts the floor at 0, no floor at all (the paper's choice: only the ceiling is tuned)."""
+    return log_ratio.detach().exp().clamp(1.0 - clip_low, 1.0 + clip_high)
+
+
+def sapo_gate(log_ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """[B, T] SAPO's soft gate (Gao et al. 2025, "Soft Adaptive Policy Optimization") in place of PPO's clip:
+    ``f(r) = 4 / tau * sigmoid(tau * (r - 1))``, tau = ``tau_pos`` where the token's advantage is > 0,
+    ``tau_neg`` elsewhere (verl's convention; a zero advantage has no term). Its derivative in ``log r`` is
+    ``4 * s * (1 - s) * r`` with ``s = sigmoid(tau * (r - 1))``: exactly 1 at r = 1, where the term's gradient
+    is the policy gradient's, and smoothly down to 0 as r leaves 1, the faster the larger tau.
+
+    Args: log_ratio, advantages: [B, T] (``log_ratio`` with grad). Returns: [B, T] f(r), with grad.
+    """
+    tau = torch.where(advantages > 0, torch.full_like(log_ratio, tau_pos),
+                      torch.full_like(log_ratio, tau_neg))
+    ratio = log_ratio.clamp(-SAPO_LOG_RATIO_BOUND, SAPO_LOG_RATIO_BOUND).exp()
+    return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
 
 
 def policy_loss(
@@ -290,13 +319,29 @@ def policy_loss(
     importance_weights: Tensor | None = None,
     clip_range_high: float | None = None,
     ratio_level: RatioLevel = "token",
+    surrogate: Surrogate = "clip",
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO's clipped surrogate: mean of max(-A * rho, -A * clip(rho, 1 - eps_low, 1 + eps_high)), each token's
-    term times its importance weight w when given (the rollout correction ``rollout_correction_weights``).
+    """The policy term: each token's term of its ratio rho, times its importance weight w when given (the
+    rollout correction, ``rollout_correction_weights``), averaged by ``aggregation``. ``surrogate``:
 
-    The ratio rho is against ``old_logprobs``, the learner's own log-probs of the rows at the start of the update
-    (pi_old; in async mode the proximal policy pi_prox), never the engine's: the clip bounds the move from the
-    learner's policy, and w = pi_old / pi_behav (truncated or masked) corrects for the engine having sampled.
+    - ``clip`` (PPO, GSPO): ``max(-A * rho, -A * clip(rho, 1 - eps_low, 1 + eps_high))``: a token whose ratio
+      left the range on the side its advantage pushes loses its gradient.
+    - ``cispo`` (CISPO, MiniMax-M1): ``-sg(clip(rho, 1 - eps_low, 1 + eps_high)) * A * grad log pi``: the
+      ratio is clipped and detached, and no token's gradient is dropped. Computed as
+      ``-A * sg(clip(rho)) * pi / sg(pi)``, whose value is ``-A * clip(rho)`` and whose gradient is the peers'
+      ``-A * sg(clip(rho)) * log pi`` (whose value scales with log pi). Unclipped,
+      ``sg(rho) * grad log pi = grad rho``: the gradient of PPO's unclipped surrogate, the importance-weighted
+      policy gradient; where the clip binds, the weight is cut to the bound.
+    - ``sapo`` (SAPO, Qwen): ``-A * f(rho)`` with ``sapo_gate``'s f and ``sapo_temperatures`` (tau_pos,
+      tau_neg): at rho = 1 the gradient is the policy gradient's; away from 1 it is ``grad rho`` times
+      ``4 s (1 - s)`` < 1, a soft trust region in place of the clip (no term is cut to 0 at once).
+
+    The ratio rho is against ``old_logprobs``, the learner's own log-probs of the rows at the start of the
+    update (pi_old; in async mode the proximal policy pi_prox), never the engine's: the clip (or gate) bounds
+    the move from the learner's policy, and w = pi_old / pi_behav (truncated or masked) corrects for the
+    engine having sampled. So in async mode CISPO's and SAPO's ratio is pi / pi_prox and their correction
+    pi_prox / pi_behav, as PPO's.
 
     ``ratio_level`` (``policy_log_ratio``): ``token`` is PPO; ``sequence`` is GSPO (Zheng et al. 2025): one
     length-normalised ratio s_b per row, clipped per row; with a constant advantage per row and
@@ -304,38 +349,66 @@ def policy_loss(
     GSPO-token, whose gradient equals GSPO's when the advantage is constant per row. GSPO in async mode and with
     the rollout correction: s_b against pi_old (pi_prox), each row's term times its detached sequence weight
     ``W_b = pi_old(y_b) / pi_behav(y_b)`` (``correction_level: sequence``; not length-normalised: it is the
-    likelihood ratio that makes the expectation under pi_behav the one under pi_old, exactly, while under its bound).
+    likelihood ratio that makes the expectation under pi_behav the one under pi_old, exactly, while under its
+    bound). CISPO and SAPO take the token ratio.
 
     Args:
         logprobs: [B, T] current policy log-probs of the sampled tokens (with grad).
         old_logprobs: [B, T] the learner's log-probs at the start of the update (pi_old; async: pi_prox).
         advantages: [B, T]; mask: [B, T].
-        clip_range: eps_low; clip_range_high: eps_high, None = ``clip_range`` (DAPO's clip-higher sets it above).
+        clip_range: eps_low; clip_range_high: eps_high, None = ``clip_range`` (DAPO's clip-higher sets it
+            above); CISPO's bounds on its weight; unread by SAPO.
         denominator: see ``masked_mean``.
         importance_weights: [B, T] per-token weights, used detached; None = 1.
     Returns:
-        (scalar loss, {"clipfrac", "approx_kl"}) where clipfrac counts tokens whose ratio is outside the clip
-        range and approx_kl is the k3 estimate of KL(old || new) per token, as CleanRL logs it.
+        (scalar loss, stats): ``approx_kl``, the k3 estimate of KL(old || new) per token as CleanRL logs it,
+        and ``clipfrac`` (clip, cispo: the tokens whose ratio is outside the clip range) or
+        ``gate_weight_mean`` (sapo: the mean of the gate's factor ``4 s (1 - s) rho``, 1 on-policy).
     """
     clip_range_high = clip_range if clip_range_high is None else clip_range_high
-    ratio = policy_log_ratio(logprobs, old_logprobs, mask, ratio_level).exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range_high)
+    log_ratio = policy_log_ratio(logprobs, old_logprobs, mask, ratio_level)
+    stats: dict[str, Tensor] = {}
+    if surrogate == "clip":
+        ratio = log_ratio.exp()
+        clipped = ratio.clamp(1.0 - clip_range, 1.0 + clip_range_high)
+        terms = torch.maximum(-advantages * ratio, -advantages * clipped)
+    elif surrogate == "cispo":
+        if ratio_level != "token":
+            raise ValueError(f"CISPO takes the token ratio, not ratio_level {ratio_level!r}")
+        ratio = log_ratio.exp()
+        # pi / sg(pi) is 1 with the gradient of log pi: the value stays the clipped surrogate's, finite
+        pi_over_sg_pi = (log_ratio - log_ratio.detach()).exp()
+        terms = -advantages * cispo_weight(log_ratio, clip_range, clip_range_high) * pi_over_sg_pi
+    elif surrogate == "sapo":
+        if ratio_level != "token":
+            raise ValueError(f"SAPO takes the token ratio, not ratio_level {ratio_level!r}")
+        tau_pos, tau_neg = sapo_temperatures
+        terms = -advantages * sapo_gate(log_ratio, advantages, tau_pos, tau_neg)
+        with torch.no_grad():
+            ratio = log_ratio.clamp(-SAPO_LOG_RATIO_BOUND, SAPO_LOG_RATIO_BOUND).exp()
+            tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos),
+                              torch.full_like(ratio, tau_neg))
+            s = torch.sigmoid(tau * (ratio - 1.0))
+            stats["gate_weight_mean"] = masked_mean(4.0 * s * (1.0 - s) * ratio, mask)
+    else:
+        raise ValueError(f"unknown surrogate {surrogate!r}; expected 'clip', 'cispo' or 'sapo'")
     if importance_weights is not None:  # w >= 0 commutes with the max
-        unclipped, clipped = unclipped * importance_weights.detach(), clipped * importance_weights.detach()
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask, aggregation, denominator)
+        terms = terms * importance_weights.detach()
+    loss = masked_mean(terms, mask, aggregation, denominator)
     with torch.no_grad():
-        log_ratio = logprobs - old_logprobs
-        outside = (ratio < 1.0 - clip_range) | (ratio > 1.0 + clip_range_high)
-        stats = {
-            "clipfrac": masked_mean(outside.to(ratio.dtype), mask),
-            "approx_kl": masked_mean(log_ratio.exp() - 1.0 - log_ratio, mask),
-        }
+        token_log_ratio = logprobs - old_logprobs
+        if surrogate != "sapo":
+            outside = (ratio < 1.0 - clip_range) | (ratio > 1.0 + clip_range_high)
+            stats["clipfrac"] = masked_mean(outside.to(ratio.dtype), mask)
+        stats["approx_kl"] = masked_mean(token_log_ratio.exp() - 1.0 - token_log_ratio, mask)
     return loss, stats
 
 
-Correction = Literal["tis", "mis", "none"]
+Correction = Literal["tis", "mis", "icepop", "geometric_mask", "off_policy_mask", "none"]
+CORRECTIONS = ("tis", "mis", "icepop", "geometric_mask", "off_policy_mask", "none")
 CorrectionLevel = Literal["token", "sequence"]
+# the correction's statistics that count sequences (episodes with a token), not tokens
+SEQUENCE_STATS = frozenset({"masked_sequence_fraction"})
 
 
 def importance_log_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor,
@@ -354,33 +427,122 @@ def importance_log_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, mas
     return log_w
 
 
+def _row_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """[B, 1] mean of ``x`` [B, T] over each row's masked tokens (0 for a row without any)."""
+    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+def icepop_outside_band(log_k: Tensor, mask: Tensor, low: float, high: float) -> Tensor:
+    """[B, T] bool: IcePop's masked tokens (Ring-1T, 2025), those whose ratio ``k = pi_old / pi_behav``
+    (learner over engine) is outside ``[low, high]``; False outside ``mask``. ``log_k``: [B, T]
+    ``importance_log_weights`` per token. In log space, so that a ratio of e^-800 or e^800 is compared, not
+    overflowed."""
+    return ((log_k < math.log(low)) | (log_k > math.log(high))) & (mask > 0)
+
+
+def geometric_mean_outside_band(log_k: Tensor, mask: Tensor, low: float, high: float) -> Tensor:
+    """[B, T] bool: the tokens of the rows whose geometric-mean ratio ``exp(mean_t log k_t)`` (k = pi_old /
+    pi_behav) is outside ``[low, high]`` (verl's geometric rejection, ``rollout_rs: seq_mean_k1``; OpenRLHF's
+    ``seq-mask-tis``): a length-normalised row statistic, where ``correction_level: sequence``'s likelihood
+    ratio grows with the length. False outside ``mask`` and on rows without a token."""
+    log_mean = _row_mean(log_k, mask)
+    return ((log_mean < math.log(low)) | (log_mean > math.log(high))) & (mask > 0)
+
+
+def off_policy_sequence_masked(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                               delta: float) -> Tensor:
+    """[B, T] bool: DeepSeek-V3.2's off-policy sequence masking (2025): token t of row b is masked when its
+    advantage is negative and the row's divergence from the sampler, ``D_b = (1 / |y_b|) sum_t log(pi_behav_t
+    / pi_theta_t)`` over the row's masked tokens, exceeds ``delta``. pi_theta is the policy being trained
+    (``logprobs``, detached), pi_behav the engine's sampled log-probs, so D_b holds the engine-learner
+    mismatch, the staleness of an older version (async) and the update's own move since its start. False
+    outside ``mask``.
+
+    Args: logprobs, behaviour_logprobs, advantages, mask: [B, T]; delta: the threshold, nats per token.
+    """
+    divergence = _row_mean((behaviour_logprobs - logprobs).detach(), mask)
+    return (advantages < 0) & (divergence > delta) & (mask > 0)
+
+
+def _mask_stats(masked: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """The fractions a mask removed: of the tokens, and of the rows with a token (any of it masked)."""
+    rows = mask.sum(-1) > 0
+    masked_rows = masked.any(-1) & rows
+    sequences = rows.sum().clamp(min=1).to(mask.dtype)
+    return {"masked_token_fraction": masked_mean(masked.to(mask.dtype), mask),
+            "masked_sequence_fraction": masked_rows.sum().to(mask.dtype) / sequences}
+
+
 def rollout_correction_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor,
                                correction: Correction = "tis", level: CorrectionLevel = "token",
-                               cap: float = 2.0) -> tuple[Tensor | None, dict[str, Tensor]]:
-    """The rollout correction's detached weights ``w = pi_old / pi_behav`` (``importance_log_weights``) between
-    the learner's policy at the start of the update and the engine that sampled: TIS truncates them,
-    ``min(w, cap)``; MIS masks the tokens (``sequence``: the rows) whose weight exceeds ``cap``, ``w * 1[w <= cap]``.
-    In async mode pi_old is the proximal policy (decoupled PPO's ``pi_prox / pi_behav``); in sync mode it is
-    the engine's own version, and w is the engine-learner numeric difference alone.
+                               cap: float = 2.0, *, band: tuple[float, float] | None = None,
+                               delta: float | None = None, logprobs: Tensor | None = None,
+                               advantages: Tensor | None = None) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """The rollout correction's detached factor on each token's policy term, from the weights ``w = pi_old /
+    pi_behav`` (``importance_log_weights``) between the learner's policy at the start of the update and the
+    engine that sampled:
 
-    Args: old_logprobs, behaviour_logprobs, mask: [B, T]; correction: tis, mis, or none; level: token or
-        sequence; cap: > 1.
-    Returns: (w [B, T], 1 outside the mask, or None for ``none``; {"is_weight_mean", "is_capped_fraction"}: the
-        mean weight and the fraction of tokens beyond the cap (truncated by tis, masked by mis), over ``mask``).
+    - ``tis``: ``min(w, cap)``; ``mis``: ``w * 1[w <= cap]`` (``sequence``: the row's likelihood ratio);
+    - ``icepop`` (Ring-1T): per token, ``k * 1[band[0] <= k <= band[1]]`` with k = w of the token: two-sided,
+      the ratio kept untruncated inside the band (``level`` must be ``token``; ``cap`` is unread);
+    - ``geometric_mask``: TIS's ``min(w, cap)`` at ``level``, times 0 on the rows whose geometric-mean token
+      ratio is outside ``band`` (``geometric_mean_outside_band``);
+    - ``off_policy_mask`` (DeepSeek-V3.2): TIS's ``min(w, cap)`` at ``level``, times 0 on the
+      negative-advantage tokens of the rows that diverge from the sampler by more than ``delta``
+      (``off_policy_sequence_masked``; it needs the current ``logprobs`` and the ``advantages``).
+
+    A masked token keeps its place in the loss's denominator (its term is 0, as MIS's): a mask drops terms,
+    not the count the others are averaged over. In async mode pi_old is the proximal policy (decoupled PPO's
+    ``pi_prox / pi_behav``), and k then holds the staleness of the engine's older version beside the numeric
+    difference: IcePop's and the geometric band also drop the tokens (rows) the policy moved away from since
+    they were sampled. In sync mode pi_old is the engine's own version, and k is the numeric difference alone.
+
+    Args: old_logprobs, behaviour_logprobs, mask: [B, T]; correction: one of ``CORRECTIONS``; level: token or
+        sequence; cap: > 1; band: (low, high), low < 1 < high (icepop, geometric_mask); delta: nats per token
+        (off_policy_mask); logprobs, advantages: [B, T] (off_policy_mask).
+    Returns: (factor [B, T], 1 outside the mask, or None for ``none``; stats over ``mask``: ``is_weight_mean``
+        (the mean factor), ``is_capped_fraction`` (tokens beyond the cap: truncated, or masked by mis; not
+        icepop), ``masked_token_fraction`` and ``masked_sequence_fraction`` (the masks': the tokens set to 0,
+        and the rows with any; the second counts rows, ``SEQUENCE_STATS``)).
     """
     if correction == "none":
         return None, {}
-    if correction not in ("tis", "mis"):
-        raise ValueError(f"unknown rollout correction {correction!r}; expected 'tis', 'mis' or 'none'")
+    if correction not in CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {correction!r}; expected one of {CORRECTIONS}")
+    if correction == "icepop":
+        if level != "token":
+            raise ValueError("icepop masks tokens one by one: its level is 'token'")
+        if band is None:
+            raise ValueError("icepop needs its band (low, high)")
+        log_k = importance_log_weights(old_logprobs, behaviour_logprobs, mask, "token")
+        masked = icepop_outside_band(log_k, mask, *band)
+        # inside the band log k is within log(band): exp never overflows
+        weights = log_k.clamp(math.log(band[0]), math.log(band[1])).exp().masked_fill(masked, 0.0)
+        weights = weights * mask + (1 - mask)
+        return weights, {"is_weight_mean": masked_mean(weights, mask), **_mask_stats(masked, mask)}
     log_w = importance_log_weights(old_logprobs, behaviour_logprobs, mask, level)
     log_cap = math.log(cap)
     beyond = (log_w > log_cap) & (mask > 0)
     weights = log_w.clamp(max=log_cap).exp()  # in log space: a long row's product never overflows
     if correction == "mis":
         weights = weights.masked_fill(beyond, 0.0)
+    masked = None
+    if correction == "geometric_mask":
+        if band is None:
+            raise ValueError("geometric_mask needs its band (low, high)")
+        log_k = importance_log_weights(old_logprobs, behaviour_logprobs, mask, "token")
+        masked = geometric_mean_outside_band(log_k, mask, *band)
+    elif correction == "off_policy_mask":
+        if delta is None or logprobs is None or advantages is None:
+            raise ValueError("off_policy_mask needs delta, the current logprobs and the advantages")
+        masked = off_policy_sequence_masked(logprobs, behaviour_logprobs, advantages, mask, delta)
+    if masked is not None:
+        weights = weights.masked_fill(masked, 0.0)
     weights = weights * mask + (1 - mask)
     stats = {"is_weight_mean": masked_mean(weights, mask),
              "is_capped_fraction": masked_mean(beyond.to(mask.dtype), mask)}
+    if masked is not None:
+        stats |= _mask_stats(masked, mask)
     return weights, stats
 
 

@@ -31,8 +31,8 @@ def group_estimator_needs_a_group(cfg: Any) -> str | None:
 def async_needs_a_correction(cfg: Any) -> str | None:
     if cfg.ppo.correction == "none" and cfg.rollout.mode == "async":
         return ("ppo.correction='none' with rollout.mode='async' would train on rows an older policy sampled as if "
-                "the learner's had: async mode needs the weight pi_prox / pi_behav; set ppo.correction to 'tis' or "
-                "'mis'")
+                "the learner's had: async mode needs the weight pi_prox / pi_behav; set ppo.correction to 'tis' (or "
+                "'mis', 'icepop', 'geometric_mask', 'off_policy_mask')")
     return None
 
 

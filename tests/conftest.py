@@ -55,6 +55,29 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     return "mark.gpu" not in collection_path.read_text(encoding="utf-8", errors="replace") or None
 
 
+# The slowest modules' seconds on one of two pytest-xdist workers (`make test` on 2 cores, 2026-12-05, sums of
+# `--durations=0`), the order `pytest_collection_modifyitems` sends them in: longest first, so that no long module
+# starts last while the other worker has nothing left (xdist's own order, most tests first, sent the modules of
+# one or two long job tests last). A module not listed counts as quick; the list need not be exact to help.
+MODULE_SECONDS: dict[str, float] = {
+    "test_job.py": 220, "test_agents.py": 180, "test_recipes.py": 150, "test_reliability.py": 120,
+    "test_two_nodes.py": 90, "test_job_submit.py": 90, "test_storage.py": 80, "test_pipeline.py": 77,
+    "test_async.py": 75, "test_dataset_task.py": 70, "test_cluster_path.py": 60, "test_settings_space.py": 60,
+    "test_agent_route.py": 60, "test_advantages.py": 58, "test_accepted_settings.py": 55, "test_tracking.py": 55,
+    "test_lora.py": 53, "test_sentiment_task.py": 50, "test_bad_input.py": 40, "test_collectives.py": 40,
+    "test_remote_reward.py": 38, "test_dynamic_sampling.py": 38, "test_agent_endpoint.py": 28,
+    "test_gpu_tooling.py": 26, "test_metrics.py": 26, "test_lm_human_preferences_options.py": 25,
+}
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Longest modules first (``MODULE_SECONDS``); `make test` keeps this order (``--no-loadscope-reorder``)."""
+    def seconds(item) -> float:
+        return MODULE_SECONDS.get(Path(str(item.fspath)).name, 0.0)
+
+    items.sort(key=seconds, reverse=True)  # stable: a module's tests stay in their order
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -104,6 +104,7 @@ def test_importing_the_layer_loads_no_distributed_framework():
 KL_COEF = 0.3
 TEACHER = {"distill": {"teacher_path": "teacher"}}
 OVERLONG = {"rollout": {"max_new_tokens": 6}, "reward": {"overlong_buffer": 3, "overlong_penalty": 1.0}}
+GEOMETRIC, OFF_POLICY = {"ppo": {"correction": "geometric_mask"}}, {"ppo": {"correction": "off_policy_mask"}}
 
 # (name, context, change): the base with ``context`` (when the config takes it) is compared with it plus ``change``
 VARIANTS: list[tuple[str, dict, dict]] = [
@@ -157,6 +158,29 @@ VARIANTS: list[tuple[str, dict, dict]] = [
     ("reward.overlong_buffer (value)", OVERLONG, {"reward": {"overlong_buffer": 2}}),
     ("reward.overlong_penalty", OVERLONG, {"reward": {"overlong_penalty": 0.5}}),
     ("rollout.max_new_tokens (overlong)", OVERLONG, {"rollout": {"max_new_tokens": 5}}),
+    # CISPO, SAPO and the masks (a delta of 10 nats per token masks no row of the batch, where the default masks
+    # the negative rows of 5 of its 8)
+    ("ppo.policy_loss cispo", {}, {"ppo": {"policy_loss": "cispo"}}),
+    ("ppo.policy_loss sapo", {}, {"ppo": {"policy_loss": "sapo"}}),
+    ("ppo.cispo_clip_low", {"ppo": {"policy_loss": "cispo"}}, {"ppo": {"cispo_clip_low": 0.2}}),
+    ("ppo.cispo_clip_high", {"ppo": {"policy_loss": "cispo"}}, {"ppo": {"cispo_clip_high": 0.28}}),
+    ("ppo.sapo_tau_pos", {"ppo": {"policy_loss": "sapo"}}, {"ppo": {"sapo_tau_pos": 3.0}}),
+    ("ppo.sapo_tau_neg", {"ppo": {"policy_loss": "sapo"}}, {"ppo": {"sapo_tau_neg": 3.0}}),
+    ("ppo.correction icepop", {}, {"ppo": {"correction": "icepop"}}),
+    ("ppo.icepop_low", {"ppo": {"correction": "icepop"}}, {"ppo": {"icepop_low": 0.8}}),
+    ("ppo.icepop_high", {"ppo": {"correction": "icepop"}}, {"ppo": {"icepop_high": 1.5}}),
+    ("ppo.correction geometric_mask", {}, {"ppo": {"correction": "geometric_mask"}}),
+    ("ppo.geometric_mask_low", GEOMETRIC, {"ppo": {"geometric_mask_low": 0.3}}),
+    ("ppo.geometric_mask_high", GEOMETRIC, {"ppo": {"geometric_mask_high": 3.0}}),
+    ("ppo.is_cap (geometric_mask)", {"ppo": {"correction": "geometric_mask", "geometric_mask_low": 0.3,
+                                             "geometric_mask_high": 3.0}}, {"ppo": {"is_cap": 1.2}}),
+    ("ppo.correction off_policy_mask", {}, {"ppo": {"correction": "off_policy_mask"}}),
+    ("ppo.off_policy_mask_delta", OFF_POLICY, {"ppo": {"off_policy_mask_delta": 10.0}}),
+    ("ppo.correction_level (off_policy_mask)", {"ppo": {"correction": "off_policy_mask"}},
+     {"ppo": {"correction_level": "sequence"}}),
+    ("ppo.correction icepop (cispo)", {"ppo": {"policy_loss": "cispo"}}, {"ppo": {"correction": "icepop"}}),
+    ("ppo.correction off_policy_mask (sapo)", {"ppo": {"policy_loss": "sapo"}},
+     {"ppo": {"correction": "off_policy_mask"}}),
 ]
 # read by the layer, but axes of the bases or what the rank's other calls read (``select``, the group check)
 BASE_FIELDS = {"ppo.advantage", "rollout.mode", "kl.placement", "rollout.samples_per_prompt",
@@ -321,7 +345,9 @@ def test_the_variants_cover_every_field_the_layer_reads():
     covered = set().union(*(dotted(change) for _, _, change in VARIANTS))
     assert read - covered - BASE_FIELDS == set(), "fields the layer reads that no variant changes"
     assert covered - read == set(), "variants of fields the layer never reads (out of scope: the driver's)"
-    assert {"ppo.clip_range", "ppo.gspo_clip_low", "kl.estimator", "distill.credit", "reward.overlong_penalty"} <= read
+    assert {"ppo.clip_range", "ppo.gspo_clip_low", "kl.estimator", "distill.credit", "reward.overlong_penalty",
+            "ppo.cispo_clip_high", "ppo.sapo_tau_neg", "ppo.icepop_low", "ppo.geometric_mask_high",
+            "ppo.off_policy_mask_delta"} <= read
 
 
 def test_the_fixed_batch_makes_the_settings_bite():

@@ -4,12 +4,14 @@ import pytest
 import torch
 
 from learner.ppo import (
+    cispo_weight,
     entropy_from_logits,
     explained_variance,
     gae_advantages,
     masked_mean,
     masked_whiten,
     policy_loss,
+    sapo_gate,
     value_loss,
 )
 
@@ -171,6 +173,73 @@ def test_gspo_token_gradient_equals_gspo_with_a_constant_advantage_per_row(aggre
     assert gspo.abs().sum() > 0 and (gspo == 0).any()  # some rows clipped, some not
     varying = row_adv + torch.randn(b, t, generator=g, dtype=torch.float64)
     assert not torch.allclose(grad("sequence_token", varying)[1], grad("sequence", varying)[1])
+
+
+def test_cispo_golden():
+    """CISPO by hand: ratios (1.5, 0.5, 7.0), A = (1, -1, 2). Each term is -A * sg(clip(r)) * grad log pi,
+    valued -A * clip(r). Defaults (floor 0, ceiling 5): weights (1.5, 0.5, 5.0), only the 7.0 clipped;
+    DAPO-like bounds (0.2, 0.2): weights (1.2, 0.8, 1.2). PPO's clip would drop token 0's gradient (r = 1.5 >
+    1.2 with A > 0) and token 2's; CISPO keeps every token's, scaled by its clipped weight."""
+    old = torch.zeros(1, 3)
+    adv, mask = torch.tensor([[1.0, -1.0, 2.0]]), torch.ones(1, 3)
+    for (low, high), weights, clipfrac in (((1.0, 4.0), (1.5, 0.5, 5.0), 1 / 3),
+                                           ((0.2, 0.2), (1.2, 0.8, 1.2), 1.0)):
+        new = torch.log(torch.tensor([[1.5, 0.5, 7.0]])).requires_grad_()
+        loss, stats = policy_loss(new, old, adv, mask, low, clip_range_high=high, surrogate="cispo")
+        a = (1.0, -1.0, 2.0)
+        assert float(loss.detach()) == pytest.approx(sum(-ai * w for ai, w in zip(a, weights)) / 3)
+        assert float(stats["clipfrac"]) == pytest.approx(clipfrac)
+        loss.backward()
+        # d/dlogp_t of the token mean: -A_t * w_t / 3, never 0 where A_t is not
+        assert new.grad.tolist() == [pytest.approx([-ai * w / 3 for ai, w in zip(a, weights)])]
+    assert cispo_weight(torch.tensor([[-800.0, 800.0]]), 1.0, 4.0).tolist() == [[0.0, 5.0]]  # no overflow
+
+
+def test_cispo_unclipped_gradient_is_ppos_unclipped_surrogate_gradient():
+    """sg(r) * grad log pi = grad r: with no clip binding, CISPO's gradient is PPO's unclipped surrogate's,
+    the importance-weighted policy gradient, on any aggregation and with importance weights."""
+    g = torch.Generator().manual_seed(2)
+    b, t = 5, 4
+    mask = (torch.arange(t) < torch.tensor([4, 2, 1, 3, 0])[:, None]).double()
+    old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2
+    new = old + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    adv = torch.randn(b, t, generator=g, dtype=torch.float64)
+    weights = torch.rand(b, t, generator=g, dtype=torch.float64) * 2
+    for aggregation in ("token_mean", "sequence_mean", "seq_mean_token_sum_norm"):
+        grads = []
+        for surrogate, low, high in (("cispo", 1.0, 4.0), ("clip", 0.999, 1e6)):
+            logprobs = new.clone().requires_grad_()
+            loss, _ = policy_loss(logprobs, old, adv, mask, low, aggregation, importance_weights=weights,
+                                  clip_range_high=high, surrogate=surrogate)
+            loss.backward()
+            grads.append(logprobs.grad)
+        assert torch.allclose(grads[0], grads[1], rtol=1e-12, atol=1e-15), aggregation
+
+
+def test_sapo_golden():
+    """SAPO by hand: ratios (1, 2, 0.5), A = (1, 1, -1), tau_pos 1, tau_neg 1.05. f(r) = 4 / tau * sigmoid(tau
+    * (r - 1)): f = (2, 4 sigmoid(1), 4 / 1.05 * sigmoid(-0.525)) = (2, 2.924234, 1.415938); terms -A f. The
+    gradient in log pi is -A * 4 s (1 - s) * r, s = sigmoid(tau (r - 1)): 1 at r = 1 (the policy gradient),
+    1.572895 at r = 2, 0.467070 at r = 0.5, over 3 tokens."""
+    old = torch.zeros(1, 3)
+    new = torch.log(torch.tensor([[1.0, 2.0, 0.5]], dtype=torch.float64)).requires_grad_()
+    adv, mask = torch.tensor([[1.0, 1.0, -1.0]], dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64)
+    loss, stats = policy_loss(new, old.double(), adv, mask, surrogate="sapo", sapo_temperatures=(1.0, 1.05))
+    f_two, f_half = 2.9242343145200196, 1.4159383303033666  # 4 sigmoid(1), 4 / 1.05 sigmoid(-0.525)
+    w_two, w_half = 1.5728954659318548, 0.4670699116426963  # 4 s (1 - s) r at r = 2 and 0.5
+    assert float(loss.detach()) == pytest.approx((-2.0 - f_two + f_half) / 3, rel=1e-12)
+    assert "clipfrac" not in stats  # no clip
+    assert float(stats["gate_weight_mean"]) == pytest.approx((1.0 + w_two + w_half) / 3)
+    loss.backward()
+    assert new.grad.tolist() == [pytest.approx([-1 / 3, -w_two / 3, w_half / 3], rel=1e-12)]
+    # the temperature follows the advantage's sign: tau_neg where A <= 0
+    gate = sapo_gate(torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), 2.0, 4.0)
+    assert gate.tolist() == [pytest.approx([4 / 2 * 0.5, 4 / 4 * 0.5])]
+    # far off-policy the gate is flat: a finite value, no gradient, never nan
+    far = torch.tensor([[-900.0, 900.0]], requires_grad=True)
+    loss, _ = policy_loss(far, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), surrogate="sapo")
+    loss.backward()
+    assert torch.isfinite(loss) and far.grad.tolist() == [[0.0, 0.0]]
 
 
 def test_value_loss_golden():

@@ -9,7 +9,13 @@ import math
 import pytest
 import torch
 
-from learner.ppo import importance_log_weights, policy_loss, rollout_correction_weights
+from learner.ppo import (
+    icepop_outside_band,
+    importance_log_weights,
+    off_policy_sequence_masked,
+    policy_loss,
+    rollout_correction_weights,
+)
 
 E = math.e
 
@@ -41,6 +47,101 @@ def test_token_and_sequence_weights_by_hand():
         importance_log_weights(old, behaviour, mask, "row")
     with pytest.raises(ValueError, match="rollout correction"):
         rollout_correction_weights(old, behaviour, mask, "clip", "token", 2.0)
+
+
+def test_icepop_keeps_the_ratio_inside_its_band_and_masks_both_sides_by_hand():
+    """IcePop: per token k = pi_old / pi_behav, band [0.5, 5]. Row 0: log k = (0, 1, -0.5, -1): k = (1, e,
+    e^-0.5, e^-1 = 0.368 < 0.5: masked). Row 1: log k = (2, 0.3): e^2 = 7.39 > 5, masked; e^0.3 kept. Row 2:
+    padding only."""
+    old = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-0.5, -0.2, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    behaviour = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-2.5, -0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    w, stats = rollout_correction_weights(old, behaviour, mask, "icepop", "token", band=(0.5, 5.0))
+    assert w.tolist() == [pytest.approx([1.0, E, E**-0.5, 0.0]), pytest.approx([0.0, E**0.3, 1.0, 1.0]),
+                          [1.0] * 4]
+    assert float(stats["masked_token_fraction"]) == pytest.approx(2 / 6)
+    assert float(stats["masked_sequence_fraction"]) == pytest.approx(2 / 2)  # both rows with a token lost one
+    assert float(stats["is_weight_mean"]) == pytest.approx((1 + E + E**-0.5 + E**0.3) / 6)
+    assert "is_capped_fraction" not in stats  # no cap
+    log_k = importance_log_weights(old, behaviour, mask)
+    assert icepop_outside_band(log_k, mask, 0.5, 5.0).tolist() == [[False, False, False, True],
+                                                                   [True, False, False, False], [False] * 4]
+    # a ratio of e^-800 or e^800 is compared in log space: masked, never nan
+    w, _ = rollout_correction_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[800.0, -800.0]]),
+                                      torch.ones(1, 2), "icepop", band=(0.5, 5.0))
+    assert w.tolist() == [[0.0, 0.0]]
+    with pytest.raises(ValueError, match="one by one"):
+        rollout_correction_weights(old, behaviour, mask, "icepop", "sequence", band=(0.5, 5.0))
+
+
+def test_geometric_mask_drops_whole_rows_by_their_mean_log_ratio_by_hand():
+    """Band [0.999, 1.001] on exp(mean_t log k_t): row 0 log k = (0.001, -0.0005), mean 0.00025: kept
+    (1.00025); row 1 (0.003, 0), mean 0.0015: 1.0015 > 1.001, masked whole, though its second token's k is 1;
+    row 2 (-0.004, 0.001, 0.001), mean -0.000667: kept (0.99933), though its first token's k is 0.996 (a token
+    band would cut it). The kept tokens keep TIS's weight min(k, cap); the sequence level puts the row's
+    likelihood ratio there."""
+    old = torch.tensor([[0.001, -0.0005, 0.0], [0.003, 0.0, 0.0], [-0.004, 0.001, 0.001]],
+                       dtype=torch.float64)
+    behaviour = torch.zeros(3, 3, dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    band = (0.999, 1.001)
+    w, stats = rollout_correction_weights(old, behaviour, mask, "geometric_mask", "token", 2.0, band=band)
+    assert w.tolist() == [pytest.approx([math.exp(0.001), math.exp(-0.0005), 1.0]), [0.0, 0.0, 1.0],
+                          pytest.approx([math.exp(-0.004), math.exp(0.001), math.exp(0.001)])]
+    assert float(stats["masked_token_fraction"]) == pytest.approx(2 / 7)
+    assert float(stats["masked_sequence_fraction"]) == pytest.approx(1 / 3)
+    assert float(stats["is_capped_fraction"]) == 0.0
+    w, _ = rollout_correction_weights(old, behaviour, mask, "geometric_mask", "sequence", 2.0, band=band)
+    assert w.tolist() == [pytest.approx([math.exp(0.0005)] * 2 + [1.0]), [0.0, 0.0, 1.0],
+                          pytest.approx([math.exp(-0.002)] * 3)]
+
+
+def test_off_policy_sequence_mask_drops_the_negative_tokens_of_divergent_rows_by_hand():
+    """DeepSeek-V3.2's mask, delta 1e-4: D_b = mean_t (log pi_behav - log pi). Row 0: D = (0.3 + 0.1) / 2 =
+    0.2 > delta, A = (-1, 0.5): its negative token masked, the positive kept. Row 1: D = -0.1 (the learner's
+    policy favours the row more than the sampler did): nothing masked, A < 0 or not. Row 2: D = 0.2 but every
+    A > 0: kept. The kept tokens keep TIS's weight (here pi_old = pi_behav: 1)."""
+    behaviour = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]])
+    logprobs = torch.tensor([[-1.3, -1.1], [-0.9, -0.9], [-1.2, -1.2]])
+    advantages = torch.tensor([[-1.0, 0.5], [-1.0, -2.0], [1.0, 0.1]])
+    mask = torch.ones(3, 2)
+    masked = off_policy_sequence_masked(logprobs, behaviour, advantages, mask, 1e-4)
+    assert masked.tolist() == [[True, False], [False, False], [False, False]]
+    w, stats = rollout_correction_weights(behaviour, behaviour, mask, "off_policy_mask", "token", 2.0,
+                                          delta=1e-4, logprobs=logprobs, advantages=advantages)
+    assert w.tolist() == [[0.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+    assert float(stats["masked_token_fraction"]) == pytest.approx(1 / 6)
+    assert float(stats["masked_sequence_fraction"]) == pytest.approx(1 / 3)
+    # a threshold above row 0's divergence keeps it; the logprobs' gradient never flows through the mask
+    assert not off_policy_sequence_masked(logprobs, behaviour, advantages, mask, 0.25).any()
+    with pytest.raises(ValueError, match="off_policy_mask needs"):
+        rollout_correction_weights(behaviour, behaviour, mask, "off_policy_mask", delta=1e-4)
+
+
+def test_the_layer_counts_mask_fractions_of_sequences_by_episodes():
+    """``Algorithm.loss`` returns the masks' sequence fraction with the micro-batch's episodes as its count
+    (the token statistics with its tokens), so the rank's sums over counts give the fraction of the update's
+    episodes."""
+    from learner.algorithm import Algorithm
+    from services.config import load_config
+    from services.experience import FINISH_STOP, make_batch
+
+    batch = make_batch([[1]] * 3, [[3, 3], [3], [3, 3]], [[-1.0, -1.0], [-1.0], [-1.0, -1.0]],
+                       [FINISH_STOP] * 3, [0, 1, 2], 0, 0, 0.1, response_width=2)
+    batch.old_logprobs = torch.tensor([[-1.0, -1.0], [-1.0, 0.0], [-1.0, -1.0]])
+    batch.ref_logprobs = batch.old_logprobs.clone()
+    batch.old_values = torch.zeros(3, 2)
+    batch.scores = torch.tensor([1.0, 0.0, -1.0])
+    algorithm = Algorithm.from_config(load_config(None, {"ppo": {"correction": "off_policy_mask"}}))
+    algorithm.prepare(batch, 0.1)
+    batch.advantages = torch.tensor([[-1.0, -1.0], [1.0, 0.0], [1.0, 1.0]])
+    current = torch.tensor([[-1.5, -1.5], [-1.0, 0.0], [-1.0, -1.0]], requires_grad=True)  # row 0 moved away
+    counts = algorithm.loss_counts(batch)
+    _, stats = algorithm.loss(batch, (current, torch.zeros(3, 2), torch.zeros(3, 2, 4)), counts, 0.1)
+    fraction, episodes = stats["masked_sequence_fraction"]
+    assert float(fraction) == pytest.approx(1 / 3) and float(episodes) == 3
+    fraction, tokens = stats["masked_token_fraction"]
+    assert float(fraction) == pytest.approx(2 / 5) and float(tokens) == 5
 
 
 # ---------------------------------------------------------------- exact enumeration on a tiny language
@@ -172,25 +273,39 @@ def test_the_default_correction_changes_an_fp32_update_by_less_than_1e_4():
 def test_rank_sums_the_mismatch_k3_on_fresh_rows_and_counts_cut_tokens():
     """``LearnerRank._correction_sums`` by hand: r = log pi_behav - log pi_old = (0.1, -0.2) on a row of the
     learner's version and 2.0 on a stale one: the k3 sum e^-r - 1 + r takes the fresh row only. Tokens cut: those
-    whose weight pi_old / pi_behav = e^-r (sequence level: the row's product) exceeds ppo.is_cap."""
+    whose weight pi_old / pi_behav = e^-r (sequence level: the row's product) exceeds ppo.is_cap, and those a mask
+    sets to 0 (IcePop's band, the geometric mean's band)."""
+    from learner.algorithm import Algorithm
     from learner.rank import LearnerRank
-    from services.config import PPOConfig
+    from services.config import load_config
+    from services.experience import FINISH_STOP, make_batch
 
-    old = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
-    behaviour = torch.tensor([[-0.9, -1.2], [1.0, 0.0]])
-    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    batch = make_batch([[5], [5]], [[1, 1], [1]], [[-0.9, -1.2], [1.0]], [FINISH_STOP, FINISH_STOP], [0, 1], 0, 0,
+                       0.0, 2)
+    batch.old_logprobs = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
+    batch.advantages = torch.tensor([[1.0, 1.0], [-1.0, 0.0]])
     stale = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
     rank = LearnerRank(0, 1)
-    rank.ppo = PPOConfig(is_cap=1.5)
-    sums = rank._correction_sums(old, behaviour, mask, stale)
+
+    def sums(**ppo):
+        rank.algorithm = Algorithm.from_config(load_config(None, {"ppo": ppo}))
+        rank.ppo = rank.algorithm.ppo
+        return rank._correction_sums(batch, stale)
+
+    found = sums(is_cap=1.5)
     k3 = (math.exp(-0.1) - 1 + 0.1) + (math.exp(0.2) - 1 - 0.2)
-    assert sums["correction_mismatch_k3_sum"] == pytest.approx(k3, rel=1e-6)
+    assert found["correction_mismatch_k3_sum"] == pytest.approx(k3, rel=1e-6)
     # weights pi_old / pi_behav: e^-0.1, e^0.2, e^-2: none above 1.5
-    assert sums["correction_truncated_tokens"] == 0 and sums["correction_masked_tokens"] == 0
-    rank.ppo = PPOConfig(is_cap=1.1, correction="mis", correction_level="sequence")
+    assert found["correction_truncated_tokens"] == 0 and found["correction_masked_tokens"] == 0
     # rows' likelihood ratios: e^(-0.1 + 0.2) = 1.105 > 1.1 on both tokens of row 0; e^-2 on row 1
-    sums = rank._correction_sums(old, behaviour, mask, stale)
-    assert (sums["correction_truncated_tokens"], sums["correction_masked_tokens"]) == (0.0, 2.0)
+    found = sums(is_cap=1.1, correction="mis", correction_level="sequence")
+    assert (found["correction_truncated_tokens"], found["correction_masked_tokens"]) == (0.0, 2.0)
+    # IcePop's default band [0.5, 5]: e^-2 = 0.135 is outside, the others inside
+    found = sums(correction="icepop")
+    assert (found["correction_truncated_tokens"], found["correction_masked_tokens"]) == (0.0, 1.0)
+    # the geometric mean of row 0, e^0.05, is inside [0.9, 1.1]; row 1's e^-2 is not
+    found = sums(correction="geometric_mask", geometric_mask_low=0.9, geometric_mask_high=1.1, is_cap=1.1)
+    assert (found["correction_truncated_tokens"], found["correction_masked_tokens"]) == (1.0, 1.0)
 
 
 @pytest.mark.parametrize("ppo, match", [
@@ -205,6 +320,34 @@ def test_rank_sums_the_mismatch_k3_on_fresh_rows_and_counts_cut_tokens():
     ({"clip_range_low": 1.0}, "clip_range_low=1.0 puts the ratio's floor"),
     ({"clip_range": 1.2, "clip_range_high": 0.3}, "clip_range=1.2 puts the ratio's floor"),
     ({"policy_loss": "gspo_token", "gspo_clip_low": 1.5}, "gspo_clip_low=1.5 puts the ratio's floor"),
+    ({"correction": "icepop", "correction_level": "sequence"}, "ppo.correction='icepop' masks tokens one"),
+    ({"correction": "icepop", "is_cap": 3.0}, "ppo.is_cap=3.0 is set but ppo.correction='icepop' ignores it"),
+    ({"correction": "icepop", "policy_loss": "gspo", "advantage": "grpo"}, "ppo.correction='icepop' weighs"),
+    ({"icepop_low": 0.3}, "ppo.icepop_low=0.3 is set but ppo.correction='tis' ignores it"),
+    ({"correction": "mis", "icepop_high": 3.0},
+     "ppo.icepop_high=3.0 is set but ppo.correction='mis' ignores it"),
+    ({"correction": "icepop", "geometric_mask_low": 0.99},
+     "ppo.geometric_mask_low=0.99 is set but ppo.correction='icepop' ignores it"),
+    ({"correction": "geometric_mask", "off_policy_mask_delta": 0.01},
+     "ppo.off_policy_mask_delta=0.01 is set but ppo.correction='geometric_mask' ignores it"),
+    ({"correction": "off_policy_mask", "is_cap": 0.9},
+     "is_cap=0.9 must be > 1 with ppo.correction='off_policy_mask'"),
+    ({"correction": "none", "off_policy_mask_delta": 0.01},
+     "ppo.off_policy_mask_delta=0.01 is set but ppo.correction='none'"),
+    ({"correction": "geometric_mask", "policy_loss": "gspo", "advantage": "grpo"},
+     "ppo.correction_level='sequence'"),
+    ({"correction": "icepop", "icepop_low": 1.2}, "icepop_low"),  # the band must hold 1
+    ({"correction": "geometric_mask", "geometric_mask_high": 0.99}, "geometric_mask_high"),
+    ({"policy_loss": "cispo", "clip_range_high": 0.28},
+     "clip_range_high is set but ppo.policy_loss='cispo' clips its detached token weight"),
+    ({"policy_loss": "sapo", "clip_range": 0.3},
+     "ppo.clip_range=0.3 is set but ppo.policy_loss='sapo' ignores it"),
+    ({"policy_loss": "sapo", "cispo_clip_high": 1.0},
+     "ppo.cispo_clip_high=1.0 is set but ppo.policy_loss='sapo' ignores it"),
+    ({"sapo_tau_neg": 2.0}, "ppo.sapo_tau_neg=2.0 is set but ppo.policy_loss='ppo' ignores it"),
+    ({"policy_loss": "cispo", "gspo_clip_low": 1e-3},
+     "ppo.gspo_clip_low=0.001 is set but ppo.policy_loss='cispo'"),
+    ({"policy_loss": "cispo", "cispo_clip_low": 1.5}, "cispo_clip_low"),  # a floor below 0
 ])
 def test_settings_that_make_no_sense_are_refused(ppo, match):
     from pydantic import ValidationError
@@ -229,3 +372,14 @@ def test_async_without_a_correction_is_refused_and_the_defaults_correct_in_both_
     gspo = PPOConfig(policy_loss="gspo", advantage="rloo", correction_level="sequence")
     assert gspo.ratio_clip_range() == (3e-4, 4e-4)
     assert load_config(None, {"ppo": {"correction": "none"}}).ppo.correction == "none"  # sync may turn it off
+    for correction in ("icepop", "geometric_mask", "off_policy_mask"):  # corrections: async mode takes them
+        cfg = load_config(None, {"rollout": {"mode": "async"}, "ppo": {"correction": correction}})
+        assert cfg.ppo.correction == correction
+    cispo = PPOConfig(policy_loss="cispo", cispo_clip_low=0.2, cispo_clip_high=0.28)
+    assert cispo.ratio_clip_range() == (0.2, 0.28)
+    assert PPOConfig(policy_loss="cispo").ratio_clip_range() == (1.0, 4.0)
+    sapo = PPOConfig(policy_loss="sapo", sapo_tau_pos=2.0, correction="icepop", icepop_low=0.4,
+                     icepop_high=3.0)
+    assert (sapo.sapo_tau_pos, sapo.sapo_tau_neg, sapo.icepop_low, sapo.icepop_high) == (2.0, 1.05, 0.4, 3.0)
+    with pytest.raises(ValueError, match="has no clip"):
+        sapo.ratio_clip_range()

@@ -6,6 +6,9 @@ logit table per prefix. Behaviour (the engine), proximal (the learner at the sta
 policy being stepped), reference and teacher policies all differ; in sync mode the engine holds the learner's
 version, so behaviour = proximal there. Expectations are exact sums over every response (and every pair of
 responses for the group estimators, whose baselines couple a group), weighted by the behaviour's probabilities.
+Async mode comes twice: one older version sampled each response (``async``), or the older version sampled its
+first token and a newer one its later tokens (``async_mixed``: the engine's weights updated in flight), so the
+rows carry per-token behaviour log-probs of two versions, as the engine reports them.
 
 Three task shapes: one response; a multi-turn trajectory (an environment token after the first model token, a
 reward at each turn's end); an agent episode split into two rows (the environment's token opens the second row,
@@ -19,18 +22,28 @@ For every combination ``JobConfig`` accepts, the harness checks
 - the expected gradient of each term of the objective (the task score, the KL to the reference, the reverse KL to
   the teacher) against the gradient of that term: exact (relative error < 1e-6), bounded (token-level rollout
   correction in async mode: within ``TOKEN_CORRECTION_BOUND``), or biased by design (peers' forms and the
-  normalisations and selections that change the objective on purpose), with the measured error printed;
+  normalisations, selections and masks that change the objective on purpose), with the measured error printed;
 and for every refused combination, that the message names the fields.
 
-Axes and the reduction: the full product of the axes is about 80k combinations. The harness takes the full
-product of the axes that reach the controller's statistic (mode, placement, estimator, scope, task shape, dynamic
-sampling, distillation: 432) and a pairwise covering array over all the axes (every pair of two axes' values in at
-least one combination), the other axes of each controller combination taken from the covering array in turn.
+The policy losses are taken at the start of the update, where every ratio pi / pi_prox is 1: PPO's and GSPO's
+clip, CISPO's clipped weight and SAPO's gate are all the policy gradient there, so each is classed as PPO is.
+``test_policy_loss_figures_off_the_first_step`` measures them where the ratio is not 1. The rollout
+correction's masks (``ppo.correction`` icepop, geometric_mask, off_policy_mask) keep their default bands, and
+IcePop a narrow one too: a mask that drops a token of the problem (``mask_binds``, from the problem's tables)
+makes every policy term biased by design; one that drops none leaves the class of the weights it multiplies.
+The harness asserts that each mask binds at the async shift and not in sync mode, so both classes are checked.
+
+Axes and the reduction: the full product of the axes is about 8.6 million combinations. The harness takes the
+full product of the axes that reach the controller's statistic (mode, placement, estimator, scope, task shape,
+dynamic sampling, distillation: 648) and a pairwise covering array over all the axes (every pair of two axes'
+values in at least one combination), the other axes of each controller combination taken from the covering
+array in turn.
 
 Fixed settings: GAE at gamma = lambda = 1 without whitening (the variance reductions that trade bias are axes of
 their own elsewhere: whitening is REINFORCE++'s and is classed there), an uncapped importance weight
-(``ppo.is_cap`` 1e6: a cap is a bias by its own definition; ``test_default_token_cap_error`` measures the default),
-and clip ranges wide enough that no ratio is clipped at the step the gradient is taken.
+(``ppo.is_cap`` 1e6: a cap is a bias by its own definition;
+``test_rollout_correction_and_placement_figures_over_seeds`` measures the default), and clip ranges wide
+enough that no ratio is clipped at the step the gradient is taken.
 """
 
 from __future__ import annotations
@@ -58,21 +71,26 @@ TOKEN_CORRECTION_BOUND = 0.3  # relative gradient error of token-level correctio
 EXACT = 1e-6
 
 AXES: dict[str, tuple] = {
-    "mode": ("sync", "async"),
+    "mode": ("sync", "async", "async_mixed"),
     "placement": ("reward", "loss"),
     "estimator": ("k1", "k2", "k3"),
     "loss_form": (None, "kl_to_go", "response_k2", "grpo_token_k3"),
     "scope": ("response_sum", "token_mean"),
     "advantage": ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"),
-    "policy_loss": ("ppo", "gspo", "gspo_token"),
+    "policy_loss": ("ppo", "gspo", "gspo_token", "cispo", "sapo"),
     "aggregation": ("token_mean", "sequence_mean", "seq_mean_token_sum_norm"),
-    "correction": (("tis", "token"), ("tis", "sequence"), ("mis", "token"), ("mis", "sequence"), ("none", "token")),
+    "correction": (("tis", "token"), ("tis", "sequence"), ("mis", "token"), ("mis", "sequence"),
+                   ("none", "token"), ("icepop", "token"), ("icepop", "token", "narrow"),
+                   ("geometric_mask", "token"), ("geometric_mask", "sequence"),
+                   ("off_policy_mask", "token"), ("off_policy_mask", "sequence")),
     "grpo_normalize": ("score", "return"),
     "mask_truncated": (False, True),
     "dynamic_sampling": (False, True),
     "distill": ("off", "with_task", "without_task"),
     "shape": ("single", "multi_turn", "agent_split"),
 }
+# IcePop's default band [0.5, 5] drops no token at the harness's async shift; this one does
+NARROW_ICEPOP = {"icepop_low": 0.8, "icepop_high": 1.25}
 CONTROLLER_AXES = ("mode", "placement", "estimator", "scope", "shape", "dynamic_sampling", "distill")
 
 
@@ -96,12 +114,16 @@ def repaired(c: dict, fixed: set[str]) -> dict:
         put("dynamic_sampling", False)
     if c["shape"] != "single" or c["placement"] == "loss":
         put("mask_truncated", False)
-    if c["mode"] == "async" and c["correction"][0] == "none":
+    if c["mode"] != "sync" and c["correction"][0] == "none":
         put("correction", ("tis", c["correction"][1]))
+    if c["policy_loss"] == "gspo" and c["correction"][0] == "icepop":  # IcePop is per token, GSPO per row
+        put("policy_loss", "gspo_token")
     if c["policy_loss"] == "gspo":
         put("advantage", "grpo" if c["advantage"] == "gae" else c["advantage"])
         if c["correction"][1] == "token":
-            put("correction", (c["correction"][0], "sequence") if c["correction"][0] != "none" else ("none", "token"))
+            kind = c["correction"][0]
+            put("correction", ("none", "token") if kind == "none" else ("tis", "sequence") if kind == "icepop"
+                else (kind, "sequence"))
     return c
 
 
@@ -149,20 +171,23 @@ def combinations() -> tuple[list[dict], list[dict]]:
 
 def overrides(c: dict) -> dict:
     """The JobConfig settings of a combination."""
-    correction, level = c["correction"]
+    correction, level, *band = c["correction"]
     ppo = {"advantage": c["advantage"], "policy_loss": c["policy_loss"], "loss_aggregation": c["aggregation"],
            "correction": correction, "grpo_normalize": c["grpo_normalize"], "mask_truncated": c["mask_truncated"]}
-    if correction != "none":
+    if correction not in ("none", "icepop"):  # IcePop has no cap; the masks keep their default bands
         ppo |= {"correction_level": level, "is_cap": 1e6}
+    if band:
+        ppo |= NARROW_ICEPOP
     if c["advantage"] == "gae":
         ppo |= {"lam": 1.0, "whiten_advantages": False}
     if c["policy_loss"] == "ppo":
         ppo |= {"clip_range": 0.9}
-    else:
-        ppo |= {"gspo_clip_low": 0.9, "gspo_clip_high": 0.9}
+    elif c["policy_loss"] in ("gspo", "gspo_token"):
+        ppo |= {"gspo_clip_low": 0.9, "gspo_clip_high": 0.9}  # CISPO's default bounds are [0, 5] already
     out = {"ppo": ppo, "kl": {"placement": c["placement"], "estimator": c["estimator"], "scope": c["scope"],
                               "loss_form": c["loss_form"]},
-           "rollout": {"mode": c["mode"], "dynamic_sampling": c["dynamic_sampling"]}}
+           "rollout": {"mode": "sync" if c["mode"] == "sync" else "async",
+                       "dynamic_sampling": c["dynamic_sampling"]}}
     if c["advantage"] in ("grpo", "rloo", "reinforce_pp_baseline"):
         out["rollout"]["samples_per_prompt"] = 2
     if c["distill"] != "off":
@@ -235,18 +260,27 @@ class Problem:
 
     @classmethod
     def make(cls, seed: int, mode: str) -> Problem:
+        """``mode`` sync (the engine holds the proximal version), async (an older version 0.35 away sampled),
+        or async_mixed: the older version sampled each response's first token and a newer one (0.15 away) its
+        later tokens, as when the engine's weights are updated in flight. The state holds the position (the
+        prefix), so that sampler is one table: the older version's first row, the newer one's others."""
         g = torch.Generator().manual_seed(seed)
 
         def table(scale=1.0):
             return (scale * torch.randn(7, 3, generator=g)).double()
 
         proximal = table()
-        behaviour = proximal + 0.35 * table() if mode == "async" else proximal.clone()
+        behaviour = proximal + 0.35 * table() if mode != "sync" else proximal.clone()
         current = proximal + 0.1 * table()
-        return cls(behaviour, proximal, current, table(), table(), torch.randn(7, generator=g).double(),
-                   torch.randn(2, generator=g).double(),
-                   # 0 or 1, as a verifier scores: groups of different responses tie, as dynamic sampling needs
-                   {y: float(torch.rand(1, generator=g) < 0.5) for y in all_responses()})
+        problem = cls(behaviour, proximal, current, table(), table(), torch.randn(7, generator=g).double(),
+                      torch.randn(2, generator=g).double(),
+                      # 0 or 1, as a verifier scores: groups of different responses tie, as dynamic
+                      # sampling needs
+                      {y: float(torch.rand(1, generator=g) < 0.5) for y in all_responses()})
+        if mode == "async_mixed":  # drawn last: the other tables are async mode's own
+            newer = proximal + 0.15 * table()
+            problem.behaviour = torch.cat([behaviour[:1], newer[1:]])
+        return problem
 
 
 def rows_of(y: tuple[int, ...], shape: str) -> list[tuple[list[int], list[int], list[tuple | None]]]:
@@ -423,17 +457,22 @@ def relative_error(got: Tensor, want: Tensor) -> float:
 # ---------------------------------------------------------------------------- what each combination should be
 
 
-def expected_classes(c: dict) -> dict[str, str]:
-    """The documented class of each check: exact, bounded, or biased (by design)."""
+def expected_classes(c: dict, mask_binds: bool = False) -> dict[str, str]:
+    """The documented class of each check: exact, bounded, or biased (by design). ``mask_binds``: the
+    correction's mask (IcePop's band, the geometric band, the off-policy sequence mask) drops a token of the
+    problem at the step the gradient is taken (``mask_binds``); one that drops none leaves the class of the
+    weights it multiplies."""
     statistic = "exact" if c["estimator"] in ("k1", "k3") and c["scope"] == "response_sum" else "biased"
     # the token-level correction weighs a token by its own ratio, not its prefix's: bounded, in async mode only
-    base = "bounded" if c["mode"] == "async" and c["correction"][1] == "token" else "exact"
+    # (IcePop's weight inside its band is the token's ratio, untruncated: the same)
+    base = "bounded" if c["mode"] != "sync" and c["correction"][1] == "token" else "exact"
 
     def policy_term(per_token_advantages: bool) -> str:
         """What the policy loss makes of a term: 1 / length weights (sequence_mean), rows left out (DAPO's
-        overlong filtering) and whitening change the objective; GSPO's one ratio per response averages a term's
-        advantages over the response, exact only where they are one per response."""
-        if c["aggregation"] == "sequence_mean" or c["mask_truncated"]:
+        overlong filtering, a binding mask) and whitening change the objective; GSPO's one ratio per response
+        averages a term's advantages over the response, exact only where they are one per response. CISPO and
+        SAPO are the policy gradient at the step's start (rho = 1): as PPO."""
+        if c["aggregation"] == "sequence_mean" or c["mask_truncated"] or mask_binds:
             return "biased"
         if c["advantage"] in ("reinforce_pp", "reinforce_pp_baseline") or (c["policy_loss"] == "gspo"
                                                                            and per_token_advantages):
@@ -529,6 +568,41 @@ def check_combination(c: dict, cfg: JobConfig, problems: dict) -> dict[str, tupl
     return measured
 
 
+# the values whose gradient checks the harness prints apart (the later settings: mixed versions, CISPO, SAPO,
+# masks)
+NEW_VALUES = ("mode async_mixed", "policy_loss cispo", "policy_loss sapo", "correction icepop",
+              "correction icepop [0.8, 1.25]", "correction geometric_mask", "correction off_policy_mask")
+
+
+def label_of(c: dict) -> str:
+    """The correction's name, IcePop's narrow band marked."""
+    return c["correction"][0] + (" [0.8, 1.25]" if len(c["correction"]) > 2 else "")
+
+
+def mask_binds(c: dict, cfg: JobConfig, problems: dict) -> bool | None:
+    """Whether the correction's mask drops a token of the problem at the step the gradient is taken (the
+    proximal policy), from the problem's tables at the config's bands: IcePop's band on a token's k = pi_prox
+    / pi_behav, the geometric band on an episode's exp(mean_t log k_t), the off-policy mask's delta on an
+    episode's mean log(pi_behav / pi_prox) (its negative-advantage tokens). None for a correction without a
+    mask."""
+    kind, p = c["correction"][0], cfg.ppo
+    if kind not in ("icepop", "geometric_mask", "off_policy_mask"):
+        return None
+    group = 2 if cfg.rollout.samples_per_prompt > 1 else 1
+    batch = problems[(c["mode"], c["shape"], group)][1].batch
+    view = episode_view(batch)
+    mask = view.merge(batch.action_mask)
+    log_k = view.merge((batch.old_logprobs - batch.rollout_logprobs) * batch.action_mask)
+    if kind == "icepop":
+        outside = (log_k < math.log(p.icepop_low)) | (log_k > math.log(p.icepop_high))
+        return bool((outside & (mask > 0)).any())
+    per_episode = log_k.sum(-1) / mask.sum(-1).clamp(min=1)  # mean log k, minus the off-policy divergence
+    if kind == "geometric_mask":
+        low, high = math.log(p.geometric_mask_low), math.log(p.geometric_mask_high)
+        return bool(((per_episode < low) | (per_episode > high)).any())
+    return bool((-per_episode > p.off_policy_mask_delta).any())
+
+
 def meets(expected: str, error: float) -> bool:
     """Whether a measured error fits its documented class: exact below ``EXACT``; bounded within
     ``TOKEN_CORRECTION_BOUND``; biased by design never silently exact."""
@@ -556,6 +630,8 @@ def problems() -> dict:
 def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_every_refusal_names_its_fields(problems):
     combos, refused_pairs = combinations()
     table: dict[tuple, list[float]] = {}
+    bound: dict[tuple, set] = {}  # (mask, mode) -> whether it bound, over the accepted combinations
+    by_value: dict[str, dict] = {}  # a new setting's value -> class -> the errors of its gradient checks
     refused = 0
     failures = []
     for c in refused_pairs + combos:
@@ -565,9 +641,16 @@ def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_eve
             named = {m.group(0) for m in FIELD.finditer(error)}
             assert named, f"refusal names no field: {error}"
             continue
-        expected = expected_classes(c)
+        binds = mask_binds(c, cfg, problems)
+        if binds is not None:
+            bound.setdefault((label_of(c), c["mode"]), set()).add(binds)
+        expected = expected_classes(c, bool(binds))
         for check, err in check_combination(c, cfg, problems).items():
             table.setdefault((check, expected[check]), []).append(err)
+            values = (f"mode {c['mode']}", f"policy_loss {c['policy_loss']}", f"correction {label_of(c)}")
+            for value in values:
+                if check != "statistic" and value in NEW_VALUES:
+                    by_value.setdefault(value, {}).setdefault(expected[check], []).append(err)
             if not meets(expected[check], err):
                 failures.append((check, expected[check], err, c))
     print(f"\n{len(combos) + len(refused_pairs)} combinations: {len(combos) + len(refused_pairs) - refused} accepted, "
@@ -575,7 +658,20 @@ def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_eve
     print("| check | class | combinations | error (min .. max) |\n|---|---|---|---|")
     for (check, cls), errors in sorted(table.items()):
         print(f"| {check} | {cls} | {len(errors)} | {min(errors):.2e} .. {max(errors):.2e} |")
+    print("| setting | gradient checks: class, how many, error (min .. max) |\n|---|---|")
+    for value in NEW_VALUES:
+        print(f"| {value} | " + "; ".join(f"{cls} {len(errors)}: {min(errors):.1e} .. {max(errors):.1e}"
+                                          for cls, errors in sorted(by_value[value].items())) + " |")
+    print("| mask | mode | binds on the problem |\n|---|---|---|")
+    for (kind, mode), binds in sorted(bound.items()):
+        print(f"| {kind} | {mode} | {' and '.join(sorted(map(str, binds)))} |")
     assert not failures, "\n".join(map(repr, failures[:10])) + f"\n... {len(failures)} in all"
+    # every mask is exercised both ways: not binding where the engine holds the learner's version (k = 1),
+    # binding at the async shift, where the class it changes to (biased) is checked
+    for label in ("icepop [0.8, 1.25]", "geometric_mask", "off_policy_mask"):
+        assert bound[(label, "sync")] == {False}, label
+        assert bound[(label, "async")] == bound[(label, "async_mixed")] == {True}, label
+    assert bound[("icepop", "async")] == {False}  # [0.5, 5]: bounded, as the uncapped token-level weight
 
 
 # ---------------------------------------------------------------------------- the figures the docs quote
@@ -587,15 +683,27 @@ GRPO_ASYNC = {"mode": "async", "placement": "reward", "estimator": "k1", "loss_f
               "mask_truncated": False, "dynamic_sampling": False, "distill": "off", "shape": "single"}
 
 
-def token_shift(problem: Problem) -> float:
-    """The mean |log pi_prox - log pi_behav| per token under the behaviour policy: how far the engine's version is
-    from the learner's at the harness's async shift."""
+def token_shift(problem: Problem, other: Tensor | None = None) -> float:
+    """The mean |log pi_prox - log pi_other| per token under the behaviour policy, ``other`` the behaviour's
+    table by default: how far the engine's version is from the learner's at the harness's async shift (or the
+    current policy from the proximal one)."""
+    other = problem.behaviour if other is None else other
     total = sum(math.exp(float(sequence_logprob(problem.behaviour, y))) * sum(
         abs(float(sequence_logprob(problem.proximal, y[: t + 1]) - sequence_logprob(problem.proximal, y[:t])
-                  - sequence_logprob(problem.behaviour, y[: t + 1]) + sequence_logprob(problem.behaviour, y[:t])))
+                  - sequence_logprob(other, y[: t + 1]) + sequence_logprob(other, y[:t])))
         for t in range(len(y))) for y in all_responses())
     length = sum(math.exp(float(sequence_logprob(problem.behaviour, y))) * len(y) for y in all_responses())
     return total / length
+
+
+GEOMETRIC_DEFAULT = "geometric_mask token, band [0.999, 1.001] (the default), uncapped"
+
+
+def mixed_target(problem: Problem) -> Tensor:
+    """The gradient of the score minus beta times the reference KL at the proximal policy (what the layer's
+    first step should follow, whichever versions sampled)."""
+    return objective_gradient(
+        lambda t: exact_score(t, problem, "single") - BETA * exact_kl(t, problem.reference), problem.proximal)
 
 
 def test_rollout_correction_and_placement_figures_over_seeds():
@@ -609,15 +717,33 @@ def test_rollout_correction_and_placement_figures_over_seeds():
         e = with_logprobs(e, teacher_logprobs=problem.proximal)
         target = objective_gradient(lambda t, p=problem: exact_score(t, p, "single") - BETA * exact_kl(t, p.reference),
                                     problem.proximal)
-        for name, correction in {"tis token, cap 2 (the default)": ("tis", "token", 2.0),
-                                 "tis token, uncapped": ("tis", "token", 1e6),
-                                 "tis sequence, cap 2": ("tis", "sequence", 2.0),
-                                 "tis sequence, uncapped": ("tis", "sequence", 1e6),
-                                 "mis sequence, uncapped": ("mis", "sequence", 1e6)}.items():
-            cfg = load_config(None, overrides({**GRPO_ASYNC, "correction": correction[:2]}) | {})
-            cfg.ppo.is_cap = correction[2]
-            got, _ = layer_gradient(Algorithm.from_config(cfg), e, problem.proximal, BETA)
-            rows.setdefault(name, []).append(relative_error(got, target))
+        mixed = Problem.make(seed, "async_mixed")  # the same versions, a newer one sampling the later tokens
+        e_mixed = with_logprobs(enumerate_batch(mixed, "single", 2), teacher_logprobs=mixed.proximal)
+        # (name, correction, level, is_cap or None for IcePop's, the settings beside, mixed versions)
+        for name, correction, level, cap, extra, in_flight in (
+                ("tis token, cap 2 (the default)", "tis", "token", 2.0, {}, False),
+                ("tis token, uncapped", "tis", "token", 1e6, {}, False),
+                ("tis sequence, cap 2", "tis", "sequence", 2.0, {}, False),
+                ("tis sequence, uncapped", "tis", "sequence", 1e6, {}, False),
+                ("mis sequence, uncapped", "mis", "sequence", 1e6, {}, False),
+                ("icepop, band [0.5, 5] (the default)", "icepop", "token", None, {}, False),
+                ("icepop, band [0.8, 1.25]", "icepop", "token", None, NARROW_ICEPOP, False),
+                (GEOMETRIC_DEFAULT, "geometric_mask", "token", 1e6, {}, False),
+                ("geometric_mask sequence, band [0.5, 2], uncapped", "geometric_mask", "sequence", 1e6,
+                 {"geometric_mask_low": 0.5, "geometric_mask_high": 2.0}, False),
+                ("off_policy_mask token, delta 1e-4 (the default), uncapped", "off_policy_mask", "token", 1e6,
+                 {}, False),
+                ("off_policy_mask sequence, delta 1e-4, uncapped", "off_policy_mask", "sequence", 1e6, {},
+                 False),
+                ("mixed versions: tis token, uncapped", "tis", "token", 1e6, {}, True),
+                ("mixed versions: tis sequence, uncapped", "tis", "sequence", 1e6, {}, True)):
+            settings = overrides({**GRPO_ASYNC, "correction": (correction, level)})
+            settings["ppo"] |= extra | ({} if cap is None else {"is_cap": cap})
+            cfg = load_config(None, settings)
+            at, batch, want = ((mixed.proximal, e_mixed, mixed_target(mixed)) if in_flight
+                               else (problem.proximal, e, target))
+            got, _ = layer_gradient(Algorithm.from_config(cfg), batch, at, BETA)
+            rows.setdefault(name, []).append(relative_error(got, want))
     print(f"\nasync shift: {min(shifts):.2f} .. {max(shifts):.2f} nats per token |log pi_prox - log pi_behav|, "
           f"{len(SEEDS)} seeds")
     print("| correction | relative gradient error (min .. max over seeds) |\n|---|---|")
@@ -626,6 +752,15 @@ def test_rollout_correction_and_placement_figures_over_seeds():
     assert max(rows["tis sequence, uncapped"]) < EXACT and max(rows["mis sequence, uncapped"]) < EXACT
     assert max(rows["tis token, uncapped"]) <= TOKEN_CORRECTION_BOUND
     assert min(rows["tis token, cap 2 (the default)"]) > EXACT  # a cap is a bias: never silently exact
+    # the per-token behaviour log-probs of a response sampled by two versions: the sequence weight is still
+    # the likelihood ratio of the sampler, exact; the token weight as bounded as with one version
+    assert max(rows["mixed versions: tis sequence, uncapped"]) < EXACT
+    assert max(rows["mixed versions: tis token, uncapped"]) <= TOKEN_CORRECTION_BOUND
+    # IcePop's default band drops nothing here (the token weight's bound holds); the masks that drop change it
+    assert max(rows["icepop, band [0.5, 5] (the default)"]) <= TOKEN_CORRECTION_BOUND
+    for name in ("icepop, band [0.8, 1.25]", GEOMETRIC_DEFAULT,
+                 "off_policy_mask sequence, delta 1e-4, uncapped"):
+        assert min(rows[name]) > EXACT, name
 
     # the two placements: one gradient at GAE(1, 1) unwhitened on the first step, and not at the job's GAE defaults
     problem = Problem.make(1, "sync")
@@ -644,3 +779,46 @@ def test_rollout_correction_and_placement_figures_over_seeds():
     print(f"kl.placement loss against reward, GAE at gamma = lambda = 1 unwhitened: {exact_lambda:.1e}; at the job's "
           f"lambda 0.95 with whitening: {defaults:.3f}")
     assert exact_lambda < EXACT and defaults > 0.01
+
+
+def test_policy_loss_figures_off_the_first_step():
+    """CISPO and SAPO where rho != 1. The main harness takes each gradient at the start of the update, where
+    every ratio is 1: there CISPO's weight sg(clip(1)) = 1 and SAPO's gate factor 4 s (1 - s) = 1, and both
+    are the policy gradient (exact, as PPO). Off the start, at the harness's current policy (sync, RLOO,
+    groups of 2, the score alone), each policy loss's expected gradient is measured against the gradient of
+    PPO's unclipped surrogate E_prox[sum_t rho_t A_t], the importance-weighted policy gradient at that policy
+    for the step's advantages: CISPO is it exactly while its clip does not bind (its default [0, 5] does not
+    here) and biased by design where it does; SAPO's gate weighs each token's grad rho by 4 s (1 - s) < 1,
+    biased by design by how far rho is from 1."""
+    base = {**GRPO_ASYNC, "mode": "sync", "correction": ("tis", "token")}
+    variants = {
+        "ppo, unclipped (the target)": ("ppo", {"clip_range_low": 0.999, "clip_range_high": 1e6}),
+        "ppo, clip 0.2 (the default)": ("ppo", {"clip_range": 0.2}),
+        "cispo, weight in [0, 5] (the default)": ("cispo", {}),
+        "cispo, weight in [0.95, 1.05]": ("cispo", {"cispo_clip_low": 0.05, "cispo_clip_high": 0.05}),
+        "sapo, tau 1.0 / 1.05 (the default)": ("sapo", {}),
+        "sapo, tau 5 / 5": ("sapo", {"sapo_tau_pos": 5.0, "sapo_tau_neg": 5.0}),
+    }
+    rows, shifts = {}, []
+    for seed in SEEDS:
+        problem = Problem.make(seed, "sync")
+        shifts.append(token_shift(problem, problem.current))
+        e = with_logprobs(enumerate_batch(problem, "single", 2), teacher_logprobs=problem.proximal)
+        grads = {}
+        for name, (loss, ppo) in variants.items():
+            settings = overrides({**base, "policy_loss": loss})
+            settings["ppo"] = {k: v for k, v in settings["ppo"].items() if k != "clip_range"} | ppo
+            algorithm = Algorithm.from_config(load_config(None, settings))
+            grads[name], _ = layer_gradient(algorithm, e, problem.current, 0.0)
+        target = grads.pop("ppo, unclipped (the target)")
+        for name, got in grads.items():
+            rows.setdefault(name, []).append(relative_error(got, target))
+    print(f"\ncurrent policy's shift from the proximal: {min(shifts):.2f} .. {max(shifts):.2f} nats per "
+          f"token |log rho|, {len(SEEDS)} seeds")
+    print("| policy loss | relative gradient error against PPO's unclipped surrogate (min .. max over seeds) "
+          "|\n|---|---|")
+    for name, errors in rows.items():
+        print(f"| {name} | {min(errors):.2e} .. {max(errors):.2e} |")
+    assert max(rows["cispo, weight in [0, 5] (the default)"]) < EXACT
+    for name in ("cispo, weight in [0.95, 1.05]", "sapo, tau 1.0 / 1.05 (the default)", "sapo, tau 5 / 5"):
+        assert min(rows[name]) > EXACT, name
