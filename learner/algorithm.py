@@ -45,6 +45,7 @@ from learner.advantages import (
     dynamic_sampling_rows,
     uses_critic,
 )
+from learner.correction import SEQUENCE_STATS, rollout_correction_weights
 from learner.kl import (
     check_finite,
     episode_kl,
@@ -59,7 +60,6 @@ from learner.kl import (
 from learner.ppo import (
     LOCAL,
     RATIO_LEVELS,
-    SEQUENCE_STATS,
     SURROGATES,
     Reducer,
     entropy_from_logits,
@@ -68,7 +68,6 @@ from learner.ppo import (
     overlong_penalty,
     penalize_missing_eos,
     policy_loss,
-    rollout_correction_weights,
     truncated_loss_mask,
     value_loss,
 )
@@ -302,7 +301,7 @@ class Algorithm:
     def correction(self, old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, logprobs: Tensor,
                    advantages: Tensor) -> tuple[Tensor | None, dict[str, Tensor]]:
         """``ppo.correction``'s factor on each token's policy term and its statistics
-        (``learner.ppo.rollout_correction_weights``): TIS or MIS at ``ppo.is_cap``, IcePop's band, or TIS with the
+        (``learner.correction.rollout_correction_weights``): TIS or MIS at ``ppo.is_cap``, IcePop's band, or TIS with the
         geometric or the off-policy sequence mask, each mask's settings read only where it is on. All [B, T]:
         pi_old's and the engine's log-probs, the mask, the policy being trained (``logprobs``, for the off-policy
         mask) and the advantages."""
@@ -316,6 +315,26 @@ class Algorithm:
         return rollout_correction_weights(old_logprobs, behaviour_logprobs, mask, p.correction, p.correction_level,
                                           p.is_cap, **settings)
 
+    def correction_sums(self, batch: RolloutBatch, stale: Tensor) -> dict[str, float]:
+        """The rollout correction's sums over a rank's batch at the start of the update (``stale``: [B, T], 1 on
+        rows of an older version than the learner's): ``correction_mismatch_k3_sum``, the k3 estimate of
+        KL(engine || learner) summed over the tokens of the learner's own version (where the two differ by
+        numerics alone), and the tokens whose weight the correction truncated (TIS, also under a sequence mask)
+        or set to 0 (MIS beyond the cap, IcePop outside its band, a sequence mask)."""
+        view, mask = episode_view(batch), batch.action_mask
+        old_logprobs, behaviour = view.merge(batch.old_logprobs * mask), view.merge(batch.rollout_logprobs * mask)
+        _, stats = self.correction(old_logprobs, behaviour, view.merge(mask), old_logprobs,
+                                   view.merge(batch.advantages))
+        tokens, correction = float(mask.sum()), self.ppo.correction
+        # the fractions are of the tokens: back to counts (whole numbers; the float32 means are not exact)
+        beyond = float(round(float(stats.get("is_capped_fraction", 0.0)) * tokens))
+        r = (batch.rollout_logprobs - batch.old_logprobs).double() * mask  # log pi_behav - log pi_learner
+        return {"correction_mismatch_k3_sum": float(((torch.expm1(-r) + r) * mask * (1 - stale)).sum()),
+                "correction_truncated_tokens": beyond if correction in ("tis", "geometric_mask", "off_policy_mask")
+                else 0.0,
+                "correction_masked_tokens": (beyond if correction == "mis" else 0.0)
+                + float(round(float(stats.get("masked_token_fraction", 0.0)) * tokens))}
+
     def loss(self, mb: RolloutBatch, forward: tuple[Tensor, Tensor | None, Tensor], counts: dict[str, Tensor],
              kl_coef: float) -> tuple[Tensor, dict]:
         """The PPO loss of the rows ``mb`` (a minibatch, or a micro-batch of whole episodes), each term's sum over
@@ -325,7 +344,7 @@ class Algorithm:
             current policy's (log-probs [b, T] with grad, values [b, T] or None, logits [b, T, V]) of those rows.
         Returns (loss, {name: (value, count)}): the losses with count None (summed over the micro-batches, one
         count a step), token statistics with this micro-batch's tokens, and the rollout correction's sequence
-        statistics (``learner.ppo.SEQUENCE_STATS``: the masks' fraction of episodes) with its episodes that
+        statistics (``learner.correction.SEQUENCE_STATS``: the masks' fraction of episodes) with its episodes that
         hold a token, so that the rank's sums over count give each over the whole update.
 
         The policy term is ``ppo.policy_loss``'s (``learner.ppo.policy_loss``): PPO's clip, GSPO's sequence

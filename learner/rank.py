@@ -316,7 +316,7 @@ class LearnerRank:
             "mismatch_max": float((mismatch * (1 - stale)).max()) if mask.any() else 0.0,  # same-version rows
             "stale_tokens": float(stale.sum()),
             "stale_mismatch_abs_sum": float((mismatch * stale).sum()),
-            **self._correction_sums(batch, stale),
+            **algorithm.correction_sums(batch, stale),
             # no critic: no values and no returns (the driver's value_mean is nan)
             "value_sum": float((batch.old_values * mask).sum()) if self.has_critic else float("nan"),
             "return_sum": float((batch.returns * mask).sum()) if batch.returns is not None else float("nan"),
@@ -349,27 +349,6 @@ class LearnerRank:
             dropped.old_logprobs, _, _ = self._forward(dropped, grad=False)
         else:
             self._forward(_placeholder_batch(), grad=False)
-
-    def _correction_sums(self, batch: RolloutBatch, stale: Tensor) -> dict:
-        """The rollout correction's sums over this rank's batch at the start of the update (``stale``: [B, T], 1 on
-        rows of an older version than the learner's): ``correction_mismatch_k3_sum``, the k3 estimate of
-        KL(engine || learner) summed over the tokens of the learner's own version (where the two differ by
-        numerics alone), and the tokens whose weight the correction truncated (TIS, also under a sequence mask)
-        or set to 0 (MIS beyond the cap, IcePop outside its band, a sequence mask)."""
-        view = episode_view(batch)
-        mask = batch.action_mask
-        old_logprobs, behaviour = view.merge(batch.old_logprobs * mask), view.merge(batch.rollout_logprobs * mask)
-        _, stats = self.algorithm.correction(old_logprobs, behaviour, view.merge(mask), old_logprobs,
-                                             view.merge(batch.advantages))
-        tokens, correction = float(mask.sum()), self.ppo.correction
-        # the fractions are of the tokens: back to counts (whole numbers; the float32 means are not exact)
-        beyond = float(round(float(stats.get("is_capped_fraction", 0.0)) * tokens))
-        r = (batch.rollout_logprobs - batch.old_logprobs).double() * mask  # log pi_behav - log pi_learner
-        return {"correction_mismatch_k3_sum": float(((torch.expm1(-r) + r) * mask * (1 - stale)).sum()),
-                "correction_truncated_tokens": beyond if correction in ("tis", "geometric_mask", "off_policy_mask")
-                else 0.0,
-                "correction_masked_tokens": (beyond if correction == "mis" else 0.0)
-                + float(round(float(stats.get("masked_token_fraction", 0.0)) * tokens))}
 
     def differing_groups(self) -> int:
         """Dynamic sampling: how many whole groups with scores that differ (penalties applied) this rank holds."""

@@ -51,7 +51,8 @@ def test_stale_rows_admit_at_most_max_staleness_versions_behind():
 
 
 def test_truncated_importance_weights_and_the_weighted_surrogate():
-    from learner.ppo import policy_loss, rollout_correction_weights
+    from learner.correction import rollout_correction_weights
+    from learner.ppo import policy_loss
 
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     prox = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])

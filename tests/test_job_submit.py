@@ -65,10 +65,6 @@ def env_ports() -> tuple[int, int, int]:
 PORT_TAKEN = "that is used by other components"
 
 
-def free_ports() -> tuple[int, int, int]:
-    return free_port(), free_port(), free_port()
-
-
 def up(state_dir: Path, ports: tuple[int, int, int], fresh_ports=None) -> Cluster:
     """`local-cluster.sh up` on ``ports``; once more on ``fresh_ports()`` (if given) after a port collision."""
     env = cluster_env(state_dir, ports)
@@ -85,14 +81,30 @@ def up(state_dir: Path, ports: tuple[int, int, int], fresh_ports=None) -> Cluste
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    """The module's cluster, on its own state dir and ports. Its `down` is checked as a test would: it leaves no
+    process of the head's group, removes the temp dir and the state, and `down` again is a no-op (a failure here
+    is reported as the last test's teardown error)."""
     state_dir = tmp_path_factory.mktemp("cluster-state")
     started = None
     try:
         started = up(state_dir, env_ports(), fresh_ports=env_ports)
         yield started
     finally:
-        proc = script("down", started.env if started else cluster_env(state_dir, env_ports()))
+        env = started.env if started else cluster_env(state_dir, env_ports())
+        state = started.state() if started else {}
+        proc = script("down", env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+    pid, pgid, temp_dir = int(state["PID"]), int(state["PGID"]), Path(state["TEMP_DIR"])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+    assert not temp_dir.exists()
+    assert not (state_dir / "state.env").exists()
+    noop = script("down", env)
+    assert noop.returncode == 0 and "not up" in noop.stderr, noop.stdout + noop.stderr
+    status = script("status", env)
+    assert status.returncode == 0 and "status: down" in status.stdout
 
 
 @pytest.fixture(scope="module")
@@ -131,46 +143,29 @@ def test_invalid_config_fails_with_message(cluster, client, tmp_path):
     assert not (tmp_path / "runs").exists()  # rejected before anything was written
 
 
-def test_up_is_idempotent_and_down_stops_the_group(tmp_path):
-    """A second cluster, on its own state dir and ports: `up` twice gives one head; `down` leaves no process of
-    its group, removes the temp dir and state; `down` again is a no-op."""
-    second = up(tmp_path / "state", free_ports(), fresh_ports=free_ports)
-    ports = tuple(int(second.env[n]) for n in ("TETHER_RAY_PORT", "TETHER_DASHBOARD_PORT", "TETHER_METRICS_PORT"))
-    try:
-        assert second.ray_address == f"127.0.0.1:{ports[0]}"
-        assert second.dashboard == f"http://127.0.0.1:{ports[1]}"
-        assert second.metrics == f"http://127.0.0.1:{ports[2]}/metrics"
-        state = second.state()
-        pid, pgid, temp_dir = int(state["PID"]), int(state["PGID"]), Path(state["TEMP_DIR"])
-        assert pid == pgid and os.getpgid(pid) == pgid
-        assert temp_dir.is_dir() and len(str(temp_dir)) < 20
+def test_up_again_is_a_no_op_on_the_same_head(cluster):
+    """The addresses `up` printed are the ports asked for; the head is its own process group with a short temp
+    dir; `up` again gives the same head; `status` says up. (`down`: the ``cluster`` fixture's teardown.)"""
+    ports = tuple(int(cluster.env[n]) for n in ("TETHER_RAY_PORT", "TETHER_DASHBOARD_PORT", "TETHER_METRICS_PORT"))
+    assert cluster.ray_address == f"127.0.0.1:{ports[0]}"
+    assert cluster.dashboard == f"http://127.0.0.1:{ports[1]}"
+    assert cluster.metrics == f"http://127.0.0.1:{ports[2]}/metrics"
+    state = cluster.state()
+    pid, pgid, temp_dir = int(state["PID"]), int(state["PGID"]), Path(state["TEMP_DIR"])
+    assert pid == pgid and os.getpgid(pid) == pgid
+    assert temp_dir.is_dir() and len(str(temp_dir)) < 20
 
-        with urllib.request.urlopen(second.metrics, timeout=10) as response:
-            assert response.status == 200
+    with urllib.request.urlopen(cluster.metrics, timeout=10) as response:
+        assert response.status == 200
 
-        again = script("up", second.env)
-        assert again.returncode == 0, again.stdout + again.stderr
-        assert parse_lines(again.stdout)["RAY_ADDRESS"] == second.ray_address
-        assert "already up" in again.stderr
-        assert int(second.state()["PID"]) == pid
+    again = script("up", cluster.env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert parse_lines(again.stdout)["RAY_ADDRESS"] == cluster.ray_address
+    assert "already up" in again.stderr
+    assert int(cluster.state()["PID"]) == pid
 
-        status = script("status", second.env)
-        assert status.returncode == 0 and "status: up" in status.stdout, status.stdout + status.stderr
-    finally:
-        down = script("down", second.env)
-    assert down.returncode == 0, down.stdout + down.stderr
-
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
-    with pytest.raises(ProcessLookupError):
-        os.killpg(pgid, 0)
-    assert not temp_dir.exists()
-    assert not (second.state_dir / "state.env").exists()
-
-    noop = script("down", second.env)
-    assert noop.returncode == 0 and "not up" in noop.stderr, noop.stdout + noop.stderr
-    status = script("status", second.env)
-    assert status.returncode == 0 and "status: down" in status.stdout
+    status = script("status", cluster.env)
+    assert status.returncode == 0 and "status: up" in status.stdout, status.stdout + status.stderr
 
 
 def test_submitted_job_succeeds_and_its_runtime_env_reaches_the_actors(cluster, client, cache_dir, tmp_path):

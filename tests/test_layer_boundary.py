@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYER_ONLY = ("kl_penalized_rewards", "compute_advantages", "policy_loss", "value_loss", "response_kl_loss",
               "grpo_token_k3_loss", "rollout_correction_weights", "teacher_penalties")
 LAYER = "learner/algorithm.py"
-DEFINING = {"learner/kl.py", "learner/ppo.py", "learner/advantages.py"}
+DEFINING = {"learner/kl.py", "learner/ppo.py", "learner/correction.py", "learner/advantages.py"}
 
 
 def sources() -> dict[str, ast.Module]:

@@ -18,6 +18,7 @@ LAYERS = ("actors", "learner", "services")
 PLAN_PHASE = {"services/config.py", "learner/plan.py", "learner/cluster.py", "learner/rundir.py",
               "learner/checkpoint.py", "learner/loop.py", "learner/main.py", "learner/algorithm.py"}
 MAX_CONSTRUCTOR_ARGUMENTS = 6
+MAX_FILE_LINES = 600  # a file longer than this holds more than one job
 
 
 def takes_the_whole_config(source: str) -> list[str]:
@@ -56,6 +57,11 @@ def test_no_constructor_takes_more_than_six_arguments():
     assert wide == {}
     made = "class Engine:\n    def __init__(self, a, b, c, d, e, f, *, g=0) -> None: ...\n"
     assert wide_constructors(made) == [("Engine", 7)]
+
+
+def test_no_file_of_the_layers_is_over_600_lines():
+    long = {str(p.relative_to(ROOT)): n for p in layer_files() if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    assert long == {}
 
 
 @pytest.mark.parametrize("actor", ["actors.rollout:RolloutActor", "actors.reference:ReferenceActor",

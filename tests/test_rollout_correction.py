@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 
-from learner.ppo import (
+from learner.correction import (
     icepop_outside_band,
     importance_log_weights,
     off_policy_sequence_masked,
-    policy_loss,
     rollout_correction_weights,
 )
+from learner.ppo import policy_loss
 
 E = math.e
 
@@ -271,12 +271,11 @@ def test_the_default_correction_changes_an_fp32_update_by_less_than_1e_4():
 
 
 def test_rank_sums_the_mismatch_k3_on_fresh_rows_and_counts_cut_tokens():
-    """``LearnerRank._correction_sums`` by hand: r = log pi_behav - log pi_old = (0.1, -0.2) on a row of the
+    """``Algorithm.correction_sums`` (what a rank reports of its batch) by hand: r = log pi_behav - log pi_old = (0.1, -0.2) on a row of the
     learner's version and 2.0 on a stale one: the k3 sum e^-r - 1 + r takes the fresh row only. Tokens cut: those
     whose weight pi_old / pi_behav = e^-r (sequence level: the row's product) exceeds ppo.is_cap, and those a mask
     sets to 0 (IcePop's band, the geometric mean's band)."""
     from learner.algorithm import Algorithm
-    from learner.rank import LearnerRank
     from services.config import load_config
     from services.experience import FINISH_STOP, make_batch
 
@@ -285,12 +284,9 @@ def test_rank_sums_the_mismatch_k3_on_fresh_rows_and_counts_cut_tokens():
     batch.old_logprobs = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
     batch.advantages = torch.tensor([[1.0, 1.0], [-1.0, 0.0]])
     stale = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
-    rank = LearnerRank(0, 1)
 
     def sums(**ppo):
-        rank.algorithm = Algorithm.from_config(load_config(None, {"ppo": ppo}))
-        rank.ppo = rank.algorithm.ppo
-        return rank._correction_sums(batch, stale)
+        return Algorithm.from_config(load_config(None, {"ppo": ppo})).correction_sums(batch, stale)
 
     found = sums(is_cap=1.5)
     k3 = (math.exp(-0.1) - 1 + 0.1) + (math.exp(0.2) - 1 - 0.2)
