@@ -54,15 +54,17 @@ def test_what_the_user_sets_is_kept_and_what_cannot_fit_is_still_refused():
         parse_cli(["--learner.world_size", "3"])  # no divisor of 128 fits 3 ranks: the defaults stay, refused
 
 
-@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
-def test_each_estimator_has_its_learning_rate_when_ppo_lr_is_unset(advantage):
+@pytest.mark.parametrize("advantage, lr, shown", [("grpo", 5e-5, "5e-05"), ("rloo", 1e-4, "0.0001"),
+                                                   ("reinforce_pp", 1e-4, "0.0001"),
+                                                   ("reinforce_pp_baseline", 1e-4, "0.0001")])
+def test_each_estimator_has_its_learning_rate_when_ppo_lr_is_unset(advantage, lr, shown):
     cfg = parse_cli(["--ppo.advantage", advantage, "--rollout.samples_per_prompt", "8"])
-    assert cfg.ppo.lr == 1e-4
-    assert f"ppo.lr=0.0001 follows ppo.advantage={advantage}" in cfg.followed_defaults()
+    assert cfg.ppo.lr == lr
+    assert f"ppo.lr={shown} follows ppo.advantage={advantage}" in cfg.followed_defaults()
     assert parse_cli(["--ppo.advantage", advantage, "--rollout.samples_per_prompt", "8", "--ppo.lr", "3e-4"]
                      ).ppo.lr == 3e-4
     # a pretrained policy is still told, at the rate it would train at
-    assert cfg.tiny_model_settings_notice(134_515_008).startswith("note: ppo.lr=0.0001 is the default")
+    assert cfg.tiny_model_settings_notice(134_515_008).startswith(f"note: ppo.lr={shown} is the default")
 
 
 def test_a_resume_keeps_the_followed_values_it_ran_with():
