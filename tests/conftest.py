@@ -190,6 +190,22 @@ def run_job(args: list[str], timeout_s: float = 900) -> subprocess.CompletedProc
                           text=True, timeout=timeout_s, env={**os.environ, **RAY_ENV}, check=False)
 
 
+def run_cli(args: list[str]) -> subprocess.CompletedProcess:
+    """``python -m learner.main ARGS`` for a job that must fail before any actor starts: the same ``main()``, in
+    this process (a new interpreter would import torch, transformers and Ray again, about 3 CPU s), with its
+    output captured; returns what ``run_job`` does. Give such a job an address nothing listens on
+    (``--cluster.address 127.0.0.1:1``) where it could get past the plan: it must never start a Ray here."""
+    import contextlib
+    import io
+
+    from learner.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["learner.main", *args], code, out.getvalue(), err.getvalue())
+
+
 # The tests' small job: the short SFT warm start, 32 episodes an iteration in chunks of 16
 SMALL = ["--run.seed", "1", "--model.sft_steps", "60", "--model.sft_batch_size", "50",
          "--rollout.batch_size", "32", "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16",

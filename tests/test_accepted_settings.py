@@ -135,14 +135,14 @@ def test_two_label_classifier_scores_the_chosen_label(tmp_path):
 
 
 def test_missing_label_fails_the_job_before_any_actor(cache_dir, tmp_path):
-    from tests.conftest import run_job
+    from tests.conftest import run_cli
 
     model_dir = _classifier_dir(tmp_path / "sst2", 2, SST2)
     runs = tmp_path / "runs"
     runs.mkdir()
-    proc = run_job(["--run.output_dir", str(runs), "--model.cache_dir", cache_dir, "--run.seed", "1",
+    proc = run_cli(["--run.output_dir", str(runs), "--model.cache_dir", cache_dir, "--run.seed", "1",
                     "--model.sft_steps", "60", "--model.sft_batch_size", "50", "--reward.kind", "model",
-                    "--reward.model_path", model_dir, "--cluster.address", "127.0.0.1:1"], timeout_s=300)
+                    "--reward.model_path", model_dir, "--cluster.address", "127.0.0.1:1"])
     assert proc.returncode == 1
     assert "has 2 labels (0='NEGATIVE', 1='POSITIVE'): set reward.label" in proc.stderr
     assert "actors ready" not in proc.stdout

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.conftest import SMALL, run_job
+from tests.conftest import SMALL, run_cli
 
 ROWS = [{"start": s} for s in "bcdefghi"]
 # the tests' randomwalks GPT-2 has 32 positions: prompt 8 + trajectory 16 + 1
@@ -62,7 +62,8 @@ def test_an_agent_program_trains_through_the_endpoint(agent_run):
     ("tests.agent_programs:graph", "must be an async function"),
 ])
 def test_an_agent_that_cannot_be_loaded_fails_before_any_actor(tmp_path, tiny_model_dir, agent, message):
-    proc = run_job(["--run.output_dir", str(tmp_path), *agent_args(tmp_path, tiny_model_dir, agent)], timeout_s=120)
+    proc = run_cli(["--run.output_dir", str(tmp_path), "--cluster.address", "127.0.0.1:1",
+                    *agent_args(tmp_path, tiny_model_dir, agent)])
     assert proc.returncode != 0 and message in proc.stderr
     assert "actors ready" not in proc.stdout
 
@@ -97,7 +98,8 @@ def test_episode_settings_are_refused_where_they_mean_nothing(config, message):
 
 def test_a_trajectory_longer_than_the_models_positions_fails_before_any_actor(tmp_path, tiny_model_dir):
     args = agent_args(tmp_path, tiny_model_dir, "tests.agent_programs:walk")
-    proc = run_job(["--run.output_dir", str(tmp_path), *args, "--rollout.max_trajectory_tokens", "64"], timeout_s=120)
+    proc = run_cli(["--run.output_dir", str(tmp_path), "--cluster.address", "127.0.0.1:1", *args,
+                    "--rollout.max_trajectory_tokens", "64"])
     assert proc.returncode == 1 and "actors ready" not in proc.stdout
     assert ("task.max_prompt_tokens=8 + rollout.max_trajectory_tokens=64 + 1 = 73 tokens do not fit the model's 32 "
             "positions") in proc.stderr

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 
 from actors.specs import EngineSpec, EnvironmentSpec, RolloutSpec
 from tests.agent_envs import attempts, row
-from tests.conftest import run_job
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -527,19 +526,17 @@ UNIMPORTABLE = {
 
 
 def test_an_environment_that_cannot_be_imported_fails_before_any_actor(tmp_path):
-    """Named, and before the driver reaches a cluster (the address is one nothing listens on) or writes a run.
-    The two drivers run at once (they use no Ray)."""
+    """Named, and before the driver reaches a cluster (the address is one nothing listens on) or writes a run."""
     def job(spec: str):
         out = tmp_path / spec.replace(":", "-")
         out.mkdir()
-        return out, run_job(["--run.output_dir", str(out), "--cluster.address", "127.0.0.1:1", "--task.name",
-                             "environment", "--task.environment", spec], timeout_s=120)
+        return out, run_cli(["--run.output_dir", str(out), "--cluster.address", "127.0.0.1:1", "--task.name",
+                             "environment", "--task.environment", spec])
 
-    with ThreadPoolExecutor(len(UNIMPORTABLE)) as pool:
-        done = dict(zip(UNIMPORTABLE, pool.map(job, UNIMPORTABLE), strict=True))
-    for spec, (out, proc) in done.items():
+    for spec, why in UNIMPORTABLE.items():
+        out, proc = job(spec)
         output = proc.stdout + proc.stderr
         assert proc.returncode in (1, 2), output[-3000:]
-        assert f"task.environment={spec!r}" in proc.stderr and UNIMPORTABLE[spec] in proc.stderr, output[-3000:]
+        assert f"task.environment={spec!r}" in proc.stderr and why in proc.stderr, output[-3000:]
         assert "actors ready" not in output and "cannot reach the Ray cluster" not in output
         assert list(out.iterdir()) == []  # no run directory

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from actors.specs import RewardSpec
-from tests.conftest import run_job
+from tests.conftest import run_cli, run_job
 
 
 def _reward_actor(task_name, tokenizer_dir):
@@ -64,9 +64,9 @@ def test_prompts_longer_than_the_context(tiny_model_dir):
     ("tests.faulty_tasks:Missing", "task.name='tests.faulty_tasks:Missing': module 'tests.faulty_tasks' has no attribute 'Missing'"),
 ])
 def test_bad_task_data_fails_before_any_actor(cache_dir, tmp_path, task, message):
-    proc = run_job(["--run.output_dir", str(tmp_path), "--model.cache_dir", cache_dir, "--run.seed", "1",
+    proc = run_cli(["--run.output_dir", str(tmp_path), "--model.cache_dir", cache_dir, "--run.seed", "1",
                     "--model.sft_steps", "60", "--model.sft_batch_size", "50", "--task.name", task,
-                    "--cluster.address", "127.0.0.1:1"], timeout_s=300)
+                    "--cluster.address", "127.0.0.1:1"])
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "actors ready" not in proc.stdout

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from actors.specs import RewardSpec
-from tests.conftest import run_job
+from tests.conftest import run_cli, run_job
 
 REWARD = "tests.dataset_rewards:letter_distance"
 ROWS = [{"prompt": p, "answer": a, "note": f"row {i}"} for i, (p, a) in enumerate(zip("bcdefgh", "cdefghi"))]
@@ -326,8 +326,7 @@ def _job_args(cache_dir, tiny_model_dir, out, data, *extra) -> list[str]:
 def test_bad_dataset_fails_the_job_before_any_actor(cache_dir, tiny_model_dir, tmp_path, rows, extra, message):
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     out = tmp_path / "runs"
-    proc = run_job([*_job_args(cache_dir, tiny_model_dir, out, data, *extra), "--cluster.address", "127.0.0.1:1"],
-                   timeout_s=300)
+    proc = run_cli([*_job_args(cache_dir, tiny_model_dir, out, data, *extra), "--cluster.address", "127.0.0.1:1"])
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert message.format(path=data) in proc.stderr, proc.stderr[-2000:]
     assert "actors ready" not in proc.stdout and not out.exists()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SMALL, run_job
+from tests.conftest import SMALL, run_cli, run_job
 
 pytestmark = pytest.mark.integration
 
@@ -115,7 +115,7 @@ def check_broadcast_and_controller(records: list[dict], target: float, horizon: 
     ],
 )
 def test_bad_input_fails_before_any_actor(tmp_path, args, message):
-    proc = run_job(["--run.output_dir", str(tmp_path), "--cluster.address", "127.0.0.1:1", *args], timeout_s=120)
+    proc = run_cli(["--run.output_dir", str(tmp_path), "--cluster.address", "127.0.0.1:1", *args])
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
     assert "actors ready" not in proc.stdout
@@ -125,7 +125,7 @@ def test_existing_run_directory_is_not_overwritten(tmp_path):
     run_dir = tmp_path / "randomwalks"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text("precious\n")
-    proc = run_job(["--run.output_dir", str(tmp_path), "--cluster.address", "127.0.0.1:1"], timeout_s=120)
+    proc = run_cli(["--run.output_dir", str(tmp_path), "--cluster.address", "127.0.0.1:1"])
     assert proc.returncode != 0
     assert "already holds a run" in proc.stderr + proc.stdout
     assert (run_dir / "metrics.jsonl").read_text() == "precious\n"

@@ -129,7 +129,8 @@ SIZES = {
     "gymnasium-cliffwalking": ["--task.max_prompt_tokens", "400", "--rollout.max_turns", "2",
                                "--rollout.max_trajectory_tokens", "200"],
     # "<system>Answer with the number only.<user>What is 4 + 4?<assistant>": 67 characters
-    "verifiers-sums": ["--task.max_prompt_tokens", "96", "--rollout.max_trajectory_tokens", "8"],
+    "verifiers-sums": ["--task.max_prompt_tokens", "96", "--rollout.max_trajectory_tokens", "8",
+                       "--rollout.samples_per_prompt", "2"],
 }
 # each recipe's (least, greatest) return; turns (model calls) per episode at most
 RETURNS = {"textarena-guess-the-number": (0, 1), "reasoning-gym-chain-sum": (0, 1), "gymnasium-cliffwalking": (-200, 0),
@@ -137,8 +138,8 @@ RETURNS = {"textarena-guess-the-number": (0, 1), "reasoning-gym-chain-sum": (0, 
 TURNS = {"textarena-guess-the-number": 2, "reasoning-gym-chain-sum": 1, "gymnasium-cliffwalking": 2,
          "verifiers-sums": 1}
 # the verifiers recipe's episodes are processes that import verifiers (about 3 s of CPU each): it trains on one
-# group of 4 episodes, not 2, and its evaluations take the first of its evaluation rows, not 16
-EPISODES = {"verifiers-sums": 4}
+# group of 2 episodes, and its evaluations take the first of its evaluation rows, not 16
+EPISODES = {"verifiers-sums": 2}
 EVAL_ROWS = {"verifiers-sums": 1}
 
 
@@ -187,7 +188,7 @@ def printable_llama_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("recipe", sorted(SIZES))
 def test_each_recipe_command_runs_an_iteration(recipe, shared_runs, printable_llama_dir, monkeypatch, tmp_path):
     """The page's command, as written, with the tiny model and a batch of 8 episodes (2 rows of 4; the verifiers
-    recipe 4) for one iteration: the episodes run without an environment's (or an agent's) failure, and the
+    recipe 2, one row of 2) for one iteration: the episodes run without an environment's (or an agent's) failure, and the
     returns are the game's. The verifiers recipe's episodes are verifiers' own, each a process of .venv-verifiers."""
     monkeypatch.chdir(ROOT)
     command, episodes = recipe_commands()[recipe], EPISODES.get(recipe, 8)

@@ -24,7 +24,7 @@ from actors.reward import RewardError, check_reward_service, remote_scores
 from services.config import RewardConfig, load_config
 from services.reward_service import RewardClient, serve
 from services.tasks import get_task
-from tests.conftest import SMALL, run_job
+from tests.conftest import SMALL, run_cli, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "remote-reward-test-token-0123"
@@ -281,8 +281,8 @@ def test_unreachable_service_fails_before_any_actor(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    proc = run_job(["--run.output_dir", str(tmp_path), "--cluster.address", "127.0.0.1:1", "--reward.kind",
-                    "remote", "--reward.url", dead, "--reward.max_retries", "0"], timeout_s=120)
+    proc = run_cli(["--run.output_dir", str(tmp_path), "--cluster.address", "127.0.0.1:1", "--reward.kind",
+                    "remote", "--reward.url", dead, "--reward.max_retries", "0"])
     assert proc.returncode == 1
     assert f"reward service at {dead} (reward.url) does not answer GET /health" in proc.stderr
     assert "actors ready" not in proc.stdout

@@ -2,7 +2,7 @@
 process it starts (the driver, the Ray it starts, the engines, the reference, the reward, the learner ranks, idle
 Ray workers), phase by phase.
 
-    .venv/bin/python benchmarks/profile.py [--cold] [--runs 1] [--name NAME] [-- extra learner.main args]
+    .venv/bin/python benchmarks/job_profile.py [--cold] [--runs 1] [--name NAME] [-- extra learner.main args]
 
 Warm (default): the models are cached (one job first warms the cache and the page cache) and no Ray head is up, so
 the job starts its own local Ray, as ``make run`` does. ``--cold``: each run gets an empty model cache and empty
@@ -14,7 +14,7 @@ workers are its descendants here), by role from the process title (``ray::Rollou
 at the driver's own lines: config and imports until it logs its first line, then the SFT warm start (cold), Ray
 started, pre-flight, actors ready, the evaluation before training, the iterations, the final evaluation and
 summary, and the exit. Each phase's wall seconds and CPU seconds by role go into
-``benchmarks/results/profile-<name>.md`` and ``.json`` (name: ``warm`` or ``cold`` by default).
+``benchmarks/results/job_profile-<name>.md`` and ``.json`` (name: ``warm`` or ``cold`` by default).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cold", action="store_true", help="empty model and compile caches for each run")
     parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--name", help="results/profile-NAME (default: warm or cold)")
+    parser.add_argument("--name", help="results/job_profile-NAME (default: warm or cold)")
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between CPU readings")
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()), help="warm runs' cache")
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
@@ -165,9 +165,9 @@ def main() -> None:
             print("\n".join(table(runs[-1:])), flush=True)
     name = args.name or ("cold" if args.cold else "warm")
     results = {**stamp(), "cold": args.cold, "args": args.extra, "runs": runs}
-    command = (f"`.venv/bin/python benchmarks/profile.py{' --cold' if args.cold else ''} --runs {args.runs}"
+    command = (f"`.venv/bin/python benchmarks/job_profile.py{' --cold' if args.cold else ''} --runs {args.runs}"
                f"{' -- ' + ' '.join(args.extra) if args.extra else ''}`")
-    write_results(RESULTS, f"profile-{name}", results, [command, "", *table(runs)])
+    write_results(RESULTS, f"job_profile-{name}", results, [command, "", *table(runs)])
     print("\n".join(table(runs)))
 
 
