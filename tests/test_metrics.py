@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import RAY_ENV, ROOT
+from tests.conftest import RAY_ENV, ROOT, RayHead
 
 pytestmark = pytest.mark.integration
 
@@ -48,6 +48,14 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 def by_name(snapshot, name, **labels):
     return [v for (n, lab), v in snapshot.items() if n == name and all((k, v2) in lab for k, v2 in labels.items())]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A head of this module's own, with its dashboard and Prometheus endpoint (the session's have none)."""
+    head = RayHead(dashboard=True)
+    yield head
+    head.stop()
 
 
 def test_dashboard_metrics_match_the_job(ray_head, cache_dir, tmp_path):
