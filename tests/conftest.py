@@ -34,8 +34,10 @@ RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_metrics_report_interval_ms": "1000",
 }
+# what test_metrics's head and job add: each process reports its metrics every second, not every ten (in every
+# process of the suite it cost about 2.5% of a core for a head and four idle actors)
+METRICS_ENV = {"RAY_metrics_report_interval_ms": "1000"}
 os.environ.update(RAY_ENV)
 
 
@@ -101,7 +103,8 @@ class RayHead:
     ``dashboard``: the dashboard and the Prometheus endpoint (``metrics_port``), for the tests that read them. The
     session's heads go without: idle, a head with its dashboard took 5.8% of a core, without it 3.1%."""
 
-    def __init__(self, num_cpus: int = 4, object_store_mib: int = 512, dashboard: bool = False) -> None:
+    def __init__(self, num_cpus: int = 4, object_store_mib: int = 512, dashboard: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="tr-", dir="/tmp")  # short: socket paths stay < 108 chars
         self.port, self.dashboard_port, self.metrics_port = free_port(), free_port(), free_port()
         self.dashboard = dashboard
@@ -115,7 +118,7 @@ class RayHead:
         ]
         self.log = open(Path(self.temp_dir) / "head.log", "w")  # noqa: SIM115 - open while the head runs
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **RAY_ENV})
+                                     env={**os.environ, **RAY_ENV, **(env or {})})
         try:
             wait_port(self.port, 60)
             if dashboard:

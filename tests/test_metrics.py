@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import RAY_ENV, ROOT, RayHead
+from tests.conftest import METRICS_ENV, RAY_ENV, ROOT, RayHead
 
 pytestmark = pytest.mark.integration
 
@@ -52,8 +52,9 @@ def by_name(snapshot, name, **labels):
 
 @pytest.fixture(scope="module")
 def ray_head():
-    """A head of this module's own, with its dashboard and Prometheus endpoint (the session's have none)."""
-    head = RayHead(dashboard=True)
+    """A head of this module's own, with its dashboard and Prometheus endpoint (the session's have none), its
+    processes reporting every second."""
+    head = RayHead(dashboard=True, env=METRICS_ENV)
     yield head
     head.stop()
 
@@ -65,7 +66,7 @@ def test_dashboard_metrics_match_the_job(ray_head, cache_dir, tmp_path):
            "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16", "--run.iterations", "10",
            "--run.eval_every", "100", "--cluster.placement_timeout_s", "300"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **RAY_ENV})
+                            env={**os.environ, **RAY_ENV, **METRICS_ENV})
     snapshots, deadline = [], time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
         try:
