@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import RAY_ENV, RESULTS, ROOT, processes_by_role, stamp, write_results
 
 ROLES = ("driver", "ray", "workers", "rollout", "reference", "reward", "learner")
+ACTOR_ROLES = ("rollout", "reference", "reward", "learner")
 # (phase, the driver's line that ends it); a phase whose line never comes (the SFT warm start on a warm
 # cache) is folded into the next one that does
 PHASES = (
@@ -69,11 +70,12 @@ class CpuPoll(threading.Thread):
         for proc, role in processes_by_role([self.pid], other_workers="workers"):
             try:
                 times = proc.cpu_times()
-                spent = times.user + times.system + times.children_user + times.children_system
+                spent = times.user + times.system  # not its children's: they are read themselves
             except psutil.Error:
                 continue
-            with self.lock:  # a process keeps its first role: at the exit, orphans are reparented
-                self.seen[proc.pid] = (self.seen.get(proc.pid, (role,))[0], spent)
+            with self.lock:  # an actor's process keeps its role: at the exit, orphans are reparented
+                before = self.seen.get(proc.pid, (role,))[0]
+                self.seen[proc.pid] = (before if before in ACTOR_ROLES else role, spent)
 
     def by_role(self) -> dict[str, float]:
         self.read()
