@@ -120,38 +120,34 @@ def rollout_correction_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor,
         return None, {}
     if correction not in CORRECTIONS:
         raise ValueError(f"unknown rollout correction {correction!r}; expected one of {CORRECTIONS}")
-    if correction == "icepop":
-        if level != "token":
-            raise ValueError("icepop masks tokens one by one: its level is 'token'")
-        if band is None:
-            raise ValueError("icepop needs its band (low, high)")
-        log_k = importance_log_weights(old_logprobs, behaviour_logprobs, mask, "token")
-        masked = icepop_outside_band(log_k, mask, *band)
-        # inside the band log k is within log(band): exp never overflows
-        weights = log_k.clamp(math.log(band[0]), math.log(band[1])).exp().masked_fill(masked, 0.0)
-        weights = weights * mask + (1 - mask)
-        return weights, {"is_weight_mean": masked_mean(weights, mask), **_mask_stats(masked, mask)}
+    if correction in ("icepop", "geometric_mask") and band is None:
+        raise ValueError(f"{correction} needs its band (low, high)")
+    if correction == "icepop" and level != "token":
+        raise ValueError("icepop masks tokens one by one: its level is 'token'")
+    if correction == "off_policy_mask" and (delta is None or logprobs is None or advantages is None):
+        raise ValueError("off_policy_mask needs delta, the current logprobs and the advantages")
     log_w = importance_log_weights(old_logprobs, behaviour_logprobs, mask, level)
-    log_cap = math.log(cap)
-    beyond = (log_w > log_cap) & (mask > 0)
-    weights = log_w.clamp(max=log_cap).exp()  # in log space: a long row's product never overflows
-    if correction == "mis":
-        weights = weights.masked_fill(beyond, 0.0)
-    masked = None
-    if correction == "geometric_mask":
-        if band is None:
-            raise ValueError("geometric_mask needs its band (low, high)")
-        log_k = importance_log_weights(old_logprobs, behaviour_logprobs, mask, "token")
+    beyond, masked = None, None
+    if correction == "icepop":  # untruncated inside the band (where exp never overflows), 0 outside it
+        masked = icepop_outside_band(log_w, mask, *band)
+        weights = log_w.clamp(math.log(band[0]), math.log(band[1])).exp()
+    else:  # TIS's truncation at the cap, in log space: a long row's product never overflows
+        log_cap = math.log(cap)
+        beyond = (log_w > log_cap) & (mask > 0)
+        weights = log_w.clamp(max=log_cap).exp()
+        if correction == "mis":
+            weights = weights.masked_fill(beyond, 0.0)
+    if correction == "geometric_mask":  # the rows' mean of the token log-ratios
+        log_k = log_w if level == "token" else importance_log_weights(old_logprobs, behaviour_logprobs, mask)
         masked = geometric_mean_outside_band(log_k, mask, *band)
     elif correction == "off_policy_mask":
-        if delta is None or logprobs is None or advantages is None:
-            raise ValueError("off_policy_mask needs delta, the current logprobs and the advantages")
         masked = off_policy_sequence_masked(logprobs, behaviour_logprobs, advantages, mask, delta)
     if masked is not None:
         weights = weights.masked_fill(masked, 0.0)
     weights = weights * mask + (1 - mask)
-    stats = {"is_weight_mean": masked_mean(weights, mask),
-             "is_capped_fraction": masked_mean(beyond.to(mask.dtype), mask)}
+    stats = {"is_weight_mean": masked_mean(weights, mask)}
+    if beyond is not None:
+        stats["is_capped_fraction"] = masked_mean(beyond.to(mask.dtype), mask)
     if masked is not None:
         stats |= _mask_stats(masked, mask)
     return weights, stats

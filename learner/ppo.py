@@ -292,19 +292,21 @@ def cispo_weight(log_ratio: Tensor, clip_low: float, clip_high: float) -> Tensor
     return log_ratio.detach().exp().clamp(1.0 - clip_low, 1.0 + clip_high)
 
 
-def sapo_gate(log_ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+def sapo_gate(log_ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> tuple[Tensor, Tensor]:
     """[B, T] SAPO's soft gate (Gao et al. 2025, "Soft Adaptive Policy Optimization") in place of PPO's clip:
     ``f(r) = 4 / tau * sigmoid(tau * (r - 1))``, tau = ``tau_pos`` where the token's advantage is > 0,
     ``tau_neg`` elsewhere (verl's convention; a zero advantage has no term). Its derivative in ``log r`` is
     ``4 * s * (1 - s) * r`` with ``s = sigmoid(tau * (r - 1))``: exactly 1 at r = 1, where the term's gradient
     is the policy gradient's, and smoothly down to 0 as r leaves 1, the faster the larger tau.
 
-    Args: log_ratio, advantages: [B, T] (``log_ratio`` with grad). Returns: [B, T] f(r), with grad.
+    Args: log_ratio, advantages: [B, T] (``log_ratio`` with grad). Returns: ([B, T] f(r), with grad; [B, T]
+    its derivative in ``log r``, ``4 s (1 - s) r``, detached: the factor the gate puts on the policy gradient).
     """
     tau = torch.where(advantages > 0, torch.full_like(log_ratio, tau_pos),
                       torch.full_like(log_ratio, tau_neg))
     ratio = log_ratio.clamp(-SAPO_LOG_RATIO_BOUND, SAPO_LOG_RATIO_BOUND).exp()
-    return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+    s = torch.sigmoid(tau * (ratio - 1.0))
+    return s * 4.0 / tau, (4.0 * s * (1.0 - s) * ratio).detach()
 
 
 def policy_loss(
@@ -382,13 +384,9 @@ def policy_loss(
         if ratio_level != "token":
             raise ValueError(f"SAPO takes the token ratio, not ratio_level {ratio_level!r}")
         tau_pos, tau_neg = sapo_temperatures
-        terms = -advantages * sapo_gate(log_ratio, advantages, tau_pos, tau_neg)
-        with torch.no_grad():
-            ratio = log_ratio.clamp(-SAPO_LOG_RATIO_BOUND, SAPO_LOG_RATIO_BOUND).exp()
-            tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos),
-                              torch.full_like(ratio, tau_neg))
-            s = torch.sigmoid(tau * (ratio - 1.0))
-            stats["gate_weight_mean"] = masked_mean(4.0 * s * (1.0 - s) * ratio, mask)
+        gate, gradient_factor = sapo_gate(log_ratio, advantages, tau_pos, tau_neg)
+        terms = -advantages * gate
+        stats["gate_weight_mean"] = masked_mean(gradient_factor, mask)
     else:
         raise ValueError(f"unknown surrogate {surrogate!r}; expected 'clip', 'cispo' or 'sapo'")
     if importance_weights is not None:  # w >= 0 commutes with the max

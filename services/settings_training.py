@@ -203,7 +203,7 @@ class PPOConfig(Section):
 
     @model_validator(mode="after")
     def _policy_loss_settings(self) -> PPOConfig:
-        loss = self.policy_loss
+        loss, changed = self.policy_loss, self.changed_fields()
         defaults = type(self).model_fields
         if loss != "ppo":
             for name in ("clip_range_low", "clip_range_high"):
@@ -222,7 +222,7 @@ class PPOConfig(Section):
                              "the two bounds")
         for name, (owners, what) in POLICY_LOSS_ONLY_FIELDS.items():
             value, default = getattr(self, name), defaults[name].default
-            if loss in owners or value == default:
+            if loss in owners or name not in changed:
                 continue
             if loss == "ppo" and name.startswith("gspo_"):  # the message configs written before met
                 raise ValueError(f"ppo.{name}={value} is set but ppo.policy_loss='ppo' ignores it; set "
@@ -244,7 +244,7 @@ class PPOConfig(Section):
                              "ppo.policy_loss='gspo_token' (GSPO's ratio, each token's own advantage) with gae")
         for name, (owner, what) in CORRECTION_ONLY_FIELDS.items():
             value, default = getattr(self, name), defaults[name].default
-            if self.correction != owner and value != default:
+            if self.correction != owner and name in changed:
                 raise ValueError(f"ppo.{name}={_shown(value)} is set but ppo.correction={self.correction!r} "
                                  f"ignores it ({what}); set ppo.correction={owner!r}, or "
                                  f"ppo.{name}={_shown(default)} (its default)")

@@ -233,7 +233,7 @@ def test_sapo_golden():
     loss.backward()
     assert new.grad.tolist() == [pytest.approx([-1 / 3, -w_two / 3, w_half / 3], rel=1e-12)]
     # the temperature follows the advantage's sign: tau_neg where A <= 0
-    gate = sapo_gate(torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), 2.0, 4.0)
+    gate, _ = sapo_gate(torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), 2.0, 4.0)
     assert gate.tolist() == [pytest.approx([4 / 2 * 0.5, 4 / 4 * 0.5])]
     # far off-policy the gate is flat: a finite value, no gradient, never nan
     far = torch.tensor([[-900.0, 900.0]], requires_grad=True)
