@@ -168,7 +168,7 @@ def main() -> None:
     name = args.name or ("cold" if args.cold else "warm")
     results = {**stamp(), "cold": args.cold, "args": args.extra, "runs": runs}
     command = (f"`.venv/bin/python benchmarks/job_profile.py{' --cold' if args.cold else ''} --runs {args.runs}"
-               f"{' -- ' + ' '.join(args.extra) if args.extra else ''}`")
+               f"{' --name ' + args.name if args.name else ''}{' -- ' + ' '.join(args.extra) if args.extra else ''}`")
     write_results(RESULTS, f"job_profile-{name}", results, [command, "", *table(runs)])
     print("\n".join(table(runs)))
 

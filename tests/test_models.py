@@ -80,6 +80,27 @@ def test_response_logits_are_the_full_forwards_response_positions():
         torch.testing.assert_close(hidden, full.hidden_states[-1][:, 3:8])
 
 
+def test_loaded_gpt2_computes_gelu_new_as_one_op_and_saves_as_it_was(tiny_model_dir, tmp_path):
+    """``load_causal_lm`` gives GPT-2's ``gelu_new`` as torch's one-op tanh GELU: the logits of the model as
+    transformers builds it within float rounding, and the config it saves (what vLLM and an export read) unchanged."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    from services.models import load_causal_lm
+
+    model = load_causal_lm(tiny_model_dir)
+    as_built = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    activations = [type(m) for m in model.modules() if isinstance(m, GELUTanh | NewGELUActivation)]
+    assert activations == [GELUTanh] * model.config.n_layer
+    assert sum(isinstance(m, NewGELUActivation) for m in as_built.modules()) == model.config.n_layer
+    ids = torch.randint(0, model.config.vocab_size, (4, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, as_built(ids).logits, rtol=0, atol=1e-5)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["activation_function"] == "gelu_new"
+
+
 def test_parameter_count_reads_the_safetensors_headers(tmp_path):
     """The driver counts a model's parameters without loading it: every shard's header, tied weights once
     (transformers saves them once), nothing for a directory without safetensors files."""
