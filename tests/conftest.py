@@ -199,6 +199,23 @@ def run_job(args: list[str], timeout_s: float = 900) -> subprocess.CompletedProc
                           text=True, timeout=timeout_s, env={**os.environ, **RAY_ENV}, check=False)
 
 
+def start_job(args: list[str]) -> subprocess.Popen:
+    """`python -m learner.main ARGS` started, its stdout and stderr one text stream (``follow_job``)."""
+    return subprocess.Popen([sys.executable, "-m", "learner.main", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **RAY_ENV})
+
+
+def follow_job(proc: subprocess.Popen, on_line, timeout_s: float = 600) -> str:
+    """Feed each output line of a ``start_job`` process to ``on_line`` until it ends; return the whole output."""
+    out, deadline = [], time.monotonic() + timeout_s
+    for line in proc.stdout:
+        out.append(line)
+        on_line(line)
+        assert time.monotonic() < deadline, "job took too long:\n" + "".join(out[-50:])
+    proc.wait(timeout=60)
+    return "".join(out)
+
+
 def run_cli(args: list[str]) -> subprocess.CompletedProcess:
     """``python -m learner.main ARGS`` for a job that must fail before any actor starts: the same ``main()``, in
     this process (a new interpreter would import torch, transformers and Ray again, about 3 CPU s), with its

@@ -4,17 +4,14 @@ killed mid-run, a lost learner rank, and a graceful stop. Real jobs on a real lo
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import RAY_ENV, ROOT, SMALL, run_job
+from tests.conftest import SMALL, follow_job, run_job, start_job
 
 pytestmark = pytest.mark.integration
 
@@ -74,22 +71,6 @@ def test_resume_reproduces_the_straight_run_and_refuses_bad_checkpoints(ray_head
         assert [r[key] for r in a] == pytest.approx([r[key] for r in b], rel=1e-6, abs=1e-9), key
 
 
-def _start(cmd_args):
-    return subprocess.Popen([sys.executable, "-m", "learner.main", *cmd_args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **RAY_ENV})
-
-
-def _follow(proc, on_line, timeout_s=600):
-    """Feed each output line to ``on_line`` until the process ends; return the whole output."""
-    out, deadline = [], time.monotonic() + timeout_s
-    for line in proc.stdout:
-        out.append(line)
-        on_line(line)
-        assert time.monotonic() < deadline, "job took too long:\n" + "".join(out[-50:])
-    proc.wait(timeout=60)
-    return "".join(out)
-
-
 def test_actor_deaths_lost_rank_and_graceful_stop(ray_head, cache_dir, tmp_path):
     import ray
 
@@ -106,8 +87,8 @@ def test_actor_deaths_lost_rank_and_graceful_stop(ray_head, cache_dir, tmp_path)
                 ray.kill(ray.get_actor(to_kill.pop(0)), no_restart=False)
                 last_kill[0] = time.monotonic()
 
-        proc = _start(args(ray_head, cache_dir, tmp_path, name, "--run.iterations", "30", "--checkpoint.every", "1"))
-        out = _follow(proc, killer)
+        proc = start_job(args(ray_head, cache_dir, tmp_path, name, "--run.iterations", "30", "--checkpoint.every", "1"))
+        out = follow_job(proc, killer)
         assert proc.returncode != 0
         assert "learner rank 0 (actor learner-rank-0) died" in out, out[-3000:]
         records = metrics(run_dir)
@@ -122,9 +103,9 @@ def test_actor_deaths_lost_rank_and_graceful_stop(ray_head, cache_dir, tmp_path)
         assert saved in (last - 1, last)
 
         # the last checkpoint resumes; SIGTERM during the next iteration stops cleanly with a checkpoint
-        proc = _start(args(ray_head, cache_dir, tmp_path, name, "--run.iterations", "30", "--checkpoint.every", "0",
+        proc = start_job(args(ray_head, cache_dir, tmp_path, name, "--run.iterations", "30", "--checkpoint.every", "0",
                            "--run.resume", "latest"))
-        out = _follow(proc, lambda line: line.startswith(f"[tether] iter {saved + 1}/") and proc.send_signal(signal.SIGTERM))
+        out = follow_job(proc, lambda line: line.startswith(f"[tether] iter {saved + 1}/") and proc.send_signal(signal.SIGTERM))
         assert proc.returncode == 143, out[-3000:]
         stopped_at = metrics(run_dir)[-1]["iteration"]
         assert f"stopped by SIGTERM after iteration {stopped_at}" in out
