@@ -60,7 +60,7 @@ def value(v: Any) -> str:
 
 def sections(model: type[BaseModel], resolved: BaseModel | None, path: str) -> list[str]:
     """The table of ``model``'s settings (``resolved`` holds the job's values), then its subsections'."""
-    followed = {f"{s}.{n}": source for s, n, source in FOLLOWED_DEFAULTS}
+    followed = {f"{s}.{n}": ", ".join(sources) for s, n, sources in FOLLOWED_DEFAULTS}
     doc = " ".join((model.__doc__ or "").split()) if "__doc__" in vars(model) else ""
     rows = [f"\n## {path}\n", *([doc, ""] if doc else []), "| setting | type | default | description |", "|---|---|---|---|"]
     below: list[str] = []

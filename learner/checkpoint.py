@@ -133,7 +133,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 def keep_followed_defaults(saved: dict, cfg: JobConfig) -> None:
     """A resume keeps what the run's followed defaults were (``JobConfig.followed_defaults``): an unset
-    ``ppo.lr``, ``ppo.minibatch_size`` or ``rollout.chunk_size`` takes the checkpoint's value, which a
+    ``ppo.lr``, ``ppo.epochs``, ``ppo.minibatch_size`` or ``rollout.chunk_size`` takes the checkpoint's value, which a
     version of tether with other defaults may have resolved differently."""
     for section, name, _ in FOLLOWED_DEFAULTS:
         holder, value = getattr(cfg, section), saved.get(section, {}).get(name)

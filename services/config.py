@@ -27,6 +27,7 @@ from services.settings_sampling import (
 )
 from services.settings_training import (
     ADVANTAGE_LR,
+    ASYNC_ONE_EPOCH,
     PRETRAINED_PARAMETERS,
     VLLM_LORA_RANKS,
     CheckpointConfig,
@@ -40,9 +41,11 @@ from services.settings_training import (
     RunConfig,
 )
 
-# the settings that follow another when unset (JobConfig._defaults_follow): (section, field, what it follows)
-FOLLOWED_DEFAULTS = (("ppo", "minibatch_size", "rollout.batch_size"), ("rollout", "chunk_size", "rollout.batch_size"),
-                     ("ppo", "lr", "ppo.advantage"))
+# the settings that follow others when unset (JobConfig._defaults_follow): (section, field, the settings it follows)
+FOLLOWED_DEFAULTS = (("ppo", "minibatch_size", ("rollout.batch_size",)),
+                     ("rollout", "chunk_size", ("rollout.batch_size",)),
+                     ("ppo", "lr", ("ppo.advantage",)),
+                     ("ppo", "epochs", ("rollout.mode", "ppo.policy_loss", "ppo.correction")))
 
 
 def _largest_divisor(n: int, at_most: int, fits: Callable[[int], bool]) -> int | None:
@@ -96,17 +99,21 @@ class JobConfig(BaseSettings):
         if "lr" not in p.model_fields_set:
             p.lr = ADVANTAGE_LR[p.advantage]
             p.model_fields_set.discard("lr")
+        if "epochs" not in p.model_fields_set and r.mode == "async" and (
+                p.policy_loss in ASYNC_ONE_EPOCH["policy_loss"] or p.correction in ASYNC_ONE_EPOCH["correction"]):
+            p.epochs = 1
+            p.model_fields_set.discard("epochs")
         return self
 
     def followed_defaults(self) -> str | None:
         """The job's first line when an unset setting followed another (``_defaults_follow``), else None."""
         followed = []
-        for section, name, source in FOLLOWED_DEFAULTS:
+        for section, name, sources in FOLLOWED_DEFAULTS:
             holder = getattr(self, section)
             if name not in holder.model_fields_set and getattr(holder, name) != type(holder).model_fields[name].default:
-                source_section, source_name = source.split(".")
-                followed.append(f"{section}.{name}={getattr(holder, name):g} follows "
-                                f"{source}={getattr(getattr(self, source_section), source_name)}")
+                shown = ", ".join(f"{source}={getattr(getattr(self, source.split('.')[0]), source.split('.')[1])}"
+                                  for source in sources)
+                followed.append(f"{section}.{name}={getattr(holder, name):g} follows {shown}")
         return "defaults: " + "; ".join(followed) + " (set them to choose)" if followed else None
 
     @model_validator(mode="after")
