@@ -137,8 +137,8 @@ class LearnerRank:
                           betas=tuple(ppo_cfg.adam_betas), weight_decay=ppo_cfg.weight_decay, eps=1e-8,
                           fused=None if on_gpu else True)
         micro = ppo_cfg.minibatch_size // world_size
-        # fp32 without ZeRO: the step clips the gradients itself (``_clip_gradients``), which gives their norm
-        # once; DeepSpeed's own clipping would compute it a second time
+        # fp32 without ZeRO: each step clips the gradients itself (``_ppo_epochs``), which gives their norm for
+        # the metric once; DeepSpeed's own clipping would compute it a second time
         self.clips_itself = not learner_cfg.zero_stage and learner_cfg.dtype == "float32"
         ds_config = {
             "train_micro_batch_size_per_gpu": micro,

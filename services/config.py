@@ -7,6 +7,7 @@ import hashlib
 import json
 import typing
 from collections.abc import Callable
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +112,7 @@ class JobConfig(BaseSettings):
         for section, name, sources in FOLLOWED_DEFAULTS:
             holder = getattr(self, section)
             if name not in holder.model_fields_set and getattr(holder, name) != type(holder).model_fields[name].default:
-                shown = ", ".join(f"{source}={getattr(getattr(self, source.split('.')[0]), source.split('.')[1])}"
-                                  for source in sources)
+                shown = ", ".join(f"{source}={attrgetter(source)(self)}" for source in sources)
                 followed.append(f"{section}.{name}={getattr(holder, name):g} follows {shown}")
         return "defaults: " + "; ".join(followed) + " (set them to choose)" if followed else None
 
