@@ -7,10 +7,12 @@ sampled optimality >= 0.95; reports the whole-process time of each and their rat
   128; lr 3e-4, beta 0 (TRL) and 2 threads for TRL.
 - The same evaluation for both: 20 prompts x 50 samples of the saved policy, drawn by one sampler
   (transformers ``generate`` at temperature 1, tether's ``HFEngine``) and scored by the task's optimality.
-- A side that stays below 0.95 after ``--steps`` is run again with twice the steps, up to ``--max-steps``.
+- Each side, for each seed (``run.seed``; TRL's ``--seed``; the SFT start of that seed), runs at the step counts of
+  ``--ladder`` in turn until a run's final evaluation reaches 0.95: its time to the target is that run's. The
+  ratio is tether's over TRL's per seed; the median over the seeds is the race's figure.
 - Whole process: from starting the command to its exit, SFT model cached, evaluation not included.
 
-    .venv/bin/python benchmarks/trl_compare.py [--steps 20] [--max-steps 80]
+    .venv/bin/python benchmarks/trl_compare.py [--seeds 1 2 3] [--ladder 5 10 15 20 30 40 60 80]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,16 +62,17 @@ def trl_python(cache_dir: Path, extra: tuple[str, ...] = ()) -> Path:
     return python
 
 
-def sft_start() -> Path:
-    """The default job's SFT warm start (built and cached on a miss, outside both timings)."""
+def sft_start(seed: int | None = None) -> Path:
+    """The default job's SFT warm start for ``run.seed`` ``seed`` (the job's own by default; built and cached on a
+    miss, outside both timings)."""
     from services.config import JobConfig
     from services.models import policy_dir
     from services.tasks import get_task
 
     cfg = JobConfig()
     task = get_task(cfg.task.name, seed=cfg.task.seed)
-    return policy_dir(task, None, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps, cfg.model.sft_batch_size,
-                      cfg.model.sft_lr)
+    return policy_dir(task, None, cfg.model.cache_dir, cfg.run.seed if seed is None else seed, cfg.model.sft_steps,
+                      cfg.model.sft_batch_size, cfg.model.sft_lr)
 
 
 def timed(cmd: list[str], log: Path, env: dict | None = None) -> float:
@@ -100,33 +104,33 @@ def evaluate(model_dir: Path, prompts_n: int = 20, samples: int = 50, seed: int 
     return task.evaluate(prompt_texts, completions)["optimality"]
 
 
-def run_tether(steps: int, work: Path) -> dict:
-    name = f"tether-{steps}"
+def run_tether(steps: int, work: Path, seed: int) -> dict:
+    name = f"tether-{seed}-{steps}"
     seconds = timed([sys.executable, "-m", "learner.main", "--run.iterations", str(steps), "--run.eval_every",
-                     str(steps), "--run.output_dir", str(work), "--run.name", name],
+                     str(steps), "--run.seed", str(seed), "--run.output_dir", str(work), "--run.name", name],
                     work / f"{name}.log", env={**os.environ, "PYTHONPATH": str(ROOT)})
     return {"steps": steps, "whole_process_seconds": seconds, "optimality": evaluate(work / name / "export")}
 
 
-def run_trl(python: Path, sft: Path, steps: int, work: Path) -> dict:
-    out = work / f"trl-{steps}"
+def run_trl(python: Path, sft: Path, steps: int, work: Path, seed: int) -> dict:
+    out = work / f"trl-{seed}-{steps}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
     seconds = timed([str(python), str(ROOT / "benchmarks" / "_trl_grpo.py"), "--model", str(sft), "--steps",
-                     str(steps), "--out", str(out)], work / f"trl-{steps}.log", env=env)
+                     str(steps), "--seed", str(seed), "--out", str(out)], work / f"trl-{seed}-{steps}.log", env=env)
     timings = json.loads((out / "timings.json").read_text())
     return {"steps": steps, "whole_process_seconds": seconds, "seconds_per_step": timings["seconds_per_step"],
             "optimality": evaluate(out / "model")}
 
 
-def to_target(run, steps: int, max_steps: int) -> list[dict]:
-    """Runs at ``steps``, doubling until the evaluation reaches the target or ``max_steps`` is passed."""
+def to_target(run, ladder: list[int]) -> list[dict]:
+    """Runs at each step count of ``ladder`` in turn until one's evaluation reaches the target (the last run's is
+    the time to it), or the ladder ends."""
     tries = []
-    while steps <= max_steps:
+    for steps in ladder:
         tries.append(run(steps))
         print(f"[trl_compare] {tries[-1]}", flush=True)
         if tries[-1]["optimality"] >= TARGET:
             break
-        steps *= 2
     return tries
 
 
@@ -142,33 +146,43 @@ def parse_args(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, Pat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="iterations (tether) and optimizer steps (TRL)")
-    parser.add_argument("--max-steps", type=int, default=80, help="give up doubling past this")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="run.seed (TRL's --seed) of each race")
+    parser.add_argument("--ladder", nargs="+", type=int, default=[5, 10, 15, 20, 30, 40, 60, 80],
+                        help="the step counts each side tries, in turn, until one reaches the target")
     args, cache = parse_args(parser)
     python = trl_python(cache)
-    sft = sft_start()
     work = Path(tempfile.mkdtemp(prefix="trl-compare-", dir=cache))
-    sft_optimality = evaluate(sft)
-    tether = to_target(lambda s: run_tether(s, work), args.steps, args.max_steps)
-    trl = to_target(lambda s: run_trl(python, sft, s, work), args.steps, args.max_steps)
-    a, b = tether[-1], trl[-1]
-    reached = a["optimality"] >= TARGET and b["optimality"] >= TARGET
-    results = {**stamp(), "cpu_flags": cpu_flags(), "sft_optimality": sft_optimality, "tether": tether, "trl": trl,
-               "ratio_tether_over_trl": a["whole_process_seconds"] / b["whole_process_seconds"],
-               "both_reached_target": reached}
+    races = {}
+    for seed in args.seeds:
+        sft = sft_start(seed)
+        tether = to_target(lambda s, seed=seed: run_tether(s, work, seed), args.ladder)
+        trl = to_target(lambda s, seed=seed, sft=sft: run_trl(python, sft, s, work, seed), args.ladder)
+        a, b = tether[-1], trl[-1]
+        races[str(seed)] = {"sft_optimality": evaluate(sft), "tether": tether, "trl": trl,
+                            "ratio_tether_over_trl": a["whole_process_seconds"] / b["whole_process_seconds"],
+                            "both_reached_target": a["optimality"] >= TARGET and b["optimality"] >= TARGET}
+    ratios = [r["ratio_tether_over_trl"] for r in races.values()]
+    reached = all(r["both_reached_target"] for r in races.values())
+    results = {**stamp(), "cpu_flags": cpu_flags(), "races": races, "median_ratio": statistics.median(ratios),
+               "all_reached_target": reached}
     table = [
         (f"randomwalks, tether's default job against TRL {TRL_VERSION} GRPO (16 prompts x 8, lr 3e-4, beta 0, 2 "
-         f"threads), same SFT start (optimality {sft_optimality:.2f}), one evaluation (20 prompts x 50 samples); "
-         f"{results['date']}, {results['machine']}, CPU flags: {results['cpu_flags']}; "
-         "`.venv/bin/python benchmarks/trl_compare.py`"),
+         f"threads), same SFT start per seed, each side at the first step count of {args.ladder} whose one "
+         f"evaluation (20 prompts x 50 samples) reached {TARGET}; {results['date']}, {results['machine']}, CPU flags: "
+         f"{results['cpu_flags']}; `.venv/bin/python benchmarks/trl_compare.py --seeds "
+         f"{' '.join(map(str, args.seeds))}`"),
         "",
-        "| | steps | whole process | sampled optimality |",
-        "|---|---|---|---|",
-        f"| tether | {a['steps']} | {a['whole_process_seconds']:.1f} s | {a['optimality']:.3f} |",
-        f"| TRL GRPO | {b['steps']} | {b['whole_process_seconds']:.1f} s | {b['optimality']:.3f} |",
-        (f"| tether / TRL | | {results['ratio_tether_over_trl']:.2f}x | "
-         f"{'both >= 0.95' if reached else 'target NOT reached by both: ratio not to target'} |"),
+        ("| seed | SFT start | tether: iterations, whole process, optimality | TRL GRPO: steps, whole process, "
+         "optimality | tether / TRL |"),
+        "|---|---|---|---|---|",
     ]
+    for seed, r in races.items():
+        a, b = r["tether"][-1], r["trl"][-1]
+        table.append(f"| {seed} | {r['sft_optimality']:.3f} | {a['steps']}, {a['whole_process_seconds']:.1f} s, "
+                     f"{a['optimality']:.3f} | {b['steps']}, {b['whole_process_seconds']:.1f} s, {b['optimality']:.3f} "
+                     f"| {r['ratio_tether_over_trl']:.2f}x |")
+    table.append(f"| median | | | | {results['median_ratio']:.2f}x"
+                 f"{'' if reached else ' (a side did NOT reach the target in some race: not a time to target)'} |")
     json_path, md_path = write_results(args.out, "trl_compare", results, table)
     print("\n".join(table), flush=True)
     print(f"[trl_compare] {json_path} {md_path} (CPU {cpu_model()})", flush=True)

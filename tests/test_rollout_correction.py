@@ -368,9 +368,14 @@ def test_async_without_a_correction_is_refused_and_the_defaults_correct_in_both_
     gspo = PPOConfig(policy_loss="gspo", advantage="rloo", correction_level="sequence")
     assert gspo.ratio_clip_range() == (3e-4, 4e-4)
     assert load_config(None, {"ppo": {"correction": "none"}}).ppo.correction == "none"  # sync may turn it off
-    for correction in ("icepop", "geometric_mask", "off_policy_mask"):  # corrections: async mode takes them
+    for correction in ("icepop", "off_policy_mask"):  # corrections: async mode takes them
         cfg = load_config(None, {"rollout": {"mode": "async"}, "ppo": {"correction": correction}})
         assert cfg.ppo.correction == correction
+    # the geometric mask too, with a band set for a stale row's drift: its default is the numerics' alone
+    with pytest.raises(ValidationError, match=r"\[geometric_band_set_for_async\].*default band \[0.999, 1.001\]"):
+        load_config(None, {"rollout": {"mode": "async"}, "ppo": {"correction": "geometric_mask"}})
+    band = {"correction": "geometric_mask", "geometric_mask_low": 0.8, "geometric_mask_high": 1.25}
+    assert load_config(None, {"rollout": {"mode": "async"}, "ppo": band}).ppo.geometric_mask_high == 1.25
     cispo = PPOConfig(policy_loss="cispo", cispo_clip_low=0.2, cispo_clip_high=0.28)
     assert cispo.ratio_clip_range() == (0.2, 0.28)
     assert PPOConfig(policy_loss="cispo").ratio_clip_range() == (1.0, 4.0)
