@@ -87,6 +87,7 @@ class ClusterSpec:
 
 # tether's variables for every actor, set by connect(): what the actors need, never what the job set
 ACTOR_ENV: dict[str, str] = {}
+_joined = False  # connect() joined or started the Ray that disconnect() leaves
 
 
 def in_submitted_job() -> bool:
@@ -116,6 +117,7 @@ def actor_env(run_name: str, log_level: str) -> dict[str, str]:
 def connect(spec: ClusterSpec, log=print) -> None:
     """Join the configured cluster, the one `ray job submit` runs us in, or start a local Ray. tether's
     environment variables go to each actor (``_options``), so a job's own runtime env stays as it is."""
+    global _joined
     ACTOR_ENV.clear()
     ACTOR_ENV.update(actor_env(spec.run_name, spec.log_level))
     os.environ["TETHER_RUN"] = spec.run_name  # the driver's metrics carry the run, like the actors'
@@ -129,6 +131,7 @@ def connect(spec: ClusterSpec, log=print) -> None:
         # outside a job the driver's runtime env reaches every worker; inside one the job's stays as it is
         runtime_env = None if in_submitted_job() else {"env_vars": ACTOR_ENV}
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, namespace=spec.namespace, **quiet)
+        _joined = True
         log(f"ray: joined {address}")
     else:
         ray.init(
@@ -140,7 +143,18 @@ def connect(spec: ClusterSpec, log=print) -> None:
             namespace=spec.namespace,
             **quiet,
         )
+        _joined = True
         log("ray: started a local Ray (no cluster.address and no RAY_ADDRESS)")
+
+
+def disconnect() -> None:
+    """Leave the Ray that ``connect`` joined or started (a local one stops with it) now, at the end of the job:
+    at the interpreter's exit Ray first sleeps 0.5 s for the actors' last log lines. A connection the job found
+    already open is left as it was."""
+    global _joined
+    if _joined:
+        _joined = False
+        ray.shutdown()
 
 
 def check_role_resources(spec: ClusterSpec) -> None:

@@ -125,6 +125,7 @@ class Progress:
 
 def run(cfg: JobConfig) -> dict:
     """The job: setup, then one iteration after another of named steps (``learner/loop.py``)."""
+    from learner import cluster
     from learner.loop import GracefulStop, setup
 
     job = setup(cfg, log)  # inputs checked, actors up, weights and beta synced, resumed if asked, first eval
@@ -147,6 +148,7 @@ def run(cfg: JobConfig) -> dict:
     finally:
         progress.close(summary)  # the tracker takes the summary and the final curves
         job.placement.remove()
+        cluster.disconnect()
 
 
 def main(argv: list[str] | None = None) -> int:
