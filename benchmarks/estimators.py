@@ -131,7 +131,8 @@ def main() -> None:
                     print("grpo_no_correction: async mode needs its importance weight (ppo.correction: none is "
                           "refused there); skipped")
                     continue
-                if variant == "geometric_mask" and mode == "async" and "--ppo.geometric_mask_low" not in args.extra:
+                if variant == "geometric_mask" and mode == "async" and not any(
+                        a.startswith("--ppo.geometric_mask_") for a in args.extra):
                     # results/losses-and-masks-sync-async-seeds-3 holds the row measured before that refusal
                     print("geometric_mask: async mode refuses its default band (rule geometric_band_set_for_async); "
                           "skipped: pass --ppo.geometric_mask_low/high after --")

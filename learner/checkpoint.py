@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from services.config import FOLLOWED_DEFAULTS, JobConfig
+from services.config import FOLLOWED_DEFAULTS, JobConfig, follow
 from services.errors import TetherError
 from services.storage import RunStorage
 
@@ -138,8 +138,7 @@ def keep_followed_defaults(saved: dict, cfg: JobConfig) -> None:
     for section, name, _ in FOLLOWED_DEFAULTS:
         holder, value = getattr(cfg, section), saved.get(section, {}).get(name)
         if value is not None and name not in holder.model_fields_set and getattr(holder, name) != value:
-            setattr(holder, name, value)
-            holder.model_fields_set.discard(name)
+            follow(holder, name, value)
 
 
 def check_compatible(saved: dict, cfg: JobConfig, ckpt: RunStorage) -> None:

@@ -133,7 +133,8 @@ class LearnerRank:
 
         # on CPU torch's default AdamW steps one tensor at a time: fused, a randomwalks GPT-2 step takes 1.1 ms
         # instead of 3.5 (on CUDA its default, foreach, is kept)
-        optimizer = AdamW([p for p in model.parameters() if p.requires_grad], lr=ppo_cfg.lr,
+        self.trained_parameters = [p for p in model.parameters() if p.requires_grad]
+        optimizer = AdamW(self.trained_parameters, lr=ppo_cfg.lr,
                           betas=tuple(ppo_cfg.adam_betas), weight_decay=ppo_cfg.weight_decay, eps=1e-8,
                           fused=None if on_gpu else True)
         micro = ppo_cfg.minibatch_size // world_size
@@ -451,9 +452,8 @@ class LearnerRank:
                 # the gradient's norm before clipping (ppo.max_grad_norm): DeepSpeed's optimizers under ZeRO and
                 # in bf16 report it; an fp32 step without ZeRO clips the parameters' (reduced) gradients here
                 norm = None
-                if self.clips_itself:
-                    norm = torch.nn.utils.clip_grad_norm_([p for p in self.engine.module.parameters()
-                                                           if p.grad is not None], self.ppo.max_grad_norm)
+                if self.clips_itself:  # a parameter without a gradient (unused this step) is left out by torch
+                    norm = torch.nn.utils.clip_grad_norm_(self.trained_parameters, self.ppo.max_grad_norm)
                 self.engine.step()
                 norm = self.engine.get_global_grad_norm() or norm
                 if norm is not None:

@@ -49,6 +49,13 @@ FOLLOWED_DEFAULTS = (("ppo", "minibatch_size", ("rollout.batch_size",)),
                      ("ppo", "epochs", ("rollout.mode", "ppo.policy_loss", "ppo.correction")))
 
 
+def follow(holder: BaseModel, name: str, value: Any) -> None:
+    """``holder.name = value`` for a setting the user left unset, which stays unset: a dumped config records the
+    value, and a resume of the run takes it back (``learner.checkpoint.keep_followed_defaults``)."""
+    setattr(holder, name, value)
+    holder.model_fields_set.discard(name)
+
+
 def _largest_divisor(n: int, at_most: int, fits: Callable[[int], bool]) -> int | None:
     """The largest divisor of ``n`` no larger than ``at_most`` that ``fits``, or None."""
     return next((d for d in range(min(n, at_most), 0, -1) if n % d == 0 and fits(d)), None)
@@ -89,21 +96,17 @@ class JobConfig(BaseSettings):
         ``followed_defaults``); they stay unset, so a dumped config records the value and a resume keeps it."""
         r, p, w = self.rollout, self.ppo, self.learner.world_size
         if "minibatch_size" not in p.model_fields_set:
-            p.minibatch_size = _largest_divisor(r.batch_size, PPOConfig.model_fields["minibatch_size"].default,
-                                                lambda d: d % w == 0) or p.minibatch_size
-            p.model_fields_set.discard("minibatch_size")
+            follow(p, "minibatch_size", _largest_divisor(r.batch_size, PPOConfig.model_fields["minibatch_size"].default,
+                                                         lambda d: d % w == 0) or p.minibatch_size)
         if "chunk_size" not in r.model_fields_set:
-            r.chunk_size = _largest_divisor(
+            follow(r, "chunk_size", _largest_divisor(
                 r.batch_size, RolloutConfig.model_fields["chunk_size"].default,
-                lambda d: d % r.samples_per_prompt == 0 and (r.batch_size // d) % w == 0) or r.chunk_size
-            r.model_fields_set.discard("chunk_size")
+                lambda d: d % r.samples_per_prompt == 0 and (r.batch_size // d) % w == 0) or r.chunk_size)
         if "lr" not in p.model_fields_set:
-            p.lr = ADVANTAGE_LR[p.advantage]
-            p.model_fields_set.discard("lr")
+            follow(p, "lr", ADVANTAGE_LR[p.advantage])
         if "epochs" not in p.model_fields_set and r.mode == "async" and (
                 p.policy_loss in ASYNC_ONE_EPOCH["policy_loss"] or p.correction in ASYNC_ONE_EPOCH["correction"]):
-            p.epochs = 1
-            p.model_fields_set.discard("epochs")
+            follow(p, "epochs", 1)
         return self
 
     def followed_defaults(self) -> str | None:

@@ -24,12 +24,12 @@ PRETRAINED_PARAMETERS = 20_000_000
 # RLOO end below 0.9 optimality on graphs other than the default one. GRPO's advantages are scaled to unit
 # variance in each group however small its spread: at 1e-4 it plateaued at 0.93 on one graph (at 2e-4 lower),
 # at 5e-5 it kept climbing (benchmarks/advantage_lr.py)
+ADVANTAGE_LR = {"gae": 3e-4, "grpo": 5e-5, "rloo": 1e-4, "reinforce_pp": 1e-4, "reinforce_pp_baseline": 1e-4}
 # In async mode, the policy losses and the correction that let a stale row weigh more than TIS's cap of 2 (CISPO's
 # weight up to 5, SAPO's soft gate, IcePop's untruncated weight) lost learning parity over the default 4 epochs
 # (8 optimizer steps a batch) and held it with one (benchmarks/results/losses-and-masks-*): an unset ppo.epochs
 # follows (JobConfig._defaults_follow)
 ASYNC_ONE_EPOCH = {"policy_loss": ("cispo", "sapo"), "correction": ("icepop",)}
-ADVANTAGE_LR = {"gae": 3e-4, "grpo": 5e-5, "rloo": 1e-4, "reinforce_pp": 1e-4, "reinforce_pp_baseline": 1e-4}
 
 
 # what only GAE reads (learner/advantages.py's _gae; the critic's value loss, learner/algorithm.py), and what it is
