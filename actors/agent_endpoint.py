@@ -62,6 +62,7 @@ class Call:
     completion_ids: list[int]  # what it sampled, up to and including EOS
     logprobs: list[float]  # the sampled tokens' log-probs (after temperature)
     finish_reason: int  # FINISH_STOP or FINISH_LENGTH
+    versions: list[int] | None = None  # in-flight updates: each sampled token's version
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Trajectory:
     logprobs: list[float]  # the sampled log-prob where action_mask is 1, else 0
     finish_reason: int  # the last call's
     calls: int = 1  # the model calls merged into it
+    versions: list[int] = field(default_factory=list)  # each model token's version (in-flight updates), else -1
 
 
 @dataclass
@@ -264,7 +266,8 @@ class AgentEndpoint:
         except Exception as e:
             log.exception("agent endpoint: the engine failed")
             raise RequestError(500, f"the engine failed: {type(e).__name__}: {e}") from e
-        call = Call(prompt_ids, generation.response_ids, generation.logprobs, generation.finish_reason)
+        call = Call(prompt_ids, generation.response_ids, generation.logprobs, generation.finish_reason,
+                    generation.versions)
         self._record(key, index, call)
         return call
 
@@ -549,9 +552,15 @@ def merge_calls(calls: list[Call]) -> list[Trajectory]:
                 last.ids += between + call.completion_ids
                 last.action_mask += [0] * len(between) + [1] * len(call.completion_ids)
                 last.logprobs += [0.0] * len(between) + list(call.logprobs)
+                last.versions += [-1] * len(between) + call_versions(call)
                 last.finish_reason = call.finish_reason
                 last.calls += 1
                 continue
         trajectories.append(Trajectory(list(call.prompt_ids), list(call.completion_ids),
-                                       [1] * len(call.completion_ids), list(call.logprobs), call.finish_reason))
+                                       [1] * len(call.completion_ids), list(call.logprobs), call.finish_reason,
+                                       versions=call_versions(call)))
     return trajectories
+
+
+def call_versions(call: Call) -> list[int]:
+    return list(call.versions) if call.versions is not None else [-1] * len(call.completion_ids)

@@ -45,6 +45,7 @@ class AgentRow:
     logprobs: list[float]
     finish_reason: int  # FINISH_LENGTH also when cut at rollout.max_trajectory_tokens
     turn_rewards: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # each model token's version (in-flight updates), else -1
     turns: int = 0  # the model calls merged into the row
     tool_calls: int = 0
     failures: int = 0
@@ -109,6 +110,6 @@ class AgentRunner:
                 rewards[max(t for t, sampled in enumerate(mask) if sampled)] = outcome.reward
             rows.append(AgentRow(episode, trajectory.prompt_ids, trajectory.ids[:limit], mask,
                                  trajectory.logprobs[:limit], FINISH_LENGTH if cut else trajectory.finish_reason,
-                                 rewards, trajectory.calls,
+                                 rewards, trajectory.versions[:limit], trajectory.calls,
                                  tool_calls if n == 0 else 0, failures if n == 0 else 0))
         return rows

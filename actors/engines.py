@@ -23,6 +23,7 @@ class Generation:
     response_ids: list[int]  # up to and including the first EOS
     logprobs: list[float]  # sampled-token log-probs after temperature
     finish_reason: int  # FINISH_STOP or FINISH_LENGTH
+    versions: list[int] | None = None  # in-flight updates: each token's policy version; None: the engine's one
 
 
 @dataclass
@@ -47,8 +48,9 @@ class Engine(Protocol):
         """Log-prob of each token after the prompt (temperature 1): the probe."""
         ...
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> list[str]:
-        """New policy weights (HF names) in place; returns the model's parameters that were not loaded."""
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int = 0) -> list[str]:
+        """New policy weights (HF names) in place, as policy ``version``; returns the model's parameters that were
+        not loaded."""
         ...
 
     # vLLM's weight transfer (learner.weight_sync nccl | ipc), in this order: init once, then per sync
@@ -97,6 +99,8 @@ class VLLMEngine:
         from services.devices import build_llm
 
         spec = spec or EngineSpec()
+        # in-flight updates load with requests running, where vLLM cannot reset its prefix cache
+        self.prefix_caching = spec.in_flight == "off"
         lora_rank, weight_transfer, engine_args, device = spec.lora_rank, spec.weight_transfer, spec.engine_args, spec.device
         self.lora_request = None  # the adapter of the version in force (adapter-only sync); None: base weights
         self.takes_adapters = lora_rank is not None and vllm_takes_adapters(model_dir)
@@ -113,7 +117,7 @@ class VLLMEngine:
         self.llm = build_llm(
             model_dir, spec.seed, spec.max_model_len, spec.kv_cache_mib, spec.dtype, device, engine_args, spec.cpu_core,
             # log-probs of the distribution actually sampled from (after temperature)
-            logprobs_mode="processed_logprobs",
+            logprobs_mode="processed_logprobs", enable_prefix_caching=self.prefix_caching,
             worker_extension_cls="actors.vllm_extension.WeightSyncExtension",
             **weight_transfer_args, **lora_args,
         )
@@ -174,10 +178,11 @@ class VLLMEngine:
             scored.append([out.prompt_logprobs[i][seq[i]].logprob for i in range(plen, len(seq))])
         return scored
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> list[str]:
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int = 0) -> list[str]:
         missing = self.llm.collective_rpc("load_policy_weights", args=(weights,))
-        # cached keys were computed by the old weights
-        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.set_weight_version(str(version))
+        if self.prefix_caching:  # cached keys were computed by the old weights
+            self.llm.reset_prefix_cache()
         return sorted(set().union(*missing))  # every worker's (tensor parallel: each holds its shard)
 
     def load_adapter(self, weights: dict[str, torch.Tensor], adapter_config: dict, policy_version: int) -> None:
@@ -276,7 +281,7 @@ class HFEngine:
             scored.append(logprobs[torch.arange(plen - 1, len(seq) - 1), ids[0, plen:]].tolist())
         return scored
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> list[str]:
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int = 0) -> list[str]:
         loaded = self.model.load_state_dict(weights, strict=False)
         if loaded.unexpected_keys:
             raise ValueError(f"weights for parameters this model does not have: {loaded.unexpected_keys[:5]}")

@@ -41,6 +41,7 @@ class Episode:
     ids: list[int] = field(default_factory=list)  # the trajectory after the prompt
     action_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # in-flight updates: each sampled token's version, else -1
     turn_rewards: list[float] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
@@ -59,10 +60,12 @@ class Episode:
 
         return FINISH_LENGTH if self.truncated else FINISH_STOP
 
-    def append(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
+    def append(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None,
+               versions: list[int] | None = None) -> None:
         self.ids += ids
         self.action_mask += [int(sampled)] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.versions += versions if versions is not None else [-1] * len(ids)
         self.turn_rewards += [0.0] * len(ids)
 
 
@@ -150,7 +153,7 @@ class EpisodeRunner:
         generations = self.engine.generate([e.prompt + e.ids for e in running], sampling,
                                            [(e.seed + 104_729 * turn) % (2**31 - 1) for e in running], budget)
         for episode, generation, left in zip(running, generations, budget, strict=True):
-            episode.append(generation.response_ids, True, generation.logprobs)
+            episode.append(generation.response_ids, True, generation.logprobs, generation.versions)
             episode.turns += 1
             episode.turn_closed = self._ends_turn(generation)
             if len(generation.response_ids) >= left and not self._ends_turn(generation):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -32,6 +33,14 @@ class RolloutActor(VersionedActor):
         self.max_model_len = spec.engine.max_model_len
         device = check_device(spec.engine.device, f"rollout-{index}")
         self.engine = make_engine(model_dir, replace(spec.engine, device=device))
+        # in-flight updates: calls run on several threads and reach vLLM through one loop that steps it; a
+        # chunk of episodes or agents at a time holds the runners, whose counts are the actor's
+        self.in_flight = spec.engine.in_flight != "off"
+        if self.in_flight:
+            from actors.engine_loop import InFlightEngine
+
+            self.engine = InFlightEngine(self.engine, spec.engine.in_flight)
+        self.runners_lock = threading.Lock()
         self.last_tokens_per_second: float | None = None  # no rate, and no gauge, before a generation
 
     def generate(self, prompts: list[list[int]], prompt_index: list[int], seeds: list[int],
@@ -55,6 +64,7 @@ class RolloutActor(VersionedActor):
             kl_coef=self.kl_coef,
             response_width=sampling.max_new_tokens,
             group_index=group_index,
+            token_versions=[g.versions for g in generations] if self.in_flight else None,
         )
 
     def run_episodes(self, rows: list[dict], prompt_index: list[int], seeds: list[int], sampling: SamplingSettings,
@@ -67,10 +77,11 @@ class RolloutActor(VersionedActor):
         from services.models import load_tokenizer
 
         start = time.perf_counter()
-        if self.episodes is None:  # the failures it counts are this engine's, over the job
-            self.episodes = EpisodeRunner(self.engine, load_tokenizer(self.model_dir), workers, limits)
-        self.episodes.workers, self.episodes.limits = workers, limits
-        episodes = self.episodes.run(rows, prompt_index, seeds, sampling, first_worker)
+        with self.runners_lock:
+            if self.episodes is None:  # the failures it counts are this engine's, over the job
+                self.episodes = EpisodeRunner(self.engine, load_tokenizer(self.model_dir), workers, limits)
+            self.episodes.workers, self.episodes.limits = workers, limits
+            episodes = self.episodes.run(rows, prompt_index, seeds, sampling, first_worker)
         return self._trajectory_batch(episodes, start, prompt_index, group_index, pad_id, limits.max_trajectory_tokens)
 
     def run_agents(self, rows: list[dict], prompt_index: list[int], seeds: list[int], sampling: SamplingSettings,
@@ -83,10 +94,11 @@ class RolloutActor(VersionedActor):
         from services.models import load_tokenizer
 
         start = time.perf_counter()
-        if self.agents is None:
-            self.agents = AgentRunner(self.engine, load_tokenizer(self.model_dir), sampling, self.max_model_len,
-                                      settings)
-        trajectories = self.agents.run(rows, prompt_index, seeds)
+        with self.runners_lock:
+            if self.agents is None:
+                self.agents = AgentRunner(self.engine, load_tokenizer(self.model_dir), sampling, self.max_model_len,
+                                          settings)
+            trajectories = self.agents.run(rows, prompt_index, seeds)
         return self._trajectory_batch(trajectories, start, prompt_index, group_index, pad_id,
                                       settings.max_trajectory_tokens)
 
@@ -108,7 +120,8 @@ class RolloutActor(VersionedActor):
             action_masks=[t.action_mask for t in trajectories], episode_index=[t.episode for t in trajectories],
             episodes=Episodes([t.turn_rewards for t in trajectories], [t.turns for t in trajectories],
                               [t.tool_calls for t in trajectories], [t.seconds for t in trajectories],
-                              [t.failures for t in trajectories]))
+                              [t.failures for t in trajectories]),
+            token_versions=[t.versions for t in trajectories] if self.in_flight else None)
 
     def takes_adapters(self) -> bool:
         """learner.lora: whether this engine loads the adapter alone at each sync (else the merged weights)."""
@@ -122,7 +135,7 @@ class RolloutActor(VersionedActor):
         if weights.adapter_config is not None:
             self.engine.load_adapter(weights.tensors(), weights.adapter_config, policy_version)
         else:
-            check_loaded(self.engine.load_weights(weights.tensors()), f"{self.role}-{self.index}",
+            check_loaded(self.engine.load_weights(weights.tensors(), policy_version), f"{self.role}-{self.index}",
                          f"the sync of version {policy_version}")
         self.set_state(policy_version, kl_coef)
         return time.perf_counter() - start

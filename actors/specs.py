@@ -27,6 +27,7 @@ class EngineSpec:
     engine_args: dict | None = None  # extra vLLM ``LLM(...)`` arguments (rollout.vllm_engine_args)
     weight_transfer: str | None = None  # learner.weight_sync 'nccl' | 'ipc': vLLM's transfer; None: object store
     lora_rank: int | None = None  # learner.lora.rank: vLLM starts with LoRA on where its model takes adapters
+    in_flight: str = "off"  # rollout.in_flight_updates: 'keep_kv' | 'partial' step vLLM in a loop (actors/engine_loop.py)
 
 
 @dataclass(frozen=True)

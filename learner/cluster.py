@@ -233,10 +233,12 @@ def reserve(spec: ClusterSpec) -> Placement:
 
 
 def start_actor(cls, role: str, i: int, res: RoleResources, placement: Placement | None, *args,
-                max_restarts: int = 0, tag: str = "", **kwargs):
-    """Start ``cls`` as a Ray actor named ``{role}-{i}`` (``learner-rank-{i}`` for ranks), plus ``-{tag}``."""
+                max_restarts: int = 0, tag: str = "", max_concurrency: int = 1, **kwargs):
+    """Start ``cls`` as a Ray actor named ``{role}-{i}`` (``learner-rank-{i}`` for ranks), plus ``-{tag}``;
+    ``max_concurrency`` > 1 runs its calls on that many threads."""
     name = (f"learner-rank-{i}" if role == "learner" else f"{role}-{i}") + (f"-{tag}" if tag else "")
-    options = _options(res) | {"name": name, "max_restarts": max_restarts, "max_task_retries": 0}
+    options = _options(res) | {"name": name, "max_restarts": max_restarts, "max_task_retries": 0,
+                               "max_concurrency": max_concurrency}
     if placement is not None:
         options["scheduling_strategy"] = placement.strategy(role, i)
     return ray.remote(cls).options(**options).remote(*args, **kwargs)

@@ -21,6 +21,9 @@ from learner.plan import FleetSpec
 from services.errors import TetherError
 
 
+IN_FLIGHT_THREADS = 16  # a rollout actor's concurrent calls with in-flight updates (its chunks, a load, the probe)
+
+
 class ProbeError(TetherError, RuntimeError):
     pass
 
@@ -47,12 +50,16 @@ class Fleet:
         the caller can start the learner ranks meanwhile."""
         self.spec = spec
 
-        def start(cls, role: str, specs: tuple, restarts: int) -> list:
+        def start(cls, role: str, specs: tuple, restarts: int, threads: int = 1) -> list:
             group = placement if role != "environment" else None  # environment workers: outside the bundles
             return [cluster.start_actor(cls, role, i, spec.resources[role], group, i, actor_spec,
-                                        max_restarts=restarts) for i, actor_spec in enumerate(specs)]
+                                        max_restarts=restarts, max_concurrency=threads)
+                    for i, actor_spec in enumerate(specs)]
 
-        self.rollouts = start(RolloutActor, "rollout", spec.rollouts, spec.engine_restarts)
+        # in-flight updates: a weight load, the probe and an evaluation reach the engine while chunks generate
+        in_flight = bool(spec.rollouts) and spec.rollouts[0].engine.in_flight != "off"
+        self.rollouts = start(RolloutActor, "rollout", spec.rollouts, spec.engine_restarts,
+                              threads=IN_FLIGHT_THREADS if in_flight else 1)
         self.references = start(ReferenceActor, "reference", spec.references, spec.restarts)
         self.rewards = start(RewardActor, "reward", spec.rewards, spec.restarts)
         self.teachers = start(TeacherActor, "teacher", spec.teachers, spec.restarts)

@@ -277,7 +277,7 @@ class LearnerRank:
         """The algorithm layer on everything collected (the controller's statistic, KL-penalised rewards at
         ``kl_coef``, advantages), then the PPO epochs; returns additive sums so the driver's statistics are exact
         over all ranks."""
-        from services.experience import concat_batches, sequence_lengths
+        from services.experience import concat_batches, in_flight_sums, sequence_lengths, stale_tokens
 
         algorithm = self.algorithm
         batch = concat_batches([self.collected[slot] for slot in sorted(self.collected)])
@@ -315,7 +315,7 @@ class LearnerRank:
         # rows an older version generated (async): their mismatch is mostly the policy's move since, reported
         # apart from the engine-learner numeric difference, which only rows of the learner's version measure
         version = self.forward_version
-        stale = torch.zeros_like(mask) if version is None else mask * (batch.policy_version != version).unsqueeze(-1)
+        stale = stale_tokens(batch, mask, version)
         sums.update({
             "length_sum": float(mask.sum()),
             # the tokens a forward of these rows runs: the real ones, and in the padded [B, P + T] layout
@@ -331,6 +331,7 @@ class LearnerRank:
             "return_sum": float((batch.returns * mask).sum()) if batch.returns is not None else float("nan"),
         })
         sums.update({f"dynamic_sampling_{name}_groups": float(count) for name, count in group_counts.items()})
+        sums.update(in_flight_sums(batch, mask, version))
         if batch.num_turns is not None:  # multi-turn episodes: what the environment added
             sums.update({
                 "rows": float(batch.shape[0]),  # an agent's episode may be several rows

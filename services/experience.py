@@ -51,6 +51,8 @@ class RolloutBatch:
     tool_calls: Tensor | None = None  # [B] long: tool calls the environment executed
     environment_seconds: Tensor | None = None  # [B] float: seconds the episode's environment steps took
     environment_failures: Tensor | None = None  # [B] long: failed attempts at the row before it succeeded
+    # in-flight updates (rollout.in_flight_updates) only: a response may span versions
+    token_version: Tensor | None = None  # [B, T] long: the version each sampled token was sampled under; -1 elsewhere
     # filled by the learner rank; None until then
     ref_logprobs: Tensor | None = None  # [B, T] the reference model's log-probs of the sampled tokens
     teacher_logprobs: Tensor | None = None  # [B, T] on-policy distillation: the teacher's (distill.teacher_path)
@@ -98,11 +100,14 @@ def make_batch(
     action_masks: list[list[int]] | None = None,
     episodes: Episodes | None = None,
     episode_index: list[int] | None = None,
+    token_versions: list[list[int]] | None = None,
 ) -> RolloutBatch:
     """Assemble engine outputs into a RolloutBatch (``response_width`` pads T to a fixed size, so chunks
     of one iteration concatenate; ``group_index`` None: the rows belong to no group, -1). A trajectory
     gives ``action_masks`` (1 on the ids the model sampled; ``logprobs`` 0 elsewhere) and ``episodes``;
-    without them every response token is the model's. ``episode_index`` None: every row is an episode of its own."""
+    without them every response token is the model's. ``episode_index`` None: every row is an episode of its own.
+    ``token_versions`` (in-flight updates): each sampled token's version (-1 on the environment's); a row is
+    stamped with its oldest, so the staleness it is admitted by is its oldest token's."""
     b = len(prompts)
     batch = RolloutBatch(
         prompt_ids=pad_left(prompts, pad_id),
@@ -120,6 +125,10 @@ def make_batch(
         episode_index=torch.tensor(episode_index if episode_index is not None else range(b), dtype=torch.long),
         batch_size=[b],
     )
+    if token_versions is not None:
+        batch.token_version = pad_right(token_versions, -1, response_width)
+        oldest = [min((v for v in row if v >= 0), default=policy_version) for row in token_versions]
+        batch.policy_version = torch.tensor(oldest, dtype=torch.long)
     if episodes is not None:
         batch.turn_rewards = pad_right(episodes.turn_rewards, 0.0, response_width, dtype=torch.float32)
         batch.num_turns = torch.tensor(episodes.num_turns, dtype=torch.long)
@@ -150,6 +159,28 @@ def stale_rows(batch: RolloutBatch, policy_version: int, kl_coef: float | None, 
     if kl_coef is not None:
         stale |= (batch.kl_coef.double() - kl_coef).abs() > 1e-6 * max(abs(kl_coef), 1.0)
     return stale
+
+
+def stale_tokens(batch: RolloutBatch, mask: Tensor, version: int | None) -> Tensor:
+    """[B, T] float: 1 on the tokens of ``mask`` sampled by a version other than the learner's ``version`` (None:
+    unknown, none counted); token by token with in-flight updates, where a response may span versions."""
+    if version is None:
+        return torch.zeros_like(mask)
+    if batch.token_version is not None:
+        return mask * (batch.token_version != version)
+    return mask * (batch.policy_version != version).unsqueeze(-1)
+
+
+def in_flight_sums(batch: RolloutBatch, mask: Tensor, version: int | None) -> dict[str, float]:
+    """With in-flight updates: the rows, the rows whose sampled tokens span versions, and the versions each token
+    of ``mask`` lags the learner's ``version``, summed; nothing otherwise."""
+    if batch.token_version is None or version is None:
+        return {}
+    sampled = mask * (batch.token_version >= 0)
+    newest = torch.where(sampled.bool(), batch.token_version, -1).max(-1).values
+    return {"in_flight_rows": float(batch.shape[0]),
+            "in_flight_mixed_rows": float((newest > batch.policy_version).sum()),
+            "in_flight_token_staleness_sum": float(((version - batch.token_version) * sampled).sum())}
 
 
 def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:

@@ -209,6 +209,53 @@ def minibatch_splits_over_ranks(cfg: Any) -> str | None:
     return None
 
 
+# --- in-flight weight updates ---
+
+IN_FLIGHT = {"rollout": {"mode": "async", "in_flight_updates": "keep_kv"}}
+
+
+@rule("rollout.in_flight_updates", "rollout.mode", example={"rollout": {"in_flight_updates": "partial"}})
+def in_flight_updates_are_async(cfg: Any) -> str | None:
+    r = cfg.rollout
+    if r.in_flight_updates != "off" and (r.mode != "async" or r.max_staleness < 1):
+        return (f"rollout.in_flight_updates={r.in_flight_updates!r} loads a new version into a batch being "
+                f"generated while the learner trains, which needs rollout.mode='async' with rollout.max_staleness >= 1 "
+                f"(got mode {r.mode!r}, max_staleness {r.max_staleness}): in sync mode nothing generates during an update")
+    return None
+
+
+@rule("rollout.in_flight_updates", "rollout.engine", example={"rollout": {**IN_FLIGHT["rollout"], "engine": "hf"}})
+def in_flight_updates_need_vllm(cfg: Any) -> str | None:
+    if cfg.rollout.in_flight_updates != "off" and cfg.rollout.engine != "vllm":
+        return (f"rollout.in_flight_updates={cfg.rollout.in_flight_updates!r} steps vLLM's engine between decoding "
+                "steps; transformers' generate (rollout.engine='hf') runs a whole batch in one call, so no version can "
+                "load inside it; use rollout.engine='vllm' or rollout.in_flight_updates='off'")
+    return None
+
+
+@rule("rollout.in_flight_updates", "learner.weight_sync",
+      example={**IN_FLIGHT, "learner": {"weight_sync": "nccl"}, "rollout": {**IN_FLIGHT["rollout"],
+               "gpu_memory_utilization": 0.3}, "cluster": {"rollout": {"num_gpus": 1}, "learner": {"num_gpus": 1}}})
+def in_flight_updates_through_the_object_store(cfg: Any) -> str | None:
+    if cfg.rollout.in_flight_updates != "off" and cfg.learner.weight_sync != "object_store":
+        return (f"rollout.in_flight_updates={cfg.rollout.in_flight_updates!r} with learner.weight_sync="
+                f"{cfg.learner.weight_sync!r}: vLLM's weight transfer is four calls the learner drives in step with "
+                "the engine, which the engine's decoding loop cannot interleave yet; in-flight loads take the weights "
+                "through 'object_store'")
+    return None
+
+
+@rule("rollout.in_flight_updates", "learner.lora.rank", "learner.lora.sync",
+      example={**IN_FLIGHT, "learner": {"lora": {"rank": 8, "sync": "adapter"}}})
+def in_flight_updates_load_merged_weights(cfg: Any) -> str | None:
+    if cfg.rollout.in_flight_updates != "off" and cfg.adapter_sync:
+        return (f"rollout.in_flight_updates={cfg.rollout.in_flight_updates!r} with LoRA's adapter-only sync "
+                f"(learner.lora.sync={cfg.learner.lora.sync!r}): vLLM fixes a request's adapter when the request is "
+                "added, so a request in flight would keep the old version's adapter after the load; set "
+                "learner.lora.sync='merged' (float32), or rollout.in_flight_updates='off'")
+    return None
+
+
 # --- LoRA and the reference ---
 
 @rule("learner.lora.rank", "learner.weight_sync",

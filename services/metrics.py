@@ -169,6 +169,10 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
         "weight_sync_seconds": seconds["weight_sync"],
         "sync_and_probe_seconds": seconds["sync_and_probe"],
         **episodes,
+        **({"in_flight_mixed_row_fraction": sums["in_flight_mixed_rows"] / sums["in_flight_rows"],
+            # versions the learner is ahead of each trained token's own, over the tokens
+            "in_flight_token_staleness_mean": sums["in_flight_token_staleness_sum"] / max(tokens, 1)}
+           if "in_flight_rows" in sums else {}),
         **({"teacher_kl_response_mean": sums["teacher_kl_sum"] / n} if "teacher_kl_sum" in sums else {}),
         **{f"ppo_{k}": v for k, v in ppo.items()},
     }

@@ -150,6 +150,13 @@ class RolloutConfig(Section):
         "batch with the weights they hold while the learner trains on this one")
     max_staleness: int = Field(1, ge=0, description="async: the most policy versions a trained row may lag the "
                                "learner; no batch starts that would arrive staler (0: async is sync)")
+    in_flight_updates: Literal["off", "keep_kv", "partial"] = Field(
+        "off", description="async: how a new policy version reaches the batch being generated. off: its load waits "
+        "for the generation in progress, so every response is one version's; keep_kv: it loads between two decoding "
+        "steps and the requests in flight go on with the keys and values they hold; partial (partial rollouts): the "
+        "requests in flight stop at the load and go on under the new weights, their prefix prefilled again. Every "
+        "sampled token records the version in force when it was sampled, and a row's staleness is its oldest "
+        "token's")
     max_turns: PositiveInt = Field(8, description="environment: the model's turns in one episode at most")
     max_trajectory_tokens: PositiveInt = Field(
         256, description="environment, agent: tokens after the prompt in one trajectory at most (the model's and "
