@@ -495,6 +495,25 @@ def test_async_group_estimator_job_on_trajectories(shared_runs):
     assert math.isfinite(summary["eval_final"]["optimality"])
 
 
+def test_in_flight_updates_on_trajectories(shared_runs):
+    """rollout.in_flight_updates partial with a group estimator on the same environment: the versions load while
+    episodes run (an episode's turns may span versions, each token stamped with its own); every trained token at
+    most one version behind the learner, a row stamped with its oldest, the same books and a clean probe."""
+    run_dir, proc = shared_runs.get("agents-in-flight", *ENVIRONMENT_JOB, "--run.iterations", "3",
+                                    "--rollout.mode", "async", "--rollout.in_flight_updates", "partial",
+                                    "--ppo.advantage", "grpo", "--rollout.samples_per_prompt", "4")
+    records, summary = read_run(run_dir, proc)
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    check_trajectory_records(records)
+    for r in records:
+        assert r["episodes"] == 32 and r["batch_staleness_max"] <= 1
+        assert 0 <= r["in_flight_token_staleness_mean"] <= r["batch_staleness_max"]
+        assert 0 <= r["in_flight_mixed_row_fraction"] <= 1
+        assert r["probe_max_abs_error"] < 1e-4  # the probe's scores are one version's, never a mix
+    assert records[0]["batch_policy_versions"] == [0] and records[0]["in_flight_token_staleness_mean"] == 0
+    assert math.isfinite(summary["eval_final"]["optimality"])
+
+
 def test_the_readme_environment_runs_a_job(shared_runs, tiny_model_dir):
     """The README's NextLetter, named as tests.readme_environment:NextLetter, with a model of the user's
     (model.path; the randomwalks GPT-2, whose 32 positions take a short prompt and trajectory, one letter a

@@ -1,6 +1,6 @@
 """rollout.mode async: the next batch generates while the learner trains on this one. Staleness is bounded
 by admission and a stale row is never trained on; the decoupled-PPO correction; staleness 0 reproduces
-sync; a resume starts with an empty pipeline."""
+sync; a resume starts with an empty pipeline, with in-flight updates too."""
 
 from __future__ import annotations
 
@@ -167,20 +167,27 @@ def test_async_overlaps_within_the_bound_and_resumes_with_an_empty_pipeline(ray_
     assert [r["batch_staleness_max"] for r in after[2:]] == [0, 1]
     assert [r["iteration"] for r in metrics(run_dir, "metrics.discarded.jsonl")] == [3, 4]
 
-    # the same job killed outright (SIGKILL: no clean-up, its actors and reservation left to Ray) the moment
-    # iteration 2's checkpoint is sealed, with batch 3 generating since before update 2; the resume from the
-    # latest checkpoint, on the same head, trains the straight run's prompts, each once, in its order
+    # the same job with in-flight updates (a version loads into the batch being generated) killed outright
+    # (SIGKILL: no clean-up, its actors and reservation left to Ray) the moment iteration 2's checkpoint is
+    # sealed, with batch 3 generating since before update 2; the resume from the latest checkpoint, on the same
+    # head, trains the straight run's prompts, each once, in its order
+    in_flight = [*ASYNC, "--rollout.in_flight_updates", "keep_kv"]
     killed = start_job(job_args(ray_head, cache_dir, tmp_path, "killed", "--run.iterations", "4",
-                                "--checkpoint.every", "2", *ASYNC))
+                                "--checkpoint.every", "2", *in_flight))
     out = follow_job(killed, lambda line: line.startswith("[tether] checkpoint") and "iter-000002" in line
                      and killed.kill())
     assert killed.returncode == -signal.SIGKILL, out[-3000:]
     assert "[tether] iter 3/" not in out
     resumed = run_job(job_args(ray_head, cache_dir, tmp_path, "killed", "--run.iterations", "4",
-                               "--checkpoint.every", "2", *ASYNC, "--run.resume", "latest"))
+                               "--checkpoint.every", "2", *in_flight, "--run.resume", "latest"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "iter-000002" in resumed.stdout
     after_kill = metrics(tmp_path / "killed")
     assert [r["iteration"] for r in after_kill] == [1, 2, 3, 4]
     assert [r["prompt_rows"] for r in after_kill] == [r["prompt_rows"] for r in first]
-    assert [r["batch_policy_versions"] for r in after_kill] == [[0], [0], [2], [2]]
+    # batch 3, drawn again, is version 2's alone (collected before update 3); a row of any other batch is stamped
+    # with its oldest token, of the version the batch started under or (loaded in flight) the next
+    assert after_kill[2]["batch_policy_versions"] == [2]
+    for r in after_kill:
+        assert set(r["batch_policy_versions"]) <= {max(r["iteration"] - 2, 0), r["iteration"] - 1}, r
+        assert r["in_flight_token_staleness_mean"] <= r["batch_staleness_max"] <= 1
