@@ -7,8 +7,10 @@ policy being stepped), reference and teacher policies all differ; in sync mode t
 version, so behaviour = proximal there. Expectations are exact sums over every response (and every pair of
 responses for the group estimators, whose baselines couple a group), weighted by the behaviour's probabilities.
 Async mode comes twice: one older version sampled each response (``async``), or the older version sampled its
-first token and a newer one its later tokens (``async_mixed``: the engine's weights updated in flight), so the
-rows carry per-token behaviour log-probs of two versions, as the engine reports them.
+first token and a newer one its later tokens (``async_mixed``: the engine's weights updated in flight,
+``rollout.in_flight_updates`` keep_kv or partial, an axis of its own), so the rows carry per-token behaviour
+log-probs of two versions, as the engine reports them. For the algorithm the two in-flight settings are one:
+each token's behaviour log-prob is what the engine reported for it, whichever weights computed it.
 
 Three task shapes: one response; a multi-turn trajectory (an environment token after the first model token, a
 reward at each turn's end); an agent episode split into two rows (the environment's token opens the second row,
@@ -33,7 +35,7 @@ geometric mask in async mode [0.95, 1.05]: its default is refused there), and Ic
 that drops a token of the problem (``mask_binds``, from the problem's tables) makes every policy term biased by design; one that drops none leaves the class of the weights it multiplies.
 The harness asserts that each mask binds at the async shift and not in sync mode, so both classes are checked.
 
-Axes and the reduction: the full product of the axes is about 8.6 million combinations. The harness takes the
+Axes and the reduction: the full product of the axes is about 25.7 million combinations. The harness takes the
 full product of the axes that reach the controller's statistic (mode, placement, estimator, scope, task shape,
 dynamic sampling, distillation: 648) and a pairwise covering array over all the axes (every pair of two axes'
 values in at least one combination), the other axes of each controller combination taken from the covering
@@ -88,6 +90,7 @@ AXES: dict[str, tuple] = {
     "dynamic_sampling": (False, True),
     "distill": ("off", "with_task", "without_task"),
     "shape": ("single", "multi_turn", "agent_split"),
+    "in_flight": ("off", "keep_kv", "partial"),  # rollout.in_flight_updates
 }
 # IcePop's default band [0.5, 5] drops no token at the harness's async shift; this one does
 NARROW_ICEPOP = {"icepop_low": 0.8, "icepop_high": 1.25}
@@ -117,6 +120,10 @@ def repaired(c: dict, fixed: set[str]) -> dict:
         put("dynamic_sampling", False)
     if c["shape"] != "single" or c["placement"] == "loss":
         put("mask_truncated", False)
+    if c["mode"] == "sync":
+        put("in_flight", "off")
+    if c["mode"] == "async_mixed" and c["in_flight"] == "off":  # a response spans versions: loaded in flight
+        put("in_flight", "keep_kv")
     if c["mode"] != "sync" and c["correction"][0] == "none":
         put("correction", ("tis", c["correction"][1]))
     if c["policy_loss"] == "gspo" and c["correction"][0] == "icepop":  # IcePop is per token, GSPO per row
@@ -192,7 +199,7 @@ def overrides(c: dict) -> dict:
     out = {"ppo": ppo, "kl": {"placement": c["placement"], "estimator": c["estimator"], "scope": c["scope"],
                               "loss_form": c["loss_form"]},
            "rollout": {"mode": "sync" if c["mode"] == "sync" else "async",
-                       "dynamic_sampling": c["dynamic_sampling"]}}
+                       "dynamic_sampling": c["dynamic_sampling"], "in_flight_updates": c["in_flight"]}}
     if c["advantage"] in ("grpo", "rloo", "reinforce_pp_baseline"):
         out["rollout"]["samples_per_prompt"] = 2
     if c["distill"] != "off":
@@ -575,7 +582,7 @@ def check_combination(c: dict, cfg: JobConfig, problems: dict) -> dict[str, tupl
 
 # the values whose gradient checks the harness prints apart (the later settings: mixed versions, CISPO, SAPO,
 # masks)
-NEW_VALUES = ("mode async_mixed", "policy_loss cispo", "policy_loss sapo", "correction icepop",
+NEW_VALUES = ("mode async_mixed", "in_flight keep_kv", "in_flight partial", "policy_loss cispo", "policy_loss sapo", "correction icepop",
               "correction icepop [0.8, 1.25]", "correction geometric_mask", "correction off_policy_mask")
 
 
@@ -652,7 +659,8 @@ def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_eve
         expected = expected_classes(c, bool(binds))
         for check, err in check_combination(c, cfg, problems).items():
             table.setdefault((check, expected[check]), []).append(err)
-            values = (f"mode {c['mode']}", f"policy_loss {c['policy_loss']}", f"correction {label_of(c)}")
+            values = (f"mode {c['mode']}", f"in_flight {c['in_flight']}", f"policy_loss {c['policy_loss']}",
+                      f"correction {label_of(c)}")
             for value in values:
                 if check != "statistic" and value in NEW_VALUES:
                     by_value.setdefault(value, {}).setdefault(expected[check], []).append(err)
