@@ -9,6 +9,7 @@ never decoded and encoded again; each observation is encoded once, by the worker
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -75,6 +76,7 @@ class EpisodeRunner:
     def __init__(self, engine: Engine, tokenizer, workers: list, limits: EpisodeLimits) -> None:
         self.engine, self.tokenizer, self.workers, self.limits = engine, tokenizer, workers, limits
         self.failures = 0  # over the engine's life: the job fails past limits.max_failures
+        self.failures_lock = threading.Lock()  # in-flight updates: chunks of two batches run at once
 
     def run(self, rows: list[dict], row_index: list[int], seeds: list[int], sampling: SamplingSettings,
             first_worker: int = 0) -> list[Episode]:
@@ -104,7 +106,8 @@ class EpisodeRunner:
     def _count_failure(self, episode: Episode) -> None:
         from services.environments import EnvironmentFailure
 
-        self.failures += 1
+        with self.failures_lock:
+            self.failures += 1
         if self.failures > self.limits.max_failures:
             raise EnvironmentFailure(self.limits.environment, f"{episode.failure} ({self.failures} failed episodes "
                                      f"on this engine, more than task.environment_max_failures="

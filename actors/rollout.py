@@ -33,8 +33,8 @@ class RolloutActor(VersionedActor):
         self.max_model_len = spec.engine.max_model_len
         device = check_device(spec.engine.device, f"rollout-{index}")
         self.engine = make_engine(model_dir, replace(spec.engine, device=device))
-        # in-flight updates: calls run on several threads and reach vLLM through one loop that steps it; a
-        # chunk of episodes or agents at a time holds the runners, whose counts are the actor's
+        # in-flight updates: calls run on several threads and reach vLLM through one loop that steps it (chunks
+        # of two batches share its steps); an agent runner serves one chunk at a time
         self.in_flight = spec.engine.in_flight != "off"
         if self.in_flight:
             from actors.engine_loop import InFlightEngine
@@ -81,7 +81,7 @@ class RolloutActor(VersionedActor):
             if self.episodes is None:  # the failures it counts are this engine's, over the job
                 self.episodes = EpisodeRunner(self.engine, load_tokenizer(self.model_dir), workers, limits)
             self.episodes.workers, self.episodes.limits = workers, limits
-            episodes = self.episodes.run(rows, prompt_index, seeds, sampling, first_worker)
+        episodes = self.episodes.run(rows, prompt_index, seeds, sampling, first_worker)
         return self._trajectory_batch(episodes, start, prompt_index, group_index, pad_id, limits.max_trajectory_tokens)
 
     def run_agents(self, rows: list[dict], prompt_index: list[int], seeds: list[int], sampling: SamplingSettings,

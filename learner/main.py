@@ -136,7 +136,7 @@ def run(cfg: JobConfig) -> dict:
         for iteration in range(job.first_iteration, cfg.run.iterations + 1):
             collected = job.collect_batch(iteration)  # generate, score, collect; lost chunks regenerated
             trained = job.update(iteration, collected)  # rewards at this beta, GAE, PPO epochs; then beta
-            synced = job.sync()  # weights (version + 1) and beta to every actor, then the probe
+            synced = job.sync(iteration)  # weights (version + 1) and beta to every actor, then the probe
             record = job.record(iteration, collected, trained, synced)  # evaluation too, when due
             progress.update(record, job.take_eval_samples())
             if stop.requested or job.checkpoint_due(iteration):
