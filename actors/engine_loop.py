@@ -21,6 +21,7 @@ and a kept prefix would mix versions in the probe.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,8 @@ class EngineLoop:
         self.running: dict[str, Request] = {}
         self.next_id = 0
         self.loads_in_flight = 0  # loads applied with a sampling request running
+        self.busy_seconds = 0.0  # in steps and loads: the engine's time, whatever number of calls wait on it
+        self.failed: BaseException | None = None  # the engine's error that ended the loop: every later call raises it
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -84,14 +87,20 @@ class EngineLoop:
 
     def submit(self, request: Request) -> Request:
         with self.cv:
+            self._check_alive()
             self.inbox.append(request)
             self.cv.notify()
         return request
+
+    def _check_alive(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"the rollout engine failed earlier: {self.failed!r}") from self.failed
 
     def load(self, weights: dict, version: int) -> list[str]:
         """New weights between two steps, labelled ``version``; returns the parameters not loaded."""
         marker = Request("load", [], 0)
         with self.cv:
+            self._check_alive()
             self.loads.append((weights, version, marker))
             self.cv.notify()
         return marker.wait()
@@ -103,10 +112,21 @@ class EngineLoop:
             with self.cv:
                 while not (self.inbox or self.loads or self.running):
                     self.cv.wait()
-            self.run_once()
+            try:
+                self.run_once()
+            except BaseException as err:  # the engine is gone: no caller may wait on it
+                with self.cv:
+                    self.failed = err
+                    waiting = self.inbox + [marker for *_, marker in self.loads]
+                    self.inbox, self.loads = [], []
+                for request in waiting:
+                    request.error = err
+                    request.done.set()
+                return
 
     def run_once(self) -> None:
         """Apply the queued loads, add the submitted requests, then one engine step if anything runs."""
+        start = time.perf_counter()
         with self.cv:
             loads, self.loads = self.loads, []
             new, self.inbox = self.inbox, []
@@ -114,8 +134,11 @@ class EngineLoop:
             self._apply(weights, version, marker)
         for request in new:
             self._add(request)
-        if not self.running:
-            return
+        if self.running:
+            self._step()
+        self.busy_seconds += time.perf_counter() - start
+
+    def _step(self) -> None:
         try:
             with self.engine.compile_stance():
                 outputs = self.llm_engine.step()

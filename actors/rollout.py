@@ -123,6 +123,11 @@ class RolloutActor(VersionedActor):
                               [t.failures for t in trajectories]),
             token_versions=[t.versions for t in trajectories] if self.in_flight else None)
 
+    def take_counts(self) -> dict[str, float]:
+        if self.in_flight:  # its calls overlap (two batches, an evaluation): the engine loop's own busy time
+            self.busy_seconds, self.engine.loop.busy_seconds = self.engine.loop.busy_seconds, 0.0
+        return super().take_counts()
+
     def takes_adapters(self) -> bool:
         """learner.lora: whether this engine loads the adapter alone at each sync (else the merged weights)."""
         return self.engine.takes_adapters

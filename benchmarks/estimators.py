@@ -1,10 +1,11 @@
 """Benchmark: each advantage estimator (``ppo.advantage``), and each algorithm addition, from the cached SFT
 start on randomwalks, the default 30 iterations at 128 episodes per iteration (``rollout.samples_per_prompt`` 8
-for the group estimators, so 16 prompts per iteration; 1 otherwise), in sync and async mode, over seeds.
+for the group estimators, so 16 prompts per iteration; 1 otherwise), in sync and async mode (and async with
+in-flight updates, keep_kv or partial), over seeds.
 Reports, per run and as the mean over seeds, the first evaluation whose sampled optimality reached 0.95, the
 final one, and the wall and steady iteration time.
 
-    .venv/bin/python benchmarks/estimators.py [--only grpo gspo ...] [--mode sync async] [--seeds 1 2 3]
+    .venv/bin/python benchmarks/estimators.py [--only grpo gspo ...] [--mode sync async keep_kv partial] [--seeds 1 2 3]
         [--eval-every 1] [-- extra learner.main args]
 
 The variants are the five estimators and the additions on a group estimator (``ADDITIONS``: GSPO, DAPO's
@@ -35,6 +36,9 @@ SAMPLES_PER_PROMPT = 8  # for the group estimators
 # at 24.3 and async never; REINFORCE++-baseline async ended at 0.69), while GRPO at 1e-4 reaches it at 8.7 in sync
 # and 12.3 in async and holds it
 UNIT_SCALE_LR = "1e-4"
+MODES = {"sync": ["--rollout.mode", "sync"], "async": ["--rollout.mode", "async"],
+         "keep_kv": ["--rollout.mode", "async", "--rollout.in_flight_updates", "keep_kv"],
+         "partial": ["--rollout.mode", "async", "--rollout.in_flight_updates", "partial"]}
 UNIT_SCALE = ("grpo", "reinforce_pp", "reinforce_pp_baseline")
 # the additions, each on GRPO: what learner.main takes to turn it on
 ADDITIONS = {
@@ -86,7 +90,7 @@ def table(results: dict, seeds: list[int]) -> list[str]:
     their mean (a seed that never did counts as the run's length + 1, marked >), the final optimality's mean."""
     rows = [("| variant | mode | samples per prompt | ppo.lr | optimality >= 0.95 at iteration, per seed | mean | final "
              "optimality (mean) | KL final (nats, mean) | steady iteration (s) |"), "|---|---|---|---|---|---|---|---|---|"]
-    for variant, mode in [(v, m) for v in VARIANTS for m in ("sync", "async")]:
+    for variant, mode in [(v, m) for v in VARIANTS for m in MODES]:
         runs = [results[f"{variant}/{mode}/{seed}"] for seed in seeds if f"{variant}/{mode}/{seed}" in results]
         if not runs:
             continue
@@ -107,7 +111,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=VARIANTS, default=list(ESTIMATORS))
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
-    parser.add_argument("--mode", nargs="+", choices=("sync", "async"), default=["sync"], help="rollout.mode")
+    parser.add_argument("--mode", nargs="+", choices=list(MODES), default=["sync"],
+                        help="rollout.mode, or async with rollout.in_flight_updates (keep_kv, partial)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[None], help="run.seed of each run (default: "
                         "the job's)")
     parser.add_argument("--eval-every", type=int, default=5, help="run.eval_every (1: the first iteration at "
@@ -127,11 +132,11 @@ def main() -> None:
                      "--run.name", "warmup", "--run.iterations", "1"]).run()  # fill the SFT cache
         for variant in args.only:
             for mode in args.mode:
-                if variant == "grpo_no_correction" and mode == "async":
+                if variant == "grpo_no_correction" and mode != "sync":
                     print("grpo_no_correction: async mode needs its importance weight (ppo.correction: none is "
                           "refused there); skipped")
                     continue
-                if variant == "geometric_mask" and mode == "async" and not any(
+                if variant == "geometric_mask" and mode != "sync" and not any(
                         a.startswith("--ppo.geometric_mask_") for a in args.extra):
                     # results/losses-and-masks-sync-async-seeds-3 holds the row measured before that refusal
                     print("geometric_mask: async mode refuses its default band (rule geometric_band_set_for_async); "
@@ -142,7 +147,7 @@ def main() -> None:
                     run = f"{variant}-{mode}-{seed}"
                     results[f"{variant}/{mode}/{seed}"] = run_estimator(
                         variant, run, args.cache_dir, out,
-                        ["--rollout.mode", mode, "--run.eval_every", str(args.eval_every), *seeded, *args.extra])
+                        [*MODES[mode], "--run.eval_every", str(args.eval_every), *seeded, *args.extra])
                 # a partial run keeps its rows
                 write_results(RESULTS, name, results, [command, "", *table(results, args.seeds)])
     print("\n".join(table(results, args.seeds)))

@@ -129,3 +129,15 @@ def test_a_row_is_stamped_with_its_oldest_token():
     assert batch.policy_version.tolist() == [2, 3, 4]
     assert batch.token_version.tolist() == [[2, 3, -1, -1], [3, 3, -1, -1], [-1] * 4]
     assert stale_rows(batch, 4, None, 1).tolist() == [True, False, False]
+
+
+def test_a_request_the_engine_refuses_fails_its_caller_alone(engine):
+    """A prompt longer than the engine's max_model_len is refused when it is added: its caller gets vLLM's error,
+    the request beside it is generated."""
+    loop = InFlightEngine(engine, "keep_kv", start=False).loop
+    refused = loop.submit(Request("sample", [1] * 40, 4, seed=1))
+    kept = loop.submit(Request("sample", [1, 2, 3], 4, seed=1))
+    until_done(loop, [refused, kept])
+    with pytest.raises(Exception, match="(?i)length|long|max_model_len"):
+        refused.wait()
+    assert 1 <= len(kept.wait().response_ids) <= 4
