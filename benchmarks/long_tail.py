@@ -9,8 +9,9 @@ to it (the iterations' own, start-up apart: it is the same in every mode), the f
 updates the share of trained rows whose tokens span two versions and the mean versions a trained token lagged.
 
     .venv/bin/python benchmarks/long_tail.py [--seeds 1 2 3] [--iterations 40] [--modes sync async keep_kv partial]
+        [--results-name long_tail] [-- extra learner.main args]
 
-Writes benchmarks/results/long_tail.json and long_tail.md.
+Writes benchmarks/results/<results-name>.json and .md.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def run(mode: str, seed: int, args, rows: Path, policy: Path, out: str) -> dict:
                  "--ppo.advantage", "grpo", "--rollout.samples_per_prompt", "8", "--ppo.lr", LR,
                  "--run.iterations", str(args.iterations), "--run.eval_every", str(args.eval_every),
                  "--run.seed", str(seed), "--run.output_dir", out, "--run.name", name, "--no-checkpoint.export_hf",
-                 *MODES[mode]]).run()
+                 *MODES[mode], *args.extra]).run()
     records = read_records(Path(out) / name)
     reached = next((r for r in records if "eval" in r and r["eval"]["score"] >= args.target), None)
     result = {"final_score": [r for r in records if "eval" in r][-1]["eval"]["score"],
@@ -102,14 +103,18 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument("--results-name", default="long_tail")
+    parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
     args = parser.parse_args()
-    results = stamp() | {"seeds": args.seeds, "target": args.target, "iterations": args.iterations, "modes": {}}
+    results = stamp() | {"seeds": args.seeds, "target": args.target, "iterations": args.iterations,
+                         "args": args.extra, "modes": {}}
     with tempfile.TemporaryDirectory() as root:
         rows, policy = prepare(Path(root))
         for mode in args.modes:
             results["modes"][mode] = [run(mode, seed, args, rows, policy, root) for seed in args.seeds]
             print("\n".join(table(results, args.seeds, args.target)), flush=True)
-    write_results(RESULTS, "long_tail", results, table(results, args.seeds, args.target))
+    command = f"`.venv/bin/python benchmarks/long_tail.py {' '.join(sys.argv[1:])}`"
+    write_results(RESULTS, args.results_name, results, [command, "", *table(results, args.seeds, args.target)])
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ from services.settings_sampling import (
 )
 from services.settings_training import (
     ADVANTAGE_LR,
-    ASYNC_ONE_EPOCH,
+    ASYNC_EPOCHS,
+    ASYNC_FEWER_EPOCHS,
     PRETRAINED_PARAMETERS,
     VLLM_LORA_RANKS,
     CheckpointConfig,
@@ -105,8 +106,8 @@ class JobConfig(BaseSettings):
         if "lr" not in p.model_fields_set:
             follow(p, "lr", ADVANTAGE_LR[p.advantage])
         if "epochs" not in p.model_fields_set and r.mode == "async" and (
-                p.policy_loss in ASYNC_ONE_EPOCH["policy_loss"] or p.correction in ASYNC_ONE_EPOCH["correction"]):
-            follow(p, "epochs", 1)
+                p.policy_loss in ASYNC_FEWER_EPOCHS["policy_loss"] or p.correction in ASYNC_FEWER_EPOCHS["correction"]):
+            follow(p, "epochs", ASYNC_EPOCHS)
         return self
 
     def followed_defaults(self) -> str | None:

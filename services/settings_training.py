@@ -27,9 +27,11 @@ PRETRAINED_PARAMETERS = 20_000_000
 ADVANTAGE_LR = {"gae": 3e-4, "grpo": 5e-5, "rloo": 1e-4, "reinforce_pp": 1e-4, "reinforce_pp_baseline": 1e-4}
 # In async mode, the policy losses and the correction that let a stale row weigh more than TIS's cap of 2 (CISPO's
 # weight up to 5, SAPO's soft gate, IcePop's untruncated weight) lost learning parity over the default 4 epochs
-# (8 optimizer steps a batch) and held it with one (benchmarks/results/losses-and-masks-*): an unset ppo.epochs
-# follows (JobConfig._defaults_follow)
-ASYNC_ONE_EPOCH = {"policy_loss": ("cispo", "sapo"), "correction": ("icepop",)}
+# (8 optimizer steps a batch); with one they held it but learned slowly (14.7 iterations to GRPO's 10.3), with two
+# they keep within 3 iterations of sync (benchmarks/results/losses-and-masks-*): an unset ppo.epochs follows
+# (JobConfig._defaults_follow)
+ASYNC_EPOCHS = 2
+ASYNC_FEWER_EPOCHS = {"policy_loss": ("cispo", "sapo"), "correction": ("icepop",)}
 
 
 # what only GAE reads (learner/advantages.py's _gae; the critic's value loss, learner/algorithm.py), and what it is

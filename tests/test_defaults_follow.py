@@ -69,11 +69,11 @@ def test_each_estimator_has_its_learning_rate_when_ppo_lr_is_unset(advantage, lr
 
 @pytest.mark.parametrize("setting", [["--ppo.policy_loss", "cispo"], ["--ppo.policy_loss", "sapo"],
                                      ["--ppo.correction", "icepop"]])
-def test_async_losses_that_weigh_stale_rows_beyond_tis_cap_train_one_epoch_when_ppo_epochs_is_unset(setting):
+def test_async_losses_that_weigh_stale_rows_beyond_tis_cap_train_two_epochs_when_ppo_epochs_is_unset(setting):
     group = ["--ppo.advantage", "grpo", "--rollout.samples_per_prompt", "8"]
     cfg = parse_cli([*group, *setting, "--rollout.mode", "async"])
-    assert cfg.ppo.epochs == 1
-    assert (f"ppo.epochs=1 follows rollout.mode=async, ppo.policy_loss={cfg.ppo.policy_loss}, "
+    assert cfg.ppo.epochs == 2
+    assert (f"ppo.epochs=2 follows rollout.mode=async, ppo.policy_loss={cfg.ppo.policy_loss}, "
             f"ppo.correction={cfg.ppo.correction}") in cfg.followed_defaults()
     assert parse_cli([*group, *setting, "--rollout.mode", "async", "--ppo.epochs", "4"]).ppo.epochs == 4
     assert parse_cli([*group, *setting]).ppo.epochs == 4  # sync mode keeps the recipe's 4
