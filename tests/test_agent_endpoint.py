@@ -272,6 +272,17 @@ def test_merge_calls_keeps_a_call_that_does_not_extend_token_for_token_apart():
     assert merge_calls([]) == []
 
 
+def test_merge_calls_keeps_each_model_tokens_version():
+    """In-flight updates: a call's tokens carry the versions they were sampled under (a call may span two); the
+    environment's tokens between calls are -1, and a call without versions (no in-flight updates) is -1 too."""
+    a = Call([1, 2], [3, 4], [-0.5, -0.25], FINISH_STOP, versions=[6, 7])
+    b = Call([1, 2, 3, 4, 8], [5], [-1.0], FINISH_STOP, versions=[7])
+    c = Call([9], [6], [-2.0], FINISH_STOP)
+    first, second = merge_calls([a, b, c])
+    assert (first.ids, first.versions) == ([3, 4, 8, 5], [6, 7, -1, 7])
+    assert second.versions == [-1]
+
+
 def test_parse_tool_calls():
     content, calls = parse_tool_calls('let me look <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> '
                                       '<tool_call>{"name": broken</tool_call>')

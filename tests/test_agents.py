@@ -478,27 +478,11 @@ def test_interactive_randomwalks_job_learns_and_keeps_exact_books(randomwalks_ru
     assert 1 <= summary["eval_final"]["turns"] <= 9
 
 
-def test_async_group_estimator_job_on_trajectories(shared_runs):
-    """rollout.mode async with a group estimator (GRPO, 4 episodes a prompt) on the same environment: it
-    completes, each batch at most one version behind, with the same books."""
-    run_dir, proc = shared_runs.get("agents-async-grpo", *ENVIRONMENT_JOB, "--run.iterations", "2",
-                                    "--rollout.mode", "async", "--ppo.advantage", "grpo",
-                                    "--rollout.samples_per_prompt", "4")
-    records, summary = read_run(run_dir, proc)
-    assert [r["iteration"] for r in records] == [1, 2]
-    check_trajectory_records(records)
-    assert [r["batch_staleness_max"] for r in records] == [0, 1]
-    for r in records:
-        assert r["episodes"] == 32 and len(r["prompt_rows"]) == 8  # 8 prompts, 4 episodes each
-        assert r["probe_max_abs_error"] < 1e-4
-        assert math.isfinite(r["kl_response_mean_stderr"]) and r["kl_response_mean_stderr"] >= 0  # 0: KL 0 at first
-    assert math.isfinite(summary["eval_final"]["optimality"])
-
-
-def test_in_flight_updates_on_trajectories(shared_runs):
-    """rollout.in_flight_updates partial with a group estimator on the same environment: the versions load while
-    episodes run (an episode's turns may span versions, each token stamped with its own); every trained token at
-    most one version behind the learner, a row stamped with its oldest, the same books and a clean probe."""
+def test_async_in_flight_group_estimator_job_on_trajectories(shared_runs):
+    """rollout.mode async with in-flight updates (partial) and a group estimator (GRPO, 4 episodes a prompt) on the
+    same environment: the versions load while episodes run (an episode's turns may span versions, each token
+    stamped with its own); it completes with the same books, 8 prompts of 4 episodes a batch, every trained token
+    at most one version behind the learner, a row stamped with its oldest, and a clean probe."""
     run_dir, proc = shared_runs.get("agents-in-flight", *ENVIRONMENT_JOB, "--run.iterations", "3",
                                     "--rollout.mode", "async", "--rollout.in_flight_updates", "partial",
                                     "--ppo.advantage", "grpo", "--rollout.samples_per_prompt", "4")
@@ -506,7 +490,8 @@ def test_in_flight_updates_on_trajectories(shared_runs):
     assert [r["iteration"] for r in records] == [1, 2, 3]
     check_trajectory_records(records)
     for r in records:
-        assert r["episodes"] == 32 and r["batch_staleness_max"] <= 1
+        assert r["episodes"] == 32 and len(r["prompt_rows"]) == 8 and r["batch_staleness_max"] <= 1
+        assert math.isfinite(r["kl_response_mean_stderr"]) and r["kl_response_mean_stderr"] >= 0  # 0: KL 0 at first
         assert 0 <= r["in_flight_token_staleness_mean"] <= r["batch_staleness_max"]
         assert 0 <= r["in_flight_mixed_row_fraction"] <= 1
         assert r["probe_max_abs_error"] < 1e-4  # the probe's scores are one version's, never a mix

@@ -199,7 +199,7 @@ def overrides(c: dict) -> dict:
     out = {"ppo": ppo, "kl": {"placement": c["placement"], "estimator": c["estimator"], "scope": c["scope"],
                               "loss_form": c["loss_form"]},
            "rollout": {"mode": "sync" if c["mode"] == "sync" else "async",
-                       "dynamic_sampling": c["dynamic_sampling"], "in_flight_updates": c["in_flight"]}}
+                       "dynamic_sampling": c["dynamic_sampling"], "in_flight_updates": c.get("in_flight", "off")}}
     if c["advantage"] in ("grpo", "rloo", "reinforce_pp_baseline"):
         out["rollout"]["samples_per_prompt"] = 2
     if c["distill"] != "off":
