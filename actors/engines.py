@@ -117,7 +117,7 @@ class VLLMEngine:
         self.llm = build_llm(
             model_dir, spec.seed, spec.max_model_len, spec.kv_cache_mib, spec.dtype, device, engine_args, spec.cpu_core,
             # log-probs of the distribution actually sampled from (after temperature)
-            logprobs_mode="processed_logprobs", enable_prefix_caching=self.prefix_caching,
+            logprobs_mode="processed_logprobs", **({} if self.prefix_caching else {"enable_prefix_caching": False}),
             worker_extension_cls="actors.vllm_extension.WeightSyncExtension",
             **weight_transfer_args, **lora_args,
         )
