@@ -114,7 +114,7 @@ class EngineLoop:
                     self.cv.wait()
             try:
                 self.run_once()
-            except BaseException as err:  # the engine is gone: no caller may wait on it
+            except BaseException as err:  # noqa: BLE001 - the engine is gone: no caller may wait on it
                 with self.cv:
                     self.failed = err
                     waiting = self.inbox + [marker for *_, marker in self.loads]
@@ -161,7 +161,7 @@ class EngineLoop:
                 del self.running[r.vllm_id]
         try:
             marker.result = self.engine.load_weights(weights, version)
-        except BaseException as err:
+        except BaseException as err:  # noqa: BLE001 - the load's caller raises it (the sync fails, naming it)
             marker.error = err
         self.version = version
         marker.done.set()
@@ -183,7 +183,7 @@ class EngineLoop:
             prompt = r.prompt + r.ids
         try:
             self.llm_engine.add_request(r.vllm_id, TokensPrompt(prompt_token_ids=prompt), params)
-        except BaseException as err:  # a request vLLM refuses fails its caller alone
+        except BaseException as err:  # noqa: BLE001 - a request vLLM refuses fails its caller alone
             r.error = err
             r.done.set()
             return
@@ -235,8 +235,8 @@ class InFlightEngine:
         return [r.wait() for r in requests]
 
     def score(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
-        requests = [self.loop.submit(Request("score", list(s), 1, scored_from=plen)) for s, plen in zip(sequences, prompt_lengths,
-                                                                                        strict=True)]
+        requests = [self.loop.submit(Request("score", list(sequence), 1, scored_from=length))
+                    for sequence, length in zip(sequences, prompt_lengths, strict=True)]
         return [r.wait() for r in requests]
 
     def load_weights(self, weights: dict, version: int = 0) -> list[str]:

@@ -79,11 +79,11 @@ def table(results: dict, seeds: list[int], target: float) -> list[str]:
     def show(value, fmt):
         return "-" if value is None else format(value, fmt)
 
-    lines = [f"GRPO, 128 episodes an iteration, {len(seeds)} seeds ({' '.join(map(str, seeds))}); target: sampled "
-             f"score >= {target} at an evaluation; a run that never reached it counts apart (reached n/{len(seeds)})",
+    lines = [(f"GRPO, 128 episodes an iteration, {len(seeds)} seeds ({' '.join(map(str, seeds))}); target: sampled "
+              f"score >= {target} at an evaluation; a run that never reached it counts apart (reached n/{len(seeds)})"),
              "",
-             "| mode | episodes/s | tokens/s | iteration s | reached | iterations to target | training s to target "
-             "| final score | mixed-version rows | token staleness |",
+             ("| mode | episodes/s | tokens/s | iteration s | reached | iterations to target | training s to target "
+              "| final score | mixed-version rows | token staleness |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for mode, runs in results["modes"].items():
         reached = [r for r in runs if r["iterations_to_target"] is not None]

@@ -20,7 +20,6 @@ from learner.cluster import ClusterError, Placement
 from learner.plan import FleetSpec
 from services.errors import TetherError
 
-
 IN_FLIGHT_THREADS = 16  # a rollout actor's concurrent calls with in-flight updates (its chunks, a load, the probe)
 
 
