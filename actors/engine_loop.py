@@ -25,8 +25,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from vllm import SamplingParams, TokensPrompt
+
+from actors.engines import Generation
+from services.experience import FINISH_LENGTH, FINISH_STOP
+
 if TYPE_CHECKING:
-    from actors.engines import Generation, SamplingSettings, VLLMEngine
+    from actors.engines import SamplingSettings, VLLMEngine
 
 
 def continuation_seed(seed: int, sampled: int) -> int:
@@ -169,8 +174,6 @@ class EngineLoop:
             self._add(r)
 
     def _add(self, r: Request) -> None:
-        from vllm import SamplingParams, TokensPrompt
-
         r.vllm_id, self.next_id = str(self.next_id), self.next_id + 1
         r.seen = 0
         if r.kind == "score":
@@ -190,9 +193,6 @@ class EngineLoop:
         self.running[r.vllm_id] = r
 
     def _take(self, out) -> None:
-        from actors.engines import Generation
-        from services.experience import FINISH_LENGTH, FINISH_STOP
-
         r = self.running.get(out.request_id)
         if r is None:  # aborted at a load, its last output already on the way
             return

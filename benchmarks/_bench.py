@@ -19,6 +19,10 @@ if str(ROOT) not in sys.path:
 # every Ray process stays on loopback and sends nothing home (learner/cluster.py's defaults)
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 RESULT_PREFIX = "BENCH_RESULT "
+# learner.main's arguments of each rollout mode the benchmarks compare: sync, async, and async with in-flight updates
+ROLLOUT_MODES = {"sync": ["--rollout.mode", "sync"], "async": ["--rollout.mode", "async"],
+                 "keep_kv": ["--rollout.mode", "async", "--rollout.in_flight_updates", "keep_kv"],
+                 "partial": ["--rollout.mode", "async", "--rollout.in_flight_updates", "partial"]}
 
 
 def cpu_model() -> str:

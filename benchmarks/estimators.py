@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import RESULTS, MeasuredJob, read_records, stamp, steady_state, write_results
+from _bench import ROLLOUT_MODES as MODES
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
@@ -36,9 +37,6 @@ SAMPLES_PER_PROMPT = 8  # for the group estimators
 # at 24.3 and async never; REINFORCE++-baseline async ended at 0.69), while GRPO at 1e-4 reaches it at 8.7 in sync
 # and 12.3 in async and holds it
 UNIT_SCALE_LR = "1e-4"
-MODES = {"sync": ["--rollout.mode", "sync"], "async": ["--rollout.mode", "async"],
-         "keep_kv": ["--rollout.mode", "async", "--rollout.in_flight_updates", "keep_kv"],
-         "partial": ["--rollout.mode", "async", "--rollout.in_flight_updates", "partial"]}
 UNIT_SCALE = ("grpo", "reinforce_pp", "reinforce_pp_baseline")
 # the additions, each on GRPO: what learner.main takes to turn it on
 ADDITIONS = {

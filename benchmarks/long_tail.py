@@ -25,10 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import RESULTS, MeasuredJob, read_records, stamp, steady_state, write_results
+from _bench import ROLLOUT_MODES as MODES
 
-MODES = {"sync": ["--rollout.mode", "sync"], "async": ["--rollout.mode", "async"],
-         "keep_kv": ["--rollout.mode", "async", "--rollout.in_flight_updates", "keep_kv"],
-         "partial": ["--rollout.mode", "async", "--rollout.in_flight_updates", "partial"]}
 MODEL = {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 96}  # 64 answer tokens after a 1-token prompt
 LR = "5e-4"  # a random-init model: GRPO's default 5e-5 moves the score 0.25 -> 0.53 in 40 iterations, this 0.25 -> 0.85
 
