@@ -5,10 +5,10 @@ each graph's own cached SFT start; no ``--ppo.lr`` is passed, so each run trains
 The aim: final sampled optimality >= 0.95 in every cell (the default job's GAE reaches 0.98 on the default graph).
 
     .venv/bin/python benchmarks/advantage_lr.py [--estimators grpo rloo] [--graphs 1001 1002 1003]
-        [--mode sync async] [--seeds 1 2 3] [-- extra learner.main args]
+        [--mode sync async] [--seeds 1 2 3] [--name NAME] [-- extra learner.main args]
 
-Writes benchmarks/results/advantage_lr.json and .md; a partial run keeps its rows, and the rows of earlier runs
-stay (a cell run again replaces its own).
+Writes benchmarks/results/advantage_lr.json and .md (advantage_lr-NAME with --name, a sweep's own table); a
+partial run keeps its rows, and the rows of earlier runs stay (a cell run again replaces its own).
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ def run(estimator: str, graph: int, mode: str, seed: int, cache_dir: str, out_di
                        "--checkpoint.every", "0", *args]).run()
     run_dir = Path(out_dir) / name
     summary = json.loads((run_dir / "summary.json").read_text())
-    lr = yaml.safe_load((run_dir / "config.yaml").read_text())["ppo"]["lr"]  # the rate the run resolved
-    return {"args": args, "lr": lr, "wall_seconds": job.wall_seconds, "eval_final": summary["eval_final"],
+    ppo = yaml.safe_load((run_dir / "config.yaml").read_text())["ppo"]  # the rate and schedule the run resolved
+    return {"args": args, "lr": ppo["lr"], "lr_schedule": ppo["lr_schedule"], "wall_seconds": job.wall_seconds, "eval_final": summary["eval_final"],
             "evals": [(r["iteration"], r["eval"]["optimality"]) for r in read_records(run_dir) if "eval" in r]}
 
 
 def table(results: dict) -> list[str]:
-    rows = [("| estimator | ppo.lr (its default) | mode | graph (task.seed) | final optimality per seed | mean | "
+    rows = [("| estimator | ppo.lr, ppo.lr_schedule (its defaults) | mode | graph (task.seed) | final optimality per seed | mean | "
              ">= 0.95 |"), "|---|---|---|---|---|---|---|"]
     cells: dict[tuple, list] = {}
     for key, r in results.items():
@@ -51,7 +51,7 @@ def table(results: dict) -> list[str]:
     for (estimator, mode, graph), runs in sorted(cells.items()):
         finals = [r["eval_final"]["optimality"] for _, r in sorted(runs, key=lambda x: x[0])]
         mean = sum(finals) / len(finals)
-        rows.append(f"| {estimator} | {runs[0][1]['lr']} | {mode} | {graph} | "
+        rows.append(f"| {estimator} | {runs[0][1]['lr']}, {runs[0][1].get('lr_schedule', 'constant')} | {mode} | {graph} | "
                     f"{', '.join(f'{f:.3f}' for f in finals)} | {mean:.3f} | {'yes' if mean >= 0.95 else 'no'} |")
     return rows
 
@@ -64,9 +64,11 @@ def main() -> None:
     parser.add_argument("--mode", nargs="+", choices=("sync", "async"), default=["sync", "async"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="run.seed of each run")
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
+    parser.add_argument("--name", help="results/advantage_lr-NAME instead of advantage_lr (a sweep's own table)")
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
     args = parser.parse_args()
-    earlier = RESULTS / f"{NAME}.json"
+    name = f"{NAME}-{args.name}" if args.name else NAME
+    earlier = RESULTS / f"{name}.json"
     results = {k: v for k, v in json.loads(earlier.read_text()).items() if "/" in k} if earlier.is_file() else {}
     results |= stamp()
     with tempfile.TemporaryDirectory() as out:
@@ -76,7 +78,7 @@ def main() -> None:
                     for mode in args.mode:
                         results[f"{estimator}/{graph}/{mode}/{seed}/run"] = run(
                             estimator, graph, mode, seed, args.cache_dir, out, args.extra)
-                        write_results(RESULTS, NAME, results, table(results))
+                        write_results(RESULTS, name, results, table(results))
     print("\n".join(table(results)))
 
 

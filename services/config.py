@@ -28,6 +28,7 @@ from services.settings_sampling import (
 )
 from services.settings_training import (
     ADVANTAGE_LR,
+    ADVANTAGE_LR_SCHEDULE,
     ASYNC_EPOCHS,
     ASYNC_FEWER_EPOCHS,
     PRETRAINED_PARAMETERS,
@@ -47,6 +48,7 @@ from services.settings_training import (
 FOLLOWED_DEFAULTS = (("ppo", "minibatch_size", ("rollout.batch_size",)),
                      ("rollout", "chunk_size", ("rollout.batch_size",)),
                      ("ppo", "lr", ("ppo.advantage",)),
+                     ("ppo", "lr_schedule", ("ppo.advantage",)),
                      ("ppo", "epochs", ("rollout.mode", "ppo.policy_loss", "ppo.correction")))
 
 
@@ -103,8 +105,10 @@ class JobConfig(BaseSettings):
             follow(r, "chunk_size", _largest_divisor(
                 r.batch_size, RolloutConfig.model_fields["chunk_size"].default,
                 lambda d: d % r.samples_per_prompt == 0 and (r.batch_size // d) % w == 0) or r.chunk_size)
-        if "lr" not in p.model_fields_set:
+        if "lr" not in p.model_fields_set:  # the estimator's rate, and its schedule unless the user chose one
             follow(p, "lr", ADVANTAGE_LR[p.advantage])
+            if "lr_schedule" not in p.model_fields_set:
+                follow(p, "lr_schedule", ADVANTAGE_LR_SCHEDULE.get(p.advantage, p.lr_schedule))
         if "epochs" not in p.model_fields_set and r.mode == "async" and (
                 p.policy_loss in ASYNC_FEWER_EPOCHS["policy_loss"] or p.correction in ASYNC_FEWER_EPOCHS["correction"]):
             follow(p, "epochs", ASYNC_EPOCHS)
@@ -117,7 +121,9 @@ class JobConfig(BaseSettings):
             holder = getattr(self, section)
             if name not in holder.model_fields_set and getattr(holder, name) != type(holder).model_fields[name].default:
                 shown = ", ".join(f"{source}={attrgetter(source)(self)}" for source in sources)
-                followed.append(f"{section}.{name}={getattr(holder, name):g} follows {shown}")
+                value = getattr(holder, name)
+                followed.append(f"{section}.{name}={value if isinstance(value, str) else format(value, 'g')} "
+                                f"follows {shown}")
         return "defaults: " + "; ".join(followed) + " (set them to choose)" if followed else None
 
     @model_validator(mode="after")

@@ -19,12 +19,14 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # a policy this large is a pretrained model, not a task's small model trained from scratch (the embedded
 # randomwalks GPT-2 has about 1M parameters)
 PRETRAINED_PARAMETERS = 20_000_000
-# ppo.lr when unset, by ppo.advantage: GAE's is tuned on the embedded randomwalks model; the critic-free
-# estimators' updates are larger at a rate (no value baseline shrinks the advantages), and at 3e-4 GRPO and
-# RLOO end below 0.9 optimality on graphs other than the default one. GRPO's advantages are scaled to unit
-# variance in each group however small its spread: at 1e-4 it plateaued at 0.93 on one graph (at 2e-4 lower),
-# at 5e-5 it kept climbing (benchmarks/advantage_lr.py)
-ADVANTAGE_LR = {"gae": 3e-4, "grpo": 5e-5, "rloo": 1e-4, "reinforce_pp": 1e-4, "reinforce_pp_baseline": 1e-4}
+# ppo.lr when unset, by ppo.advantage, and with it ppo.lr_schedule when that is unset too: GAE's is tuned on the
+# embedded randomwalks model; the critic-free estimators' updates are larger at a rate (no value baseline shrinks the
+# advantages), and at 3e-4 GRPO and RLOO end below 0.9 optimality on graphs other than the default one. GRPO's
+# advantages are scaled to unit variance in each group however small its spread: at a constant 1e-4 it plateaued at
+# 0.93 on one graph, at a constant 3e-5 to 1e-4 it stayed short of 0.95 on one graph in async mode (0.939 at 5e-5);
+# annealed linearly from 1e-4 it learns early at the rate and settles late (benchmarks/advantage_lr.py)
+ADVANTAGE_LR = {"gae": 3e-4, "grpo": 1e-4, "rloo": 1e-4, "reinforce_pp": 1e-4, "reinforce_pp_baseline": 1e-4}
+ADVANTAGE_LR_SCHEDULE = {"grpo": "linear"}  # the others: the field's default, constant
 # In async mode, the policy losses and the correction that let a stale row weigh more than TIS's cap of 2 (CISPO's
 # weight up to 5, SAPO's soft gate, IcePop's untruncated weight) lost learning parity over the default 4 epochs
 # (8 optimizer steps a batch); with one they held it but learned slowly (14.7 iterations to GRPO's 10.3), with two
@@ -86,7 +88,8 @@ class PPOConfig(Section):
     lr: PositiveFloat = Field(3e-4, description="AdamW learning rate")
     lr_schedule: Literal["constant", "linear"] = Field(
         "constant", description="linear: lr * (1 - (i - 1) / run.iterations) at iteration i, annealed to 0 over "
-        "the run as in lm-human-preferences; constant: lr throughout")
+        "the run as in lm-human-preferences; constant: lr throughout. Unset, with ppo.lr unset too: grpo's rate is "
+        "linear, the others' constant")
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     weight_decay: float = Field(1e-6, ge=0, description="AdamW weight decay")
     clip_range: PositiveFloat = Field(0.2, description="policy ratio clip epsilon")

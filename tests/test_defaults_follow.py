@@ -54,7 +54,7 @@ def test_what_the_user_sets_is_kept_and_what_cannot_fit_is_still_refused():
         parse_cli(["--learner.world_size", "3"])  # no divisor of 128 fits 3 ranks: the defaults stay, refused
 
 
-@pytest.mark.parametrize("advantage, lr, shown", [("grpo", 5e-5, "5e-05"), ("rloo", 1e-4, "0.0001"),
+@pytest.mark.parametrize("advantage, lr, shown", [("grpo", 1e-4, "0.0001"), ("rloo", 1e-4, "0.0001"),
                                                    ("reinforce_pp", 1e-4, "0.0001"),
                                                    ("reinforce_pp_baseline", 1e-4, "0.0001")])
 def test_each_estimator_has_its_learning_rate_when_ppo_lr_is_unset(advantage, lr, shown):
@@ -65,6 +65,21 @@ def test_each_estimator_has_its_learning_rate_when_ppo_lr_is_unset(advantage, lr
                      ).ppo.lr == 3e-4
     # a pretrained policy is still told, at the rate it would train at
     assert cfg.tiny_model_settings_notice(134_515_008).startswith(f"note: ppo.lr={shown} is the default")
+
+
+def test_grpos_rate_is_annealed_when_neither_the_rate_nor_its_schedule_is_set():
+    group = ["--ppo.advantage", "grpo", "--rollout.samples_per_prompt", "8"]
+    cfg = parse_cli(group)
+    assert (cfg.ppo.lr, cfg.ppo.lr_schedule) == (1e-4, "linear")
+    assert "ppo.lr_schedule=linear follows ppo.advantage=grpo" in cfg.followed_defaults()
+    assert parse_cli([*group, "--ppo.lr", "1e-4"]).ppo.lr_schedule == "constant"  # a chosen rate: the field's own
+    chosen = parse_cli([*group, "--ppo.lr_schedule", "constant"])
+    assert (chosen.ppo.lr, chosen.ppo.lr_schedule) == (1e-4, "constant")
+    assert parse_cli(["--ppo.advantage", "rloo", "--rollout.samples_per_prompt", "8"]).ppo.lr_schedule == "constant"
+    saved = cfg.model_dump()
+    saved["ppo"]["lr"], saved["ppo"]["lr_schedule"] = 5e-5, "constant"  # as the version before resolved them
+    keep_followed_defaults(saved, cfg)
+    assert (cfg.ppo.lr, cfg.ppo.lr_schedule) == (5e-5, "constant")
 
 
 @pytest.mark.parametrize("setting", [["--ppo.policy_loss", "cispo"], ["--ppo.policy_loss", "sapo"],
