@@ -1,9 +1,7 @@
 """rollout.agent: any agent program trained through the rollout engine's OpenAI-compatible endpoint, as a
 job on the real stack. The program (tests/agent_programs.py) walks randomwalks with the ``openai`` client in
 two calls; for half the rows the second extends the first token for token, so the episode is one trajectory of two
-calls, and for the other half it starts again from the walk's last node, so the episode gives two rows. The job runs
-in async mode with in-flight updates (partial): a version may load between an episode's two calls or inside one,
-and each call's tokens carry their versions into the rows. An
+calls, and for the other half it starts again from the walk's last node, so the episode gives two rows. An
 agent past its failure limit is tested on an engine actor (tests/test_agents.py): the driver reports the
 error it raises as it does an environment's."""
 
@@ -32,8 +30,7 @@ def agent_args(root, tiny_model_dir, agent: str) -> list[str]:
 def agent_run(shared_runs, tiny_model_dir):
     return shared_runs.get("agent-two-calls", *agent_args(shared_runs.root, tiny_model_dir,
                                                           "tests.agent_programs:walk_in_two_calls_or_two_rows"),
-                           "--run.iterations", "2", "--run.eval_every", "2", "--rollout.mode", "async",
-                           "--rollout.in_flight_updates", "partial")
+                           "--run.iterations", "2", "--run.eval_every", "2")
 
 
 def test_an_agent_program_trains_through_the_endpoint(agent_run):
@@ -51,10 +48,8 @@ def test_an_agent_program_trains_through_the_endpoint(agent_run):
         assert r["reward_mean"] == pytest.approx(r["score_mean"] - r["kl_coef_used"] * r["kl_response_mean"],
                                                  rel=1e-5, abs=1e-6)
         assert 0.0 <= r["score_mean"] <= 1.0  # an optimality per episode, counted once however many rows
-        # the learner's log-probs of the recorded tokens of its own version are the engine's: nothing was
-        # re-tokenised, and a partial rollout's tokens after a load are the new version's
+        # the learner's log-probs of the recorded tokens are the engine's: nothing was re-tokenised
         assert r["rollout_learner_logprob_mismatch_max"] < 1e-3
-        assert r["batch_staleness_max"] <= 1 and 0 <= r["in_flight_token_staleness_mean"] <= r["batch_staleness_max"]
         assert r["probe_max_abs_error"] < 1e-4 or r["probe_max_abs_error"] != r["probe_max_abs_error"]
     assert any(r["turns_mean"] > 1.0 for r in records)  # some episodes did make two calls
     assert any(r["rows_per_episode"] > 1.0 for r in records)  # and some of those gave two rows
