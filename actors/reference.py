@@ -16,53 +16,38 @@ if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (s
     from services.experience import RolloutBatch
 
 
-class ReferenceActor(VersionedActor):
-    role = "reference"
+class ReferenceModel:
+    """A frozen model and its scoring, from a ``ReferenceSpec``: a reference actor's, or (``reference.placement``
+    learner) the copy a learner rank holds and scores its own chunks with. Sets nothing process-wide."""
 
-    @starting_up()
-    def __init__(self, index: int, spec: ReferenceSpec) -> None:
-        from actors.engines import check_device
-
-        super().__init__(index)
-        backend, dtype, temperature = spec.backend, spec.dtype, spec.temperature
-        self.backend, self.temperature = backend, temperature
-        self.max_tokens_per_microbatch = max_tokens_per_microbatch = spec.max_tokens_per_microbatch
-        self.device = check_device(spec.device, f"{self.role}-{index}")
-        yield_cpu_to_engines(self.device)
-        if spec.torch_threads:
-            torch.set_num_threads(spec.torch_threads)
-        model_dir = as_source(spec.model).resolve(f"{self.role}-{index}")
-        if backend == "hf":
+    def __init__(self, spec: ReferenceSpec, device: str, where: str) -> None:
+        self.backend, self.temperature, self.device = spec.backend, spec.temperature, device
+        self.max_tokens_per_microbatch = spec.max_tokens_per_microbatch
+        model_dir = as_source(spec.model).resolve(where)
+        if spec.backend == "hf":
             from services.models import load_causal_lm
 
             # its weights keep requires_grad: scoring runs under no_grad, so no graph or gradient is built, and
             # on CPU in bf16 a forward over weights without it took twice as long (torch 2.13, SmolLM2-135M over
             # 32 x 76 tokens, 2 threads: 2.3 against 1.1 s; fp32 3.4 against 3.2 s)
-            self.model = load_causal_lm(model_dir, dtype).to(self.device)
-            if max_tokens_per_microbatch is not None:  # packed scoring relies on the model masking across sequences
+            self.model = load_causal_lm(model_dir, spec.dtype).to(device)
+            if spec.max_tokens_per_microbatch is not None:  # packed scoring relies on the model masking across rows
                 from services.packing_check import check_packing_isolation
 
-                check_packing_isolation(self.model, self.model.config.vocab_size, f"{self.role}-{index}")
-        elif backend == "vllm":
+                check_packing_isolation(self.model, self.model.config.vocab_size, where)
+        elif spec.backend == "vllm":
             from actors.engines import VLLMEngine
 
-            if temperature != 1.0:
+            if spec.temperature != 1.0:
                 raise ValueError("reference.backend='vllm' scores at temperature 1; use backend 'hf'")
-            self.engine = VLLMEngine(model_dir, EngineSpec("vllm", 0, spec.max_model_len, spec.kv_cache_mib, dtype,
-                                                           None, self.device, spec.engine_args))
+            self.engine = VLLMEngine(model_dir, EngineSpec("vllm", 0, spec.max_model_len, spec.kv_cache_mib,
+                                                           spec.dtype, None, device, spec.engine_args))
         else:
-            raise ValueError(f"unknown reference backend {backend!r}; expected 'hf' or 'vllm'")
-
-    def score(self, batch: RolloutBatch) -> torch.Tensor:
-        """[B, T] ref log-probs of the tokens the model sampled (0 at padding and at environment tokens)."""
-        start = time.perf_counter()
-        try:
-            return self._score(batch)
-        finally:
-            self.busy_seconds += time.perf_counter() - start
+            raise ValueError(f"unknown reference backend {spec.backend!r}; expected 'hf' or 'vllm'")
 
     @torch.no_grad()
-    def _score(self, batch: RolloutBatch) -> torch.Tensor:
+    def score(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B, T] log-probs of the tokens the model sampled (0 at padding and at environment tokens)."""
         if self.backend == "hf":
             from services.experience import packed_response_logprobs, response_forward
 
@@ -81,6 +66,29 @@ class ReferenceActor(VersionedActor):
         for row, scored in enumerate(self.engine.score(sequences, prompt_lengths)):
             out[row, : len(scored)] = torch.tensor(scored)
         return out * batch.action_mask  # a trajectory's environment tokens carry no log-prob
+
+
+class ReferenceActor(VersionedActor):
+    role = "reference"
+
+    @starting_up()
+    def __init__(self, index: int, spec: ReferenceSpec) -> None:
+        from actors.engines import check_device
+
+        super().__init__(index)
+        device = check_device(spec.device, f"{self.role}-{index}")
+        yield_cpu_to_engines(device)
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
+        self.reference = ReferenceModel(spec, device, f"{self.role}-{index}")
+
+    def score(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B, T] ref log-probs of the tokens the model sampled (0 at padding and at environment tokens)."""
+        start = time.perf_counter()
+        try:
+            return self.reference.score(batch)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
 
 
 def check_teacher(teacher_path: str, policy_tokenizer) -> None:

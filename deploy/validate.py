@@ -546,7 +546,8 @@ def job_bundles(cfg: Any) -> list[tuple[str, dict[str, float]]]:
     """(role, bundle) per actor, as learner.cluster.reserve builds the placement group."""
     roles = [
         ("rollout", cfg.cluster.rollout, cfg.rollout.num_engines),
-        ("reference", cfg.cluster.reference, cfg.reference.num_actors),
+        ("reference", cfg.cluster.reference,  # none where the learner ranks score the reference themselves
+         0 if cfg.learner.reference_in_learner or cfg.reference_copy_in_learner else cfg.reference.num_actors),
         ("reward", cfg.cluster.reward, cfg.reward.num_actors),
         ("learner", cfg.cluster.learner, cfg.learner.world_size),
     ]

@@ -379,7 +379,8 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     learner = LearnerGroup(plan.rank, placement)  # DeepSpeed sets up while the engines start
     fleet.wait_ready()
     teachers = f"{len(fleet.teachers)} teacher, " if fleet.teachers else ""
-    log(f"actors ready: {len(fleet.rollouts)} rollout, {len(fleet.references)} reference, {len(fleet.rewards)} "
+    reference = f"{len(fleet.references)} reference" if fleet.references else "the reference in the learner ranks"
+    log(f"actors ready: {len(fleet.rollouts)} rollout, {reference}, {len(fleet.rewards)} "
         f"reward, {teachers}{cfg.learner.world_size} learner rank(s), ZeRO-{cfg.learner.zero_stage}, {cfg.learner.dtype} "
         f"({time.perf_counter() - wall_start:.1f}s)")
 

@@ -24,8 +24,8 @@ from services.storage import RunStorage
 
 def role_counts(cfg: JobConfig) -> dict[str, int]:
     """Actors per role, in bundle order; each role's resources are ``cfg.cluster.<role>``."""
-    # LoRA with the base model as the reference: the learner ranks score it, no reference actor
-    references = 0 if cfg.learner.reference_in_learner else cfg.reference.num_actors
+    # LoRA with the base model as the reference, or reference.placement learner: the learner ranks score it
+    references = 0 if cfg.learner.reference_in_learner or cfg.reference_copy_in_learner else cfg.reference.num_actors
     return {"rollout": cfg.rollout.num_engines, "reference": references,
             "reward": cfg.reward.num_actors, "teacher": cfg.distill.num_actors if cfg.distill.teacher_path else 0,
             "learner": cfg.learner.world_size}
@@ -56,12 +56,17 @@ class RankSpec:
     rollout_batch_size: int | None = None  # episodes per batch: the optimizer steps per epoch
     rows_per_episode_vary: bool = False  # rollout.agent: an episode gives a row per trajectory of its calls
     resources: RoleResources = field(default_factory=RoleResources)  # cluster.learner: each rank's actor
+    reference: ReferenceSpec | None = None  # reference.placement learner: the rank's own copy of the initial policy
 
     @classmethod
     def of(cls, cfg: JobConfig, model: ModelSource | str) -> RankSpec:
+        reference = ReferenceSpec(model, "hf", cfg.learner.dtype, temperature=cfg.rollout.temperature,
+                                  device=cfg.device("learner"),
+                                  max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch) \
+            if cfg.reference_copy_in_learner else None
         return cls(model, cfg.learner, Algorithm.from_config(cfg), cfg.rollout.temperature, cfg.run.seed,
                    cfg.device("learner"), cfg.run.iterations, cfg.rollout.batch_size, cfg.rollout.agent is not None,
-                   cfg.cluster.learner)
+                   cfg.cluster.learner, reference)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from actors.base import lost_to_dead_actor, starting_up, yield_cpu_to_engines
+from actors.reference import ReferenceModel
 from learner import rank_checkpoint
 from learner.algorithm import episode_view
 from learner.lora import adapter_state, merged_state_dict
@@ -160,6 +161,8 @@ class LearnerRank:
 
             check_packing_isolation(self.engine.module.lm, self.engine.module.lm.config.vocab_size,
                                     f"learner-rank-{self.rank}")
+        # reference.placement learner: the initial policy, frozen, on this rank's device (a resume loads none into it)
+        self.reference = spec.reference and ReferenceModel(spec.reference, str(self.device), f"learner-rank-{self.rank}")
         self.reducer = DistributedReducer(self.device)  # the algorithm layer's collectives: over every rank
         self.updates = 0
         self.collected: dict[int, RolloutBatch] = {}  # slot -> chunk with its old_logprobs, old_values, ref_logprobs, scores
@@ -208,9 +211,9 @@ class LearnerRank:
         ran = 0
         self.forward_version = expected_state[0] if expected_state is not None else None  # this round's weights
         teacher_refs = teacher_logprob_refs if teacher_logprob_refs is not None else [None] * len(slots)
-        # learner.lora.reference 'base': no reference actor; this rank scores the base model (adapters off)
+        # no reference actor: this rank scores the reference, its own copy or LoRA's base (an engine forward)
         ref_refs = ref_logprob_refs if ref_logprob_refs is not None else [None] * len(slots)
-        forwards_per_chunk = (0 if self.single_step else 1) + (ref_logprob_refs is None)
+        forwards_per_chunk = (0 if self.single_step else 1) + (ref_logprob_refs is None and self.reference is None)
         for slot, chunk_ref, ref_ref, score_ref, teacher_ref in zip(slots, chunk_refs, ref_refs, score_refs,
                                                                     teacher_refs, strict=True):
             t0 = time.perf_counter()
@@ -229,7 +232,7 @@ class LearnerRank:
                 continue
             if not self.single_step:
                 chunk.old_logprobs, chunk.old_values, _ = self._forward(chunk, grad=False)
-            chunk.ref_logprobs = scored.pop(0) if ref_ref is not None else self._base_logprobs(chunk)
+            chunk.ref_logprobs = scored.pop(0) if ref_ref is not None else self._reference_logprobs(chunk)
             chunk.scores, chunk.teacher_logprobs = chunk_scores, scored.pop(0) if teacher_ref is not None else None
             ran += forwards_per_chunk
             self.collected[slot] = chunk
@@ -252,12 +255,12 @@ class LearnerRank:
         from learner.kl import kl_sums
 
         ref_refs = ref_logprob_refs if ref_logprob_refs is not None else [None] * len(chunk_refs)
-        per_chunk = 1 + (ref_logprob_refs is None)
+        per_chunk = 1 + (ref_logprob_refs is None and self.reference is None)
         sums: dict[str, float] = {}
         for chunk_ref, ref_ref in zip(chunk_refs, ref_refs, strict=True):
             chunk = ray.get(chunk_ref)
             logprobs, _, _ = self._forward(chunk, grad=False)
-            ref = ray.get(ref_ref) if ref_ref is not None else self._base_logprobs(chunk)
+            ref = ray.get(ref_ref) if ref_ref is not None else self._reference_logprobs(chunk)
             view, mask = episode_view(chunk), chunk.action_mask
             part = kl_sums(view.merge(logprobs * mask), view.merge(ref * mask), view.merge(mask), "k1")
             sums = {k: sums.get(k, 0.0) + v for k, v in part.items()}
@@ -266,9 +269,12 @@ class LearnerRank:
                 self._forward(_placeholder_batch(), grad=False)  # keeps the ZeRO-3 gathers in step
         return sums
 
-    def _base_logprobs(self, chunk: RolloutBatch) -> Tensor:
-        """[B, T] the base model's log-probs of the sampled tokens (the adapters disabled: the initial policy), as
-        a reference actor scores them: at the rollout temperature, 0 off the action mask."""
+    def _reference_logprobs(self, chunk: RolloutBatch) -> Tensor:
+        """[B, T] the reference's log-probs of the sampled tokens where no reference actor scores them, as one would:
+        at the rollout temperature, 0 off the action mask. The rank's own copy of the initial policy
+        (reference.placement learner), or the base model (LoRA's base reference: the adapters disabled)."""
+        if self.reference is not None:
+            return self.reference.score(chunk)
         with self.engine.module.lm.disable_adapter():
             logprobs, _, _ = self._forward(chunk, grad=False)
         return logprobs * chunk.action_mask

@@ -151,6 +151,21 @@ class JobConfig(BaseSettings):
         return self.run.probe_tolerance or PROBE_TOLERANCE[self.learner.dtype]
 
     @property
+    def reference_copy_in_learner(self) -> bool:
+        """reference.placement: each learner rank holds a copy of the initial policy as the reference and no reference
+        actor starts. auto: where the learner and the reference are both on CPU, with the transformers forward and
+        no other reference setting (nor cluster.reference) changed, since there the reference's own process takes a
+        share of the same cores and its start-up is a fifth of the job's; not with LoRA, whose learner.lora.reference
+        'actor' asks for an actor. Never with learner.lora.reference 'base': the ranks score the base model itself."""
+        if self.learner.reference_in_learner:
+            return False
+        if self.reference.placement != "auto":
+            return self.reference.placement == "learner"
+        return (self.device("reference") == self.device("learner") == "cpu" and self.reference.backend == "hf"
+                and not self.learner.lora.rank and set(self.reference.changed_fields()) <= {"placement"}
+                and not self.cluster.reference.changed_fields())
+
+    @property
     def adapter_sync(self) -> bool:
         """learner.lora: whether the engines start with LoRA on, to take the adapter alone at each sync (where
         vLLM's model takes adapters): ``lora.sync`` adapter, or auto unless the engines are float32 on CPU."""

@@ -304,6 +304,20 @@ def base_reference_starts_no_actor(cfg: Any) -> str | None:
     return None
 
 
+@rule("reference.placement", "reference.*", "cluster.reference.*",
+      example={"reference": {"placement": "learner", "num_actors": 2}})
+def reference_copy_in_learner_starts_no_actor(cfg: Any) -> str | None:
+    if cfg.reference.placement != "learner" or cfg.learner.reference_in_learner:
+        return None  # LoRA's base reference: base_reference_starts_no_actor names the setting
+    changed = [f"reference.{k}" for k in cfg.reference.changed_fields() if k != "placement"]
+    changed += [f"cluster.reference.{k}" for k in cfg.cluster.reference.changed_fields()]
+    if changed:
+        return (f"{changed[0]} is set, but with reference.placement='learner' each learner rank scores with its own "
+                "transformers copy of the initial policy, on its own device, and no reference actor starts; set "
+                f"reference.placement='actor' to keep them, or {changed[0]} back to its default")
+    return None
+
+
 # --- devices ---
 
 @rule("learner.weight_sync", "rollout.engine", "cluster.rollout.num_gpus", "cluster.learner.num_gpus",

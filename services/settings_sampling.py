@@ -231,6 +231,12 @@ class RolloutConfig(Section):
 
 
 class ReferenceConfig(Section):
+    placement: Literal["auto", "actor", "learner"] = Field(
+        "auto", description="actor: reference actors of their own (cluster.reference: their resources); learner: "
+        "each learner rank holds a frozen copy of the initial policy on its device and scores its own chunks (one "
+        "process fewer to start, no log-probs to ship; the copy's memory on the rank's device); auto: learner when "
+        "the learner and the reference are both on CPU, no other reference setting is changed and LoRA is off (its "
+        "learner.lora.reference: actor asks for an actor), else actor")
     backend: Literal["hf", "vllm"] = Field("hf", description="hf: learner numerics (default); vllm: prompt_logprobs")
     num_actors: PositiveInt = Field(1, description="reference actors")
     torch_threads: PositiveInt | None = Field(

@@ -61,20 +61,28 @@ def test_bfloat16_job_starts_at_zero_kl_passes_its_probes_and_learns(ray_head, c
 
 
 def test_broadcast_and_beta_rise_when_the_kl_is_above_the_target(ray_head, cache_dir, tmp_path):
+    """With a reference actor of its own (reference.placement actor): the broadcast reaches it too."""
     proc = run_job(job_args(ray_head, cache_dir, tmp_path, "ctl", *SMALL, "--run.iterations", "4",
-                            "--ppo.lr", "2e-3", "--kl.target", "0.001", "--kl.horizon", "1000"))
+                            "--ppo.lr", "2e-3", "--kl.target", "0.001", "--kl.horizon", "1000",
+                            "--reference.placement", "actor"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    check_broadcast_and_controller(read_metrics(tmp_path / "ctl"), target=0.001, horizon=1000, direction="rises")
+    assert "actors ready: 1 rollout, 1 reference, 1 reward" in proc.stdout
+    check_broadcast_and_controller(read_metrics(tmp_path / "ctl"), target=0.001, horizon=1000, direction="rises",
+                                   actors={"rollout-0", "reference-0", "reward-0"})
 
 
 def test_broadcast_and_beta_fall_when_the_kl_is_below_the_target(small_run):
-    """The small job's KL stays below the default target of 6 nats."""
+    """The small job's KL stays below the default target of 6 nats. On CPU its learner rank holds the reference
+    (reference.placement auto): no reference actor."""
     run_dir, proc = small_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    check_broadcast_and_controller(read_metrics(run_dir), target=6.0, horizon=10000, direction="falls")
+    assert "actors ready: 1 rollout, the reference in the learner ranks, 1 reward" in proc.stdout
+    check_broadcast_and_controller(read_metrics(run_dir), target=6.0, horizon=10000, direction="falls",
+                                   actors={"rollout-0", "reward-0"})
 
 
-def check_broadcast_and_controller(records: list[dict], target: float, horizon: int, direction: str) -> None:
+def check_broadcast_and_controller(records: list[dict], target: float, horizon: int, direction: str,
+                                   actors: set[str]) -> None:
     """Every actor reports the driver's version and beta after each iteration, every batch carries
     them, and beta moves toward the target: up when the KL is above it, down when below."""
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
@@ -84,7 +92,7 @@ def check_broadcast_and_controller(records: list[dict], target: float, horizon: 
         assert r["batch_policy_versions"] == [r["policy_version"] - 1]
         assert r["batch_kl_coefs"] == pytest.approx([r["kl_coef_used"]], rel=1e-6)
         names = {s["name"] for s in r["actor_states"]}
-        assert names == {"rollout-0", "reference-0", "reward-0"}
+        assert names == actors
         for state in r["actor_states"]:
             assert state["policy_version"] == r["policy_version"]
             assert state["kl_coef"] == r["kl_coef"]

@@ -104,7 +104,7 @@ def test_a_lora_student_distils_with_the_base_model_as_reference_resumes_exactly
 
     first = job("--run.eval_every", "3")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "0 reference, 1 reward, 1 teacher, 1 learner rank(s)" in first.stdout
+    assert "the reference in the learner ranks, 1 reward, 1 teacher, 1 learner rank(s)" in first.stdout
     assert "teacher kl " in first.stdout
     run_dir = tmp_path / "lora"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -111,6 +111,14 @@ def test_one_iteration_syncs_weights_and_keeps_exact_kl_books(roles, tiny_model_
         assert new_chunk.policy_version.tolist() == [1, 1]
         assert torch.allclose(new_chunk.kl_coef, torch.tensor([0.2, 0.2]))
 
+    # reference.placement learner (what the small config resolves on CPU): the rank's own copy scores as the
+    # reference actor does, and it is the initial policy, not the weights the update moved
+    chunk_refs = dict(enumerate(chunks))
+    by_actor = roles["learner"].evaluation_kl(chunk_refs, {i: roles["reference"].score.remote(c) for i, c in enumerate(chunks)})
+    by_rank = roles["learner"].evaluation_kl(chunk_refs, None)
+    assert by_rank["response_mean"] == pytest.approx(by_actor["response_mean"], abs=1e-5)
+    assert abs(by_rank["response_mean"]) > 1e-6  # the current weights against themselves would give 0
+
 
 def test_a_sync_that_leaves_a_parameter_unloaded_fails_naming_it(roles):
     """One tensor of the learner's weights not sent: vLLM's layerwise reload would keep (or garble) that

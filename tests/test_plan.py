@@ -87,7 +87,7 @@ def test_the_plan_gives_each_engine_its_seed_core_and_the_learners_dtype():
     from services.config import load_config
 
     cfg = load_config(None, {"rollout": {"num_engines": 2}, "learner": {"dtype": "bfloat16"}, "run": {"seed": 7},
-                             "reward": {"num_actors": 2}})
+                             "reward": {"num_actors": 2}, "reference": {"placement": "actor"}})
     spec = fleet_spec(cfg, Models("/models/policy"), SamplingSettings(), 0, 40)
     assert [r.engine for r in spec.rollouts] == [
         EngineSpec("vllm", 7 + i, 40, cfg.rollout.kv_cache_mib, "bfloat16", i, "cpu", cfg.rollout.vllm_engine_args())
@@ -102,3 +102,29 @@ def test_the_plan_gives_each_engine_its_seed_core_and_the_learners_dtype():
                               "cluster": {"rollout": {"num_gpus": 1}, "learner": {"num_gpus": 1}}})
     assert fleet_spec(nccl, Models("/m"), SamplingSettings(), 0, 40).engine_restarts == 0  # NCCL takes none back
     assert SyncSpec.of(nccl).transfer == "nccl"
+
+
+@pytest.mark.parametrize("settings, in_learner, actors", [
+    ({}, True, 0),  # the default job: both roles on CPU
+    ({"reference": {"placement": "actor"}}, False, 1),
+    ({"reference": {"num_actors": 2}}, False, 2),  # a reference setting changed: its actors
+    ({"reference": {"torch_threads": 2}}, False, 1),
+    ({"cluster": {"reference": {"num_cpus": 1}}}, False, 1),
+    ({"cluster": {"learner": {"num_gpus": 1}}}, False, 1),  # the learner on a GPU, the reference on CPU
+    ({"learner": {"lora": {"rank": 8, "reference": "actor"}}}, False, 1),  # LoRA's 'actor' asks for one
+    ({"learner": {"lora": {"rank": 8}}}, False, 0),  # LoRA's base: the ranks' own forward, no copy
+    ({"reference": {"placement": "learner"}, "learner": {"dtype": "bfloat16", "max_tokens_per_microbatch": 64}},
+     True, 0),
+])
+def test_the_reference_is_a_copy_in_each_learner_rank_where_auto_or_asked(settings, in_learner, actors):
+    from learner.plan import RankSpec, role_counts
+    from services.config import load_config
+
+    cfg = load_config(None, settings)
+    rank = RankSpec.of(cfg, "/models/policy")
+    assert (cfg.reference_copy_in_learner, role_counts(cfg)["reference"]) == (in_learner, actors)
+    if in_learner:  # the initial policy, scored as a reference actor would: the learner's dtype, device, packing
+        assert rank.reference == ReferenceSpec("/models/policy", "hf", cfg.learner.dtype, temperature=1.0,
+                                               device="cpu", max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch)
+    else:
+        assert rank.reference is None

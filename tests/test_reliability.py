@@ -87,7 +87,8 @@ def test_actor_deaths_lost_rank_and_graceful_stop(ray_head, cache_dir, tmp_path)
                 ray.kill(ray.get_actor(to_kill.pop(0)), no_restart=False)
                 last_kill[0] = time.monotonic()
 
-        proc = start_job(args(ray_head, cache_dir, tmp_path, name, "--run.iterations", "30", "--checkpoint.every", "1"))
+        proc = start_job(args(ray_head, cache_dir, tmp_path, name, "--run.iterations", "30", "--checkpoint.every", "1",
+                              "--reference.placement", "actor"))  # a reference actor to kill
         out = follow_job(proc, killer)
         assert proc.returncode != 0
         assert "learner rank 0 (actor learner-rank-0) died" in out, out[-3000:]
