@@ -196,10 +196,10 @@ def test_default_job_runs_on_the_worker_node_and_resumes_the_same_trajectory(two
     first = run_on(cluster, base, settings, "--run.iterations", "3", "--metrics.log_level", "debug")
     out = first.stdout + first.stderr
     assert first.returncode == 0, out[-4000:]
-    # every role ran on the worker, which got the driver's SFT model through the object store (the reference: in
-    # the learner rank, on CPU)
+    # every role ran on the worker, which got the driver's SFT model through the object store (cluster.<role> pins
+    # each role there, so the reference and the reward keep actors of their own)
     preflight = next(line for line in out.splitlines() if line.startswith("[tether] pre-flight: models"))
-    assert preflight.endswith(f"({WORKER_IP}): rollout-0, reward-0, learner-0"), preflight
+    assert preflight.endswith(f"({WORKER_IP}): rollout-0, reference-0, reward-0, learner-0"), preflight
     assert "LearnerRank pid=" in out and f"ip={WORKER_IP}" in out
     assert "object store to node" in out and f"({WORKER_IP})" in out, out[-3000:]
     run_dir = runs / "two-nodes"
