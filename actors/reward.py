@@ -81,32 +81,28 @@ def check_reward_label(model_path: str, label: int | str | None) -> int | None:
     return reward_label_index(label, config.id2label, where)
 
 
-class RewardActor(VersionedActor):
-    role = "reward"
+class RewardScorer:
+    """The task's reward (function, model, service or judge) over chunks, from a ``RewardSpec``: a reward actor's, or
+    (``reward.placement`` learner) the one a learner rank scores its own chunks with. Sets nothing process-wide."""
 
-    @starting_up()
-    def __init__(self, index: int, spec: RewardSpec) -> None:
-        from actors.engines import check_device
-
-        super().__init__(index)
+    def __init__(self, spec: RewardSpec, device: str, where: str) -> None:
         kind, model_path, remote = spec.kind, spec.model_path, spec.remote
-        self.device = check_device(spec.device, f"reward-{index}")
-        yield_cpu_to_engines(self.device)
+        self.device = device
         from services.models import load_tokenizer
         from services.tasks import get_task
 
         self.task = get_task(spec.task_name, **spec.task_options)
         # the policy's tokenizer decodes the responses; it travels with the policy's files
-        self.tokenizer = load_tokenizer(as_source(spec.policy).resolve(f"reward-{index}"))
+        self.tokenizer = load_tokenizer(as_source(spec.policy).resolve(where))
         self.kind = kind
         self.score_clip = spec.score_clip
         self.judge = None
         if kind == "model":
             from services.reward_models import SequenceClassifierReward
 
-            model_path = as_source(model_path).resolve(f"reward-{index}")
+            model_path = as_source(model_path).resolve(where)
             self.reward_model = SequenceClassifierReward(model_path, spec.label, self.device,
-                                                         f"reward model {model_path} on reward-{index}")
+                                                         f"reward model {model_path} on {where}")
         elif kind == "remote":
             from services.reward_service import RewardClient
 
@@ -115,8 +111,7 @@ class RewardActor(VersionedActor):
         elif kind == "judge":
             from services.reward_service.judge import Judge
 
-            self.judge = Judge(spec.judge, as_source(model_path).resolve(f"reward-{index}"), self.device,
-                               spec.judge_engine_args)
+            self.judge = Judge(spec.judge, as_source(model_path).resolve(where), self.device, spec.judge_engine_args)
 
     def decode(self, batch: RolloutBatch) -> tuple[list[str], list[str]]:
         prompts, completions = [], []
@@ -128,13 +123,6 @@ class RewardActor(VersionedActor):
 
     def score(self, batch: RolloutBatch, chunk_index: int = -1) -> torch.Tensor:
         """[B] scores; raises RewardError naming the task, chunk and sample when a score is bad."""
-        start = time.perf_counter()
-        try:
-            return self._score(batch, chunk_index)
-        finally:
-            self.busy_seconds += time.perf_counter() - start
-
-    def _score(self, batch: RolloutBatch, chunk_index: int) -> torch.Tensor:
         if batch.turn_rewards is not None:  # an environment's episodes: its turns' rewards are the score
             return batch.turn_rewards.sum(-1)
         prompts, completions = self.decode(batch)
@@ -168,8 +156,8 @@ class RewardActor(VersionedActor):
         return out.clamp(-self.score_clip, self.score_clip) if self.score_clip else out
 
     def take_counts(self) -> dict[str, float]:
-        """Busy seconds, and a judge's answers and unparseable answers, since the driver last asked."""
-        return {**super().take_counts(), **(self.judge.take_counts() if self.judge is not None else {})}
+        """A judge's answers and unparseable answers since the driver last asked (none for the other kinds)."""
+        return self.judge.take_counts() if self.judge is not None else {}
 
     def evaluate(self, batch: RolloutBatch, chunk_index: int = -1, keep_samples: int = 0) -> dict:
         """The task's eval metrics over a chunk, as sums weighted by its size (so chunks merge), and
@@ -203,3 +191,31 @@ class RewardActor(VersionedActor):
             raise RewardError(f"evaluation function of task {self.task.name!r}, chunk {chunk_index} returned {bad}")
         return {"count": float(len(prompts)), "sums": {k: v * len(prompts) for k, v in metrics.items()},
                 "samples": kept}
+
+
+class RewardActor(VersionedActor):
+    role = "reward"
+
+    @starting_up()
+    def __init__(self, index: int, spec: RewardSpec) -> None:
+        from actors.engines import check_device
+
+        super().__init__(index)
+        device = check_device(spec.device, f"reward-{index}")
+        yield_cpu_to_engines(device)
+        self.scorer = RewardScorer(spec, device, f"reward-{index}")
+
+    def score(self, batch: RolloutBatch, chunk_index: int = -1) -> torch.Tensor:
+        """[B] scores (``RewardScorer.score``), timed as this actor's busy seconds."""
+        start = time.perf_counter()
+        try:
+            return self.scorer.score(batch, chunk_index)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+
+    def evaluate(self, batch: RolloutBatch, chunk_index: int = -1, keep_samples: int = 0) -> dict:
+        return self.scorer.evaluate(batch, chunk_index, keep_samples)
+
+    def take_counts(self) -> dict[str, float]:
+        """Busy seconds, and a judge's answers and unparseable answers, since the driver last asked."""
+        return {**super().take_counts(), **self.scorer.take_counts()}

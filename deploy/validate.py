@@ -548,7 +548,7 @@ def job_bundles(cfg: Any) -> list[tuple[str, dict[str, float]]]:
         ("rollout", cfg.cluster.rollout, cfg.rollout.num_engines),
         ("reference", cfg.cluster.reference,  # none where the learner ranks score the reference themselves
          0 if cfg.learner.reference_in_learner or cfg.reference_copy_in_learner else cfg.reference.num_actors),
-        ("reward", cfg.cluster.reward, cfg.reward.num_actors),
+        ("reward", cfg.cluster.reward, 0 if cfg.reward_in_learner else cfg.reward.num_actors),
         ("learner", cfg.cluster.learner, cfg.learner.world_size),
     ]
     out = []

@@ -23,7 +23,8 @@ from services.storage import RunStorage
 # learner.lora.reference: the base model's log-probs from the learner's forward or from a reference actor, the same KL
 RESUMABLE_CHANGES = ("run.iterations", "run.resume", "run.overwrite", "run.eval_every", "run.output_dir", "cluster",
                      "metrics", "checkpoint", "run.probe_every", "learner.torch_threads", "learner.world_size",
-                     "learner.lora.reference", "reference.placement")
+                     "learner.lora.reference", "reference.placement",
+                     "reward.placement")
 
 
 class CheckpointError(TetherError, RuntimeError):

@@ -106,30 +106,34 @@ class Fleet:
         # none with learner.lora.reference 'base': the learner ranks score the base model themselves
         ref_refs = ({i: self.references[i % len(self.references)].score.remote(ch) for i, ch in chunk_refs.items()}
                     if self.references else None)
-        score_refs = {i: self.rewards[i % len(self.rewards)].score.remote(ch, i) for i, ch in chunk_refs.items()}
+        # none with reward.placement learner: the ranks score their chunks with the task's function
+        score_refs = ({i: self.rewards[i % len(self.rewards)].score.remote(ch, i) for i, ch in chunk_refs.items()}
+                      if self.rewards else None)
         teacher_refs = ({i: self.teachers[i % len(self.teachers)].score.remote(ch) for i, ch in chunk_refs.items()}
                         if self.teachers else None)
         return ref_refs, score_refs, teacher_refs
 
     def evaluate(self, eval_prompts: list[list[int]], iteration: int, resync: Callable[[], object] | None = None,
-                 learner=None) -> tuple[dict, list, dict | None]:
+                 learner=None, with_kl: bool = True) -> tuple[dict, list, dict | None]:
         """The task's eval metrics on sampled responses to the eval prompts, the first
-        ``metrics.eval_samples_saved`` of those samples as text, and with ``learner`` (a ``LearnerGroup``) the
-        KL of the current policy to the reference on these fresh samples (``kl_stats_from_sums``: per episode, the
-        learner's log-probs against the reference's; on-policy in every mode). An actor that dies is re-synced
-        with ``resync`` (``WeightSync.bring_up_to_date``) and the evaluation retried; without it, it fails."""
+        ``metrics.eval_samples_saved`` of those samples as text, and with ``learner`` (a ``LearnerGroup``) and
+        ``with_kl`` the KL of the current policy to the reference on these fresh samples (``kl_stats_from_sums``: per
+        episode, the learner's log-probs against the reference's; on-policy in every mode). With reward.placement
+        learner the ranks of ``learner`` evaluate the chunks. An actor that dies is re-synced with ``resync``
+        (``WeightSync.bring_up_to_date``) and the evaluation retried; without it, it fails."""
         keep, retries = self.spec.eval_samples_saved, self.spec.max_chunk_retries
         rows = [r for r in range(len(eval_prompts)) for _ in range(self.spec.eval_samples_per_prompt)]
         for attempt in range(retries + 1):
             chunks = self.generate(rows, eval_prompts, -1 - iteration, samples_per_prompt=1)
             try:
-                calls = [self.rewards[i % len(self.rewards)].evaluate.remote(ch, i, keep) for i, ch in chunks.items()]
+                calls = ([self.rewards[i % len(self.rewards)].evaluate.remote(ch, i, keep) for i, ch in chunks.items()]
+                         if self.rewards else None)  # none with reward.placement learner: the ranks evaluate
                 kl = None
-                if learner is not None:  # none with learner.lora.reference 'base': the ranks score the base model
+                if learner is not None and with_kl:  # ref_refs none: the ranks score the reference themselves
                     ref_refs = ({i: self.references[i % len(self.references)].score.remote(ch)
                                  for i, ch in chunks.items()} if self.references else None)
                     kl = learner.evaluation_kl(chunks, ref_refs)
-                parts = ray.get(calls)
+                parts = ray.get(calls) if calls is not None else learner.evaluate_rewards(chunks, keep)
                 break
             except ray.exceptions.RayActorError:
                 if attempt == retries or resync is None:

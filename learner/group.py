@@ -63,7 +63,7 @@ class LearnerGroup:
         return ray.get(refs)
 
     def collect(self, chunk_refs: dict[int, object], ref_logprob_refs: dict[int, object] | None,
-                score_refs: dict[int, object], expected_state: tuple | None = None,
+                score_refs: dict[int, object] | None, expected_state: tuple | None = None,
                 teacher_logprob_refs: dict[int, object] | None = None) -> list[int]:
         """Chunk slot i goes to rank i % W, which fetches it and runs its forward. Returns the slots
         lost to dead actors, or with rows the learner must not train on (``stale_rows(chunk,
@@ -74,7 +74,8 @@ class LearnerGroup:
         forwards = max(len(slots) for slots in by_rank)
         calls = [rank.collect.remote(slots, [chunk_refs[s] for s in slots],
                                      None if ref_logprob_refs is None else [ref_logprob_refs[s] for s in slots],
-                                     [score_refs[s] for s in slots], forwards, expected_state,
+                                     None if score_refs is None else [score_refs[s] for s in slots], forwards,
+                                     expected_state,
                                      None if teacher_logprob_refs is None else [teacher_logprob_refs[s] for s in slots])
                  for rank, slots in zip(self.ranks, by_rank, strict=True)]
         return sorted(s for result in self._get(calls, "collect") for s in result["failed"])
@@ -91,6 +92,15 @@ class LearnerGroup:
         parts = [part for part in self._get(calls, "the evaluation's KL") if part]
         return kl_stats_from_sums({k: sum(part[k] for part in parts) for k in parts[0]})
 
+    def evaluate_rewards(self, chunk_refs: dict[int, object], keep_samples: int) -> list[dict]:
+        """reward.placement learner: each evaluation chunk's metrics from the rank it goes to (slot i to rank i % W),
+        in slot order, as the reward actors' ``evaluate`` gives them."""
+        by_rank = rank_slots(chunk_refs, self.world_size)
+        calls = [rank.evaluate_rewards.remote([chunk_refs[s] for s in slots], slots, keep_samples)
+                 for rank, slots in zip(self.ranks, by_rank, strict=True)]
+        parts = [p for parts in self._get(calls, "the evaluation's rewards") for p in parts]
+        return [part for _, part in sorted(parts, key=lambda p: p[0])]
+
     def differing_groups(self) -> list[int]:
         """Dynamic sampling: per rank, the whole groups it has collected whose scores differ (penalties applied)."""
         return self._get([rank.differing_groups.remote() for rank in self.ranks], "the count of groups")
@@ -100,12 +110,12 @@ class LearnerGroup:
         return UpdateResult.combine(self._get([rank.update.remote(kl_coef, iteration) for rank in self.ranks],
                                               "update"))
 
-    def train(self, chunk_refs: list, ref_logprob_refs: list | None, score_refs: list, kl_coef: float,
+    def train(self, chunk_refs: list, ref_logprob_refs: list | None, score_refs: list | None, kl_coef: float,
               iteration: int, teacher_logprob_refs: list | None = None) -> UpdateResult:
         """collect + update, for callers that need no retries."""
         failed = self.collect(dict(enumerate(chunk_refs)),
                               None if ref_logprob_refs is None else dict(enumerate(ref_logprob_refs)),
-                              dict(enumerate(score_refs)), None,
+                              None if score_refs is None else dict(enumerate(score_refs)), None,
                               None if teacher_logprob_refs is None else dict(enumerate(teacher_logprob_refs)))
         if failed:
             raise ClusterError(f"chunks {failed} were lost to dead actors")

@@ -378,10 +378,13 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     fleet = Fleet(plan.fleet, placement, wait=False)
     learner = LearnerGroup(plan.rank, placement)  # DeepSpeed sets up while the engines start
     fleet.wait_ready()
-    teachers = f"{len(fleet.teachers)} teacher, " if fleet.teachers else ""
-    reference = f"{len(fleet.references)} reference" if fleet.references else "the reference in the learner ranks"
-    log(f"actors ready: {len(fleet.rollouts)} rollout, {reference}, {len(fleet.rewards)} "
-        f"reward, {teachers}{cfg.learner.world_size} learner rank(s), ZeRO-{cfg.learner.zero_stage}, {cfg.learner.dtype} "
+    held = (("rollout", fleet.rollouts), ("reference", fleet.references), ("reward", fleet.rewards),
+            ("teacher", fleet.teachers))
+    # reference.placement / reward.placement learner (or LoRA's base reference): the ranks score it themselves
+    in_ranks = " and ".join(role for role, actors in held[1:3] if not actors)
+    log(f"actors ready: {', '.join(f'{len(actors)} {role}' for role, actors in held if actors)}, "
+        f"{cfg.learner.world_size} learner rank(s){' scoring the ' + in_ranks if in_ranks else ''}, "
+        f"ZeRO-{cfg.learner.zero_stage}, {cfg.learner.dtype} "
         f"({time.perf_counter() - wall_start:.1f}s)")
 
     kl_ctl = (AdaptiveKLController(cfg.kl.init_kl_coef, cfg.kl.target, cfg.kl.horizon)
@@ -406,7 +409,7 @@ def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
     if resume_state:
         start_eval = resume_state["eval_start"]
     else:
-        start_eval, samples, _ = fleet.evaluate(eval_prompts, 0)
+        start_eval, samples, _ = fleet.evaluate(eval_prompts, 0, learner=learner, with_kl=False)
         rundir.write_samples(run_path, 0, samples)
     log("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in start_eval.items()))
     fleet.take_counts()

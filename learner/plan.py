@@ -27,7 +27,8 @@ def role_counts(cfg: JobConfig) -> dict[str, int]:
     # LoRA with the base model as the reference, or reference.placement learner: the learner ranks score it
     references = 0 if cfg.learner.reference_in_learner or cfg.reference_copy_in_learner else cfg.reference.num_actors
     return {"rollout": cfg.rollout.num_engines, "reference": references,
-            "reward": cfg.reward.num_actors, "teacher": cfg.distill.num_actors if cfg.distill.teacher_path else 0,
+            "reward": 0 if cfg.reward_in_learner else cfg.reward.num_actors,  # reward.placement learner: none
+            "teacher": cfg.distill.num_actors if cfg.distill.teacher_path else 0,
             "learner": cfg.learner.world_size}
 
 
@@ -57,16 +58,19 @@ class RankSpec:
     rows_per_episode_vary: bool = False  # rollout.agent: an episode gives a row per trajectory of its calls
     resources: RoleResources = field(default_factory=RoleResources)  # cluster.learner: each rank's actor
     reference: ReferenceSpec | None = None  # reference.placement learner: the rank's own copy of the initial policy
+    reward: RewardSpec | None = None  # reward.placement learner: the task whose function the rank scores with
 
     @classmethod
-    def of(cls, cfg: JobConfig, model: ModelSource | str) -> RankSpec:
+    def of(cls, cfg: JobConfig, model: ModelSource | str, task_options: dict | None = None) -> RankSpec:
+        """``task_options``: what the reward is built from (``reward_spec``)."""
         reference = ReferenceSpec(model, "hf", cfg.learner.dtype, temperature=cfg.rollout.temperature,
                                   device=cfg.device("learner"),
                                   max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch) \
             if cfg.reference_copy_in_learner else None
+        reward = reward_spec(cfg, Models(model), task_options) if cfg.reward_in_learner else None
         return cls(model, cfg.learner, Algorithm.from_config(cfg), cfg.rollout.temperature, cfg.run.seed,
                    cfg.device("learner"), cfg.run.iterations, cfg.rollout.batch_size, cfg.rollout.agent is not None,
-                   cfg.cluster.learner, reference)
+                   cfg.cluster.learner, reference, reward)
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,19 @@ class Plan:
     resume_state: dict | None = None
 
 
+def reward_spec(cfg: JobConfig, models: Models, task_options: dict | None = None) -> RewardSpec:
+    """What the reward is built from, in a reward actor or (reward.placement learner) a learner rank.
+    ``task_options``: ``Task.reward_actor_options`` (none: the task's settings)."""
+    reward = RewardSpec(cfg.task.name, task_options or cfg.task.options(), models.policy, cfg.reward.kind,
+                        models.reward, cfg.reward.score_clip, cfg.device("reward"), cfg.reward.label)
+    if cfg.reward.kind == "remote":  # the driver's token goes to the reward actors whose environment lacks it
+        reward = replace(reward, remote=cfg.reward, forwarded_token=os.environ.get(cfg.reward.token_env))
+    if cfg.reward.kind == "judge":
+        reward = replace(reward, judge=cfg.reward.judge,
+                         judge_engine_args=cfg.reward.judge.engine_args(cfg.cluster.reward.num_gpus))
+    return reward
+
+
 def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_id: int, max_model_len: int,
                task_options: dict | None = None) -> FleetSpec:
     """Each non-learner actor's spec: engines and the reference compute in the learner's dtype, on the device
@@ -172,12 +189,7 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
                       cfg.device("reference"), cfg.reference.torch_threads, cfg.reference_vllm_engine_args(),
                       cfg.learner.max_tokens_per_microbatch)
         for _ in range(counts["reference"]))
-    reward = RewardSpec(cfg.task.name, task_options or cfg.task.options(), model, cfg.reward.kind, models.reward, cfg.reward.score_clip,
-                        cfg.device("reward"), cfg.reward.label)
-    if cfg.reward.kind == "remote":  # the driver's token goes to the reward actors whose environment lacks it
-        reward = replace(reward, remote=cfg.reward, forwarded_token=os.environ.get(cfg.reward.token_env))
-    if cfg.reward.kind == "judge":
-        reward = replace(reward, judge=cfg.reward.judge, judge_engine_args=cfg.reward.judge.engine_args(c.reward.num_gpus))
+    reward = reward_spec(cfg, models, task_options)
     # on-policy distillation (distill.teacher_path): the teacher scores the student's samples as the reference does
     teachers = tuple(
         ReferenceSpec(models.teacher, "hf", dtype, max_model_len, 128, cfg.rollout.temperature, cfg.device("teacher"),
@@ -283,4 +295,5 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print) -> Plan:
                          f"{response_width} + 1 = {max_model_len} tokens do not fit the model's {positions} positions")
     return Plan(models, prompts, eval_prompts, probe_set,
                 fleet_spec(cfg, models, sampling, pad_id, max_model_len, task.reward_actor_options()),
-                RankSpec.of(cfg, model), SyncSpec.of(cfg), cluster_spec(cfg), resume_from, resume_state)
+                RankSpec.of(cfg, model, task.reward_actor_options()), SyncSpec.of(cfg), cluster_spec(cfg), resume_from,
+                resume_state)

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from actors.base import lost_to_dead_actor, starting_up, yield_cpu_to_engines
-from actors.reference import ReferenceModel
 from learner import rank_checkpoint
 from learner.algorithm import episode_view
 from learner.lora import adapter_state, merged_state_dict
@@ -29,6 +28,7 @@ from learner.ppo import (
     ppo_stats_from_sums,
     scheduled_lr,
 )
+from learner.rank_scoring import ScoresInRank
 from learner.results import RankUpdate
 from services.config import LearnerConfig
 from services.logprobs import token_logprobs
@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # the batch's module loads in the rank, not in the driver (se
     from services.experience import RolloutBatch
 
 
-class LearnerRank:
+class LearnerRank(ScoresInRank):
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
 
@@ -161,8 +161,7 @@ class LearnerRank:
 
             check_packing_isolation(self.engine.module.lm, self.engine.module.lm.config.vocab_size,
                                     f"learner-rank-{self.rank}")
-        # reference.placement learner: the initial policy, frozen, on this rank's device (a resume loads none into it)
-        self.reference = spec.reference and ReferenceModel(spec.reference, str(self.device), f"learner-rank-{self.rank}")
+        self._set_up_scoring(spec, str(self.device))  # what this rank scores itself: reference, reward (or neither)
         self.reducer = DistributedReducer(self.device)  # the algorithm layer's collectives: over every rank
         self.updates = 0
         self.collected: dict[int, RolloutBatch] = {}  # slot -> chunk with its old_logprobs, old_values, ref_logprobs, scores
@@ -213,13 +212,13 @@ class LearnerRank:
         teacher_refs = teacher_logprob_refs if teacher_logprob_refs is not None else [None] * len(slots)
         # no reference actor: this rank scores the reference, its own copy or LoRA's base (an engine forward)
         ref_refs = ref_logprob_refs if ref_logprob_refs is not None else [None] * len(slots)
+        score_refs = score_refs if score_refs is not None else [None] * len(slots)  # reward.placement learner
         forwards_per_chunk = (0 if self.single_step else 1) + (ref_logprob_refs is None and self.reference is None)
         for slot, chunk_ref, ref_ref, score_ref, teacher_ref in zip(slots, chunk_refs, ref_refs, score_refs,
                                                                     teacher_refs, strict=True):
             t0 = time.perf_counter()
             try:
-                chunk, chunk_scores, *scored = ray.get(
-                    [chunk_ref, score_ref] + [r for r in (ref_ref, teacher_ref) if r is not None])
+                chunk, *scored = ray.get([chunk_ref] + [r for r in (score_ref, ref_ref, teacher_ref) if r is not None])
             except Exception as err:
                 if not lost_to_dead_actor(err):
                     raise
@@ -230,6 +229,7 @@ class LearnerRank:
             if expected_state is not None and bool(stale_rows(chunk, *expected_state).any()):
                 failed.append(slot)
                 continue
+            chunk_scores = scored.pop(0) if score_ref is not None else self.rewarder.score(chunk, slot)
             if not self.single_step:
                 chunk.old_logprobs, chunk.old_values, _ = self._forward(chunk, grad=False)
             chunk.ref_logprobs = scored.pop(0) if ref_ref is not None else self._reference_logprobs(chunk)
@@ -268,16 +268,6 @@ class LearnerRank:
             for _ in range((forwards - len(chunk_refs)) * per_chunk):
                 self._forward(_placeholder_batch(), grad=False)  # keeps the ZeRO-3 gathers in step
         return sums
-
-    def _reference_logprobs(self, chunk: RolloutBatch) -> Tensor:
-        """[B, T] the reference's log-probs of the sampled tokens where no reference actor scores them, as one would:
-        at the rollout temperature, 0 off the action mask. The rank's own copy of the initial policy
-        (reference.placement learner), or the base model (LoRA's base reference: the adapters disabled)."""
-        if self.reference is not None:
-            return self.reference.score(chunk)
-        with self.engine.module.lm.disable_adapter():
-            logprobs, _, _ = self._forward(chunk, grad=False)
-        return logprobs * chunk.action_mask
 
     def update(self, kl_coef: float, iteration: int) -> RankUpdate:
         """The algorithm layer on everything collected (the controller's statistic, KL-penalised rewards at
@@ -578,6 +568,7 @@ class LearnerRank:
         if self.rank != 0:
             return None
         return [row[: len(r)].tolist() for row, r in zip(logprobs, responses, strict=True)]
+
     def save_checkpoint(self, storage_url: str) -> dict:
         """This rank's DeepSpeed files uploaded under ``learner/`` of ``storage_url``: {path: {sha256, bytes}}."""
         return rank_checkpoint.save(self.engine, self.rank, storage_url)

@@ -166,6 +166,16 @@ class JobConfig(BaseSettings):
                 and not self.cluster.reference.changed_fields())
 
     @property
+    def reward_in_learner(self) -> bool:
+        """reward.placement: each learner rank scores its chunks with the task's function and no reward actor starts.
+        auto: for kind function where the learner and the reward are both on CPU and no setting asks for reward
+        actors (reward.num_actors, cluster.reward), as for the reference (``reference_copy_in_learner``)."""
+        if self.reward.placement != "auto":
+            return self.reward.placement == "learner"
+        return (self.reward.kind == "function" and self.device("reward") == self.device("learner") == "cpu"
+                and "num_actors" not in self.reward.changed_fields() and not self.cluster.reward.changed_fields())
+
+    @property
     def adapter_sync(self) -> bool:
         """learner.lora: whether the engines start with LoRA on, to take the adapter alone at each sync (where
         vLLM's model takes adapters): ``lora.sync`` adapter, or auto unless the engines are float32 on CPU."""

@@ -318,6 +318,23 @@ def reference_copy_in_learner_starts_no_actor(cfg: Any) -> str | None:
     return None
 
 
+@rule("reward.placement", "reward.kind", "reward.num_actors", "cluster.reward.*",
+      example={"reward": {"placement": "learner", "kind": "remote", "url": "http://127.0.0.1:8000"}})
+def reward_in_learner_is_the_tasks_function(cfg: Any) -> str | None:
+    if cfg.reward.placement != "learner":
+        return None
+    if cfg.reward.kind != "function":
+        return (f"reward.placement='learner' scores with the task's function in the learner ranks, but "
+                f"reward.kind={cfg.reward.kind!r} runs in reward actors of its own; set reward.placement='actor'")
+    changed = ["reward.num_actors"] if "num_actors" in cfg.reward.changed_fields() else []
+    changed += [f"cluster.reward.{k}" for k in cfg.cluster.reward.changed_fields()]
+    if changed:
+        return (f"{changed[0]} is set, but with reward.placement='learner' the learner ranks score their own chunks "
+                f"and no reward actor starts; set reward.placement='actor' to keep them, or {changed[0]} back to its "
+                "default")
+    return None
+
+
 # --- devices ---
 
 @rule("learner.weight_sync", "rollout.engine", "cluster.rollout.num_gpus", "cluster.learner.num_gpus",

@@ -351,6 +351,12 @@ class RewardConfig(Section):
     kind: Literal["function", "model", "remote", "judge"] = Field(
         "function", description="the task's function, a classifier model, a reward service over HTTP (remote), "
         "or an LLM judge run by vLLM (reward.judge)")
+    placement: Literal["auto", "actor", "learner"] = Field(
+        "auto", description="actor: reward actors of their own (cluster.reward: their resources); learner (kind "
+        "function): each learner rank scores its own chunks and its share of the evaluation with the task's function "
+        "(one process fewer to start, no scores to ship, the function's time in the rank's); auto: learner for kind "
+        "function when the learner and the reward are both on CPU and neither reward.num_actors nor cluster.reward "
+        "is changed, else actor")
     model_path: str | None = Field(None, description="sequence-classification reward model dir (kind=model)")
     label: int | str | None = Field(None, description="the classifier output that is the reward: an index or a "
                                     "name from its config.id2label; required when it has more than one label")

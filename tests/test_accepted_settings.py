@@ -129,7 +129,7 @@ def test_two_label_classifier_scores_the_chosen_label(tmp_path):
                                 for p, c in zip(prompts, completions, strict=True)])
     for label, column in (("POSITIVE", 1), ("NEGATIVE", 0), (1, 1), ("0", 0)):
         actor = RewardActor(0, RewardSpec("randomwalks", {}, model_dir, kind="model", model_path=model_dir, label=label))
-        scores = actor.reward_model(prompts, completions)
+        scores = actor.scorer.reward_model(prompts, completions)
         assert scores == pytest.approx(expected[:, column].tolist(), abs=1e-5), label
     assert not torch.allclose(expected[:, 0], expected[:, 1])  # the two columns differ: the test can tell
 
@@ -155,7 +155,7 @@ def test_single_label_model_needs_no_label(tmp_path):
     model_dir = _classifier_dir(tmp_path / "one", 1)
     assert check_reward_label(model_dir, None) == 0
     actor = RewardActor(0, RewardSpec("randomwalks", {}, model_dir, kind="model", model_path=model_dir))
-    assert actor.reward_model.label_index == 0
+    assert actor.scorer.reward_model.label_index == 0
 
 
 # ------------------------------------------------------------------ section 5: randomwalks on any seed

@@ -61,24 +61,24 @@ def test_bfloat16_job_starts_at_zero_kl_passes_its_probes_and_learns(ray_head, c
 
 
 def test_broadcast_and_beta_rise_when_the_kl_is_above_the_target(ray_head, cache_dir, tmp_path):
-    """With a reference actor of its own (reference.placement actor): the broadcast reaches it too."""
+    """With a reference and a reward actor of their own (placement actor): the broadcast reaches them too."""
     proc = run_job(job_args(ray_head, cache_dir, tmp_path, "ctl", *SMALL, "--run.iterations", "4",
                             "--ppo.lr", "2e-3", "--kl.target", "0.001", "--kl.horizon", "1000",
-                            "--reference.placement", "actor"))
+                            "--reference.placement", "actor", "--reward.placement", "actor"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "actors ready: 1 rollout, 1 reference, 1 reward" in proc.stdout
+    assert "actors ready: 1 rollout, 1 reference, 1 reward, 1 learner rank(s), ZeRO" in proc.stdout
     check_broadcast_and_controller(read_metrics(tmp_path / "ctl"), target=0.001, horizon=1000, direction="rises",
                                    actors={"rollout-0", "reference-0", "reward-0"})
 
 
 def test_broadcast_and_beta_fall_when_the_kl_is_below_the_target(small_run):
-    """The small job's KL stays below the default target of 6 nats. On CPU its learner rank holds the reference
-    (reference.placement auto): no reference actor."""
+    """The small job's KL stays below the default target of 6 nats. On CPU its learner rank scores the reference
+    and the reward itself (reference.placement and reward.placement auto): the engine is the one actor."""
     run_dir, proc = small_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "actors ready: 1 rollout, the reference in the learner ranks, 1 reward" in proc.stdout
+    assert "actors ready: 1 rollout, 1 learner rank(s) scoring the reference and reward, ZeRO" in proc.stdout
     check_broadcast_and_controller(read_metrics(run_dir), target=6.0, horizon=10000, direction="falls",
-                                   actors={"rollout-0", "reward-0"})
+                                   actors={"rollout-0"})
 
 
 def check_broadcast_and_controller(records: list[dict], target: float, horizon: int, direction: str,

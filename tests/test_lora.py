@@ -104,7 +104,7 @@ def test_a_lora_student_distils_with_the_base_model_as_reference_resumes_exactly
 
     first = job("--run.eval_every", "3")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "the reference in the learner ranks, 1 reward, 1 teacher, 1 learner rank(s)" in first.stdout
+    assert "1 rollout, 1 teacher, 1 learner rank(s) scoring the reference and reward" in first.stdout
     assert "teacher kl " in first.stdout
     run_dir = tmp_path / "lora"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -126,7 +126,7 @@ def test_a_lora_student_distils_with_the_base_model_as_reference_resumes_exactly
     resumed = job("--run.resume", str(run_dir / "checkpoints" / "iter-000002"), "--learner.lora.reference", "actor",
                   "--run.eval_every", "100")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "1 reference, 1 reward, 1 teacher, 1 learner rank(s)" in resumed.stdout
+    assert "1 rollout, 1 reference, 1 teacher, 1 learner rank(s) scoring the reward" in resumed.stdout
     again = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][2]
     for key in ("kl_response_mean", "kl_k3_response_mean", "teacher_kl_response_mean", "score_mean",
                 "ppo_policy_loss", "kl_coef"):

@@ -118,6 +118,10 @@ def test_one_iteration_syncs_weights_and_keeps_exact_kl_books(roles, tiny_model_
     by_rank = roles["learner"].evaluation_kl(chunk_refs, None)
     assert by_rank["response_mean"] == pytest.approx(by_actor["response_mean"], abs=1e-5)
     assert abs(by_rank["response_mean"]) > 1e-6  # the current weights against themselves would give 0
+    # reward.placement learner (what the small config resolves on CPU too): the ranks' evaluation of the chunks, in
+    # slot order, is the reward actor's, samples kept included
+    assert roles["learner"].evaluate_rewards(chunk_refs, 2) == ray.get(
+        [roles["reward"].evaluate.remote(c, i, 2) for i, c in enumerate(chunks)])
 
 
 def test_a_sync_that_leaves_a_parameter_unloaded_fails_naming_it(roles):

@@ -128,3 +128,22 @@ def test_the_reference_is_a_copy_in_each_learner_rank_where_auto_or_asked(settin
                                                device="cpu", max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch)
     else:
         assert rank.reference is None
+
+
+@pytest.mark.parametrize("settings, in_learner", [
+    ({}, True),  # the default job: the task's function, both roles on CPU
+    ({"reward": {"placement": "actor"}}, False),
+    ({"reward": {"num_actors": 2}}, False),  # a setting that asks for reward actors
+    ({"cluster": {"reward": {"num_cpus": 1}}}, False),
+    ({"cluster": {"learner": {"num_gpus": 1}}}, False),
+    ({"reward": {"kind": "model", "model_path": "/models/classifier"}}, False),  # a model keeps its actor
+])
+def test_the_reward_function_runs_in_the_learner_ranks_where_auto_or_asked(settings, in_learner):
+    from learner.plan import RankSpec, role_counts
+    from services.config import load_config
+
+    cfg = load_config(None, settings)
+    assert (cfg.reward_in_learner, role_counts(cfg)["reward"]) == (in_learner, 0 if in_learner else cfg.reward.num_actors)
+    # built from the task's reward-actor options, as a reward actor is
+    expected = RewardSpec("randomwalks", {"seed": 3}, "/models/policy") if in_learner else None
+    assert RankSpec.of(cfg, "/models/policy", {"seed": 3}).reward == expected

@@ -235,14 +235,14 @@ def test_smollm2_judges_responses_in_a_reward_actor(converted):
     scores = actor.score(batch, 0)
     assert scores[0] == scores[2]  # one response, one score
     assert torch.equal(actor.score(batch, 0), scores)  # greedy: the same again
-    prompts, completions = actor.decode(batch)
-    again, answers = actor.judge.judge(prompts, completions)
+    prompts, completions = actor.scorer.decode(batch)
+    again, answers = actor.scorer.judge.judge(prompts, completions)
     rule = AnswerRule("number", score_range=(0, 10))
     readings = [rule(a) for a in answers]
     assert again == scores.tolist() == [-1.0 if r is None else r for r in readings], answers
     unread = sum(r is None for r in readings)
     assert actor.take_counts()["judge_unparseable"] == 3 * unread and actor.take_counts()["judge_answers"] == 0
-    rendered = actor.judge.render(prompts[0], completions[0], {})
+    rendered = actor.scorer.judge.render(prompts[0], completions[0], {})
     assert rendered.startswith("<|im_start|>") and cfg.template.format(prompt=prompts[0], response=completions[0]) \
         in rendered
 
@@ -250,17 +250,17 @@ def test_smollm2_judges_responses_in_a_reward_actor(converted):
     # request lacks is a 400
     from services.reward_service import RewardClient, RewardServiceError, judged_reward, serve
 
-    with serve(judged_reward(actor.judge, 4096)) as service:
+    with serve(judged_reward(actor.scorer.judge, 4096)) as service:
         client = RewardClient(service.url, timeout_s=120)
         assert client.score(prompts, completions) == scores.tolist()
-        actor.judge.fields = [*actor.judge.fields, "answer"]
+        actor.scorer.judge.fields = [*actor.scorer.judge.fields, "answer"]
         with pytest.raises(RewardServiceError, match=r"HTTP 400: reward.judge.template needs the row field\(s\) "
                                                      r"\['answer'\]"):
             client.score(prompts[:1], completions[:1])
-        actor.judge.fields = actor.judge.fields[:-1]
+        actor.scorer.judge.fields = actor.scorer.judge.fields[:-1]
     actor.take_counts()
 
-    actor.judge.rule = AnswerRule("number", pattern=r"VERDICT=(\d+)")  # a rule no answer meets
+    actor.scorer.judge.rule = AnswerRule("number", pattern=r"VERDICT=(\d+)")  # a rule no answer meets
     assert actor.score(batch, 0).tolist() == [-1.0] * 4
     assert {k: v for k, v in actor.take_counts().items() if k != "busy_seconds"} == {"judge_answers": 4,
                                                                                       "judge_unparseable": 4}
