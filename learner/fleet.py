@@ -100,9 +100,10 @@ class Fleet:
                                              groups)
         return refs
 
-    def score(self, chunk_refs: dict[int, ray.ObjectRef]) -> tuple[dict | None, dict, dict | None]:
+    def score(self, chunk_refs: dict[int, ray.ObjectRef]) -> tuple[dict | None, dict | None, dict | None]:
         """Reference log-probs, reward scores and (distillation) teacher log-probs, all started on the chunk refs
-        at once; the teacher's are None without a teacher, the reference's with the learner scoring it (LoRA)."""
+        at once; the teacher's are None without a teacher, the reference's and the reward's where the learner
+        ranks score them (reference.placement and reward.placement learner, LoRA's base reference)."""
         # none with learner.lora.reference 'base': the learner ranks score the base model themselves
         ref_refs = ({i: self.references[i % len(self.references)].score.remote(ch) for i, ch in chunk_refs.items()}
                     if self.references else None)

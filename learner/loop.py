@@ -71,8 +71,8 @@ class Started:
 
     prompt_rows: list[int]
     chunk_refs: dict
-    ref_refs: dict | None  # None: the learner ranks score the reference (LoRA, the base model)
-    score_refs: dict
+    ref_refs: dict | None  # None: the learner ranks score the reference (reference.placement, LoRA's base)
+    score_refs: dict | None  # None: the learner ranks score with the task's function (reward.placement)
     teacher_refs: dict | None  # on-policy distillation's teacher log-probs; None without a teacher
     prompt_cursor: dict  # the prompt sampler's state before these prompts: a checkpoint taken while the
     # batch is in flight saves this, so a resume (empty pipeline) draws them again
@@ -141,7 +141,7 @@ class Job:
         return Collected(batch.prompt_rows, resynced, started, extra_rounds)
 
     def _collect_chunks(self, iteration: int, batch: Started, chunk_refs: dict, ref_refs: dict | None,
-                        score_refs: dict, teacher_refs: dict | None) -> list[dict]:
+                        score_refs: dict | None, teacher_refs: dict | None) -> list[dict]:
         """The learner ranks collect these chunks; lost ones are regenerated (the same slots of
         ``batch.prompt_rows``). Returns the actors re-synced meanwhile."""
         lost: list[int] = []
