@@ -60,7 +60,7 @@ def setup(request, tmp_path):
 def test_scores_have_one_float_per_sample(setup):
     actor, _, _ = setup
     prompts, completions = zip(*PAIRS, strict=True)
-    scores = actor.reward_model(list(prompts), list(completions))
+    scores = actor.scorer.reward_model(list(prompts), list(completions))
     assert len(scores) == len(PAIRS)
     assert all(isinstance(s, float) for s in scores)
     assert torch.tensor(scores).shape == (len(PAIRS),)
@@ -70,18 +70,18 @@ def test_scores_have_one_float_per_sample(setup):
 def test_batch_equals_one_at_a_time(setup):
     actor, _, _ = setup
     prompts, completions = zip(*PAIRS, strict=True)
-    batched = actor.reward_model(list(prompts), list(completions))
-    alone = [actor.reward_model([p], [c])[0] for p, c in PAIRS]
+    batched = actor.scorer.reward_model(list(prompts), list(completions))
+    alone = [actor.scorer.reward_model([p], [c])[0] for p, c in PAIRS]
     assert batched == pytest.approx(alone, abs=1e-5)
     # order in the batch does not matter either
-    reversed_scores = actor.reward_model(list(prompts[::-1]), list(completions[::-1]))
+    reversed_scores = actor.scorer.reward_model(list(prompts[::-1]), list(completions[::-1]))
     assert reversed_scores[::-1] == pytest.approx(batched, abs=1e-5)
 
 
 def test_score_is_taken_at_last_real_token(setup):
     actor, model, tokenizer = setup
     prompts, completions = zip(*PAIRS, strict=True)
-    batched = actor.reward_model(list(prompts), list(completions))
+    batched = actor.scorer.reward_model(list(prompts), list(completions))
     expected = [manual_score(model, tokenizer, p + c) for p, c in PAIRS]
     assert batched == pytest.approx(expected, abs=1e-5)
 
@@ -93,10 +93,10 @@ def test_batches_are_right_padded(setup):
     def capture(_module, args, kwargs):
         seen.update(input_ids=kwargs["input_ids"].clone(), attention_mask=kwargs["attention_mask"].clone())
 
-    handle = actor.reward_model.model.register_forward_pre_hook(capture, with_kwargs=True)
+    handle = actor.scorer.reward_model.model.register_forward_pre_hook(capture, with_kwargs=True)
     try:
         prompts, completions = zip(*PAIRS, strict=True)
-        actor.reward_model(list(prompts), list(completions))
+        actor.scorer.reward_model(list(prompts), list(completions))
     finally:
         handle.remove()
     mask = seen["attention_mask"]
@@ -105,8 +105,8 @@ def test_batches_are_right_padded(setup):
     # every row: its real tokens first, then padding
     expected = (torch.arange(mask.shape[1])[None, :] < lengths[:, None]).long()
     assert torch.equal(mask.long(), expected)
-    pad_id = actor.reward_model.tokenizer.pad_token_id
-    assert pad_id is not None and actor.reward_model.model.config.pad_token_id == pad_id
+    pad_id = actor.scorer.reward_model.tokenizer.pad_token_id
+    assert pad_id is not None and actor.scorer.reward_model.model.config.pad_token_id == pad_id
     assert torch.all(seen["input_ids"][mask == 0] == pad_id)
 
 
@@ -116,13 +116,13 @@ def test_left_padding_tokenizer_is_still_right_padded(tmp_path):
     config_file = tmp_path / "tokenizer_config.json"  # save_pretrained does not keep padding_side
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "padding_side": "left"}))
     actor = RewardActor(0, RewardSpec("randomwalks", {}, str(tmp_path), kind="model", model_path=str(tmp_path)))
-    assert actor.reward_model.tokenizer.padding_side == "left"
+    assert actor.scorer.reward_model.tokenizer.padding_side == "left"
     enc_seen = {}
-    handle = actor.reward_model.model.register_forward_pre_hook(
+    handle = actor.scorer.reward_model.model.register_forward_pre_hook(
         lambda _m, _a, kw: enc_seen.update(mask=kw["attention_mask"].clone()), with_kwargs=True)
     try:
         prompts, completions = zip(*PAIRS, strict=True)
-        scores = actor.reward_model(list(prompts), list(completions))
+        scores = actor.scorer.reward_model(list(prompts), list(completions))
     finally:
         handle.remove()
     assert bool(enc_seen["mask"][:, 0].all())  # first column real everywhere: right padding

@@ -115,7 +115,7 @@ def test_a_served_model_scores_as_the_job_scores_it_in_process(classifier_dir):
     assert served.startswith(f"reward model {classifier_dir} on cpu")
     with serve(reward) as service:
         remote = RewardClient(service.url).score(prompts, completions)
-    assert remote == pytest.approx(in_process.reward_model(prompts, completions), rel=1e-5, abs=1e-6)
+    assert remote == pytest.approx(in_process.scorer.reward_model(prompts, completions), rel=1e-5, abs=1e-6)
 
 
 def test_requests_that_arrive_together_are_scored_in_one_forward(classifier_dir):
