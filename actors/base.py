@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from contextlib import contextmanager
 
 # niceness steps between the rollout engines and every other CPU process on their node (Ray starts every
@@ -91,6 +92,23 @@ class VersionedActor:
         self.policy_version = 0
         self.kl_coef = 0.0
         self.busy_seconds = 0.0  # time spent on requests since the driver last asked
+
+    def on_device(self, device: str) -> str:
+        """``device`` checked for this actor (a CUDA role on a node without CUDA is named); on CPU its threads
+        then run below the engines' priority (``yield_cpu_to_engines``)."""
+        from actors.engines import check_device
+
+        yield_cpu_to_engines(check_device(device, f"{self.role}-{self.index}"))
+        return device
+
+    @contextmanager
+    def busy(self):
+        """The time inside counts as this actor's busy seconds (``take_counts``)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_seconds += time.perf_counter() - start
 
     def take_counts(self) -> dict[str, float]:
         """What this actor counts since the driver last asked (then zero): its busy seconds, and a role's own."""

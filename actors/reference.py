@@ -3,12 +3,11 @@ the same scoring with on-policy distillation's teacher (``distill.teacher_path``
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import torch
 
-from actors.base import VersionedActor, starting_up, yield_cpu_to_engines
+from actors.base import VersionedActor, starting_up
 from actors.specs import EngineSpec, ReferenceSpec
 from services.model_source import as_source
 
@@ -73,22 +72,16 @@ class ReferenceActor(VersionedActor):
 
     @starting_up()
     def __init__(self, index: int, spec: ReferenceSpec) -> None:
-        from actors.engines import check_device
-
         super().__init__(index)
-        device = check_device(spec.device, f"{self.role}-{index}")
-        yield_cpu_to_engines(device)
+        device = self.on_device(spec.device)
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
         self.reference = ReferenceModel(spec, device, f"{self.role}-{index}")
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
         """[B, T] ref log-probs of the tokens the model sampled (0 at padding and at environment tokens)."""
-        start = time.perf_counter()
-        try:
+        with self.busy():
             return self.reference.score(batch)
-        finally:
-            self.busy_seconds += time.perf_counter() - start
 
 
 def check_teacher(teacher_path: str, policy_tokenizer) -> None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from typing import TYPE_CHECKING
 
 import torch
 
-from actors.base import VersionedActor, starting_up, yield_cpu_to_engines
+from actors.base import VersionedActor, starting_up
 from actors.specs import RewardSpec
 from services.errors import TetherError
 from services.model_source import as_source
@@ -198,20 +197,13 @@ class RewardActor(VersionedActor):
 
     @starting_up()
     def __init__(self, index: int, spec: RewardSpec) -> None:
-        from actors.engines import check_device
-
         super().__init__(index)
-        device = check_device(spec.device, f"reward-{index}")
-        yield_cpu_to_engines(device)
-        self.scorer = RewardScorer(spec, device, f"reward-{index}")
+        self.scorer = RewardScorer(spec, self.on_device(spec.device), f"{self.role}-{index}")
 
     def score(self, batch: RolloutBatch, chunk_index: int = -1) -> torch.Tensor:
         """[B] scores (``RewardScorer.score``), timed as this actor's busy seconds."""
-        start = time.perf_counter()
-        try:
+        with self.busy():
             return self.scorer.score(batch, chunk_index)
-        finally:
-            self.busy_seconds += time.perf_counter() - start
 
     def evaluate(self, batch: RolloutBatch, chunk_index: int = -1, keep_samples: int = 0) -> dict:
         return self.scorer.evaluate(batch, chunk_index, keep_samples)

@@ -150,30 +150,32 @@ class JobConfig(BaseSettings):
         """The probe's bound on |engine - learner| log-probs: the configured one, or the dtype's."""
         return self.run.probe_tolerance or PROBE_TOLERANCE[self.learner.dtype]
 
+    def _in_learner(self, role: str, auto_fits: bool) -> bool:
+        """``<role>.placement``: learner, or auto where the learner and the role are both on CPU, no cluster.<role>
+        setting asks for actors and ``auto_fits`` (what the role itself needs). There the role's own process takes a
+        share of the same cores, and its start-up was a fifth of the default job's."""
+        placement = getattr(self, role).placement
+        if placement != "auto":
+            return placement == "learner"
+        return (auto_fits and self.device(role) == self.device("learner") == "cpu"
+                and not getattr(self.cluster, role).changed_fields())
+
     @property
     def reference_copy_in_learner(self) -> bool:
         """reference.placement: each learner rank holds a copy of the initial policy as the reference and no reference
-        actor starts. auto: where the learner and the reference are both on CPU, with the transformers forward and
-        no other reference setting (nor cluster.reference) changed, since there the reference's own process takes a
-        share of the same cores and its start-up is a fifth of the job's; not with LoRA, whose learner.lora.reference
-        'actor' asks for an actor. Never with learner.lora.reference 'base': the ranks score the base model itself."""
-        if self.learner.reference_in_learner:
-            return False
-        if self.reference.placement != "auto":
-            return self.reference.placement == "learner"
-        return (self.device("reference") == self.device("learner") == "cpu" and self.reference.backend == "hf"
-                and not self.learner.lora.rank and set(self.reference.changed_fields()) <= {"placement"}
-                and not self.cluster.reference.changed_fields())
+        actor starts. auto: with the transformers forward, no other reference setting changed and LoRA off (its
+        learner.lora.reference 'actor' asks for an actor). Never with learner.lora.reference 'base': the ranks score
+        the base model itself."""
+        return not self.learner.reference_in_learner and self._in_learner(
+            "reference", self.reference.backend == "hf" and not self.learner.lora.rank
+            and set(self.reference.changed_fields()) <= {"placement"})
 
     @property
     def reward_in_learner(self) -> bool:
         """reward.placement: each learner rank scores its chunks with the task's function and no reward actor starts.
-        auto: for kind function where the learner and the reward are both on CPU and no setting asks for reward
-        actors (reward.num_actors, cluster.reward), as for the reference (``reference_copy_in_learner``)."""
-        if self.reward.placement != "auto":
-            return self.reward.placement == "learner"
-        return (self.reward.kind == "function" and self.device("reward") == self.device("learner") == "cpu"
-                and "num_actors" not in self.reward.changed_fields() and not self.cluster.reward.changed_fields())
+        auto: for kind function with reward.num_actors unchanged."""
+        return self._in_learner("reward", self.reward.kind == "function"
+                                and "num_actors" not in self.reward.changed_fields())
 
     @property
     def adapter_sync(self) -> bool:
