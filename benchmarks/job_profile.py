@@ -7,13 +7,13 @@ Ray workers), phase by phase.
 Warm (default): the models are cached (one job first warms the cache and the page cache) and no Ray head is up, so
 the job starts its own local Ray, as ``make run`` does. ``--cold``: each run gets an empty model cache and empty
 compile caches (``TORCH_EXTENSIONS_DIR``, Triton's, vLLM's), as the first run of a fresh clone; the SFT warm start
-it then trains is its own phase (the goal leaves it apart).
+it then trains is timed on its own and reported apart (the goal leaves it apart).
 
 Every ``--interval`` seconds a thread reads the CPU time of each process under the driver (Ray's daemons and
 workers are its descendants here), by role from the process title (``ray::RolloutActor`` ...). The phases are cut
-at the driver's own lines: config and imports until it logs its first line, then the SFT warm start (cold), Ray
-started, pre-flight, actors ready, the evaluation before training, the iterations, the final evaluation and
-summary, and the exit. Each phase's wall seconds and CPU seconds by role go into
+at the driver's own lines (``PHASES``): config and imports until it logs its first line, Ray started, the rest of
+the plan (cold: the SFT warm start), pre-flight, actors ready, the evaluation before training, the iterations, the
+final evaluation and summary, and the exit. Each phase's wall seconds and CPU seconds by role go into
 ``benchmarks/results/job_profile-<name>.md`` and ``.json`` (name: ``warm`` or ``cold`` by default).
 """
 
@@ -34,12 +34,13 @@ from _bench import RAY_ENV, RESULTS, ROOT, processes_by_role, stamp, write_resul
 
 ROLES = ("driver", "ray", "workers", "rollout", "reference", "reward", "learner")
 ACTOR_ROLES = ("rollout", "reference", "reward", "learner")
-# (phase, the driver's line that ends it); a phase whose line never comes (the SFT warm start on a warm
-# cache) is folded into the next one that does
+# (phase, the driver's line that ends it). The driver starts Ray on its main thread while a second one imports
+# the loop and runs the plan (with the SFT warm start, cold): the first phases overlap Ray's start. A line that
+# comes before the one its phase waits for ends that phase and folds the phases between into it.
 PHASES = (
-    ("config and imports", "[tether] KL accounting"),
-    ("SFT warm start", "[tether] run directory"),
-    ("Ray started", "[tether] ray:"),
+    ("config and imports (Ray starting beside them)", "[tether] KL accounting"),
+    ("Ray started (the plan beside it)", "[tether] ray:"),
+    ("the plan's rest (cold: the SFT warm start)", "[tether] run directory"),
     ("pre-flight", "[tether] pre-flight: models"),
     ("actors ready", "[tether] actors ready"),
     ("evaluation before training", "[tether] eval before training"),
@@ -96,8 +97,12 @@ def one_job(args: list[str], env: dict, interval: float) -> dict:
     marks: list[tuple[str, float, dict]] = []  # (phase, wall at its end, CPU by role at its end)
     pending = list(PHASES)
     lines = []
+    sft: dict[str, float] = {}  # the SFT warm start's training, cold: its start and end (the goal leaves it apart)
     for line in proc.stdout:
         lines.append(line)
+        for event, prefix in (("start", "[tether] SFT warm start: training"), ("end", "[tether] SFT warm start: saved")):
+            if line.startswith(prefix):
+                sft[event] = time.perf_counter() - start
         for i, (phase, prefix) in enumerate(pending):
             if prefix is not None and line.startswith(prefix):
                 cpu = poll.by_role()
@@ -116,6 +121,7 @@ def one_job(args: list[str], env: dict, interval: float) -> dict:
         before_wall, before_cpu = wall, cpu
     return {"phases": phases, "wall_seconds": round(before_wall, 2),
             "actors_ready_seconds": next(round(w, 2) for n, w, _ in marks if n == "actors ready"),
+            "sft_seconds": round(sft["end"] - sft["start"], 2) if len(sft) == 2 else 0.0,
             "iterations": sum(1 for line in lines if line.startswith("[tether] iter ")),
             "summary": next((line.strip() for line in lines if line.startswith("[tether] summary")), "")}
 
@@ -135,7 +141,10 @@ def table(runs: list[dict]) -> list[str]:
     rows.append(f"| **whole process** | {med([r['wall_seconds'] for r in runs]):.2f} | "
                 + " / ".join(f"{total[r]:.1f}" for r in ROLES) + f" | {sum(total.values()):.1f} |")
     rows.append("")
-    rows.append(f"Actors ready after {med([r['actors_ready_seconds'] for r in runs]):.1f} s (median of "
+    sft = med([r.get("sft_seconds", 0.0) for r in runs])
+    apart = (f", {med([r['actors_ready_seconds'] - r.get('sft_seconds', 0.0) for r in runs]):.1f} s with the SFT "
+             f"warm start's training ({sft:.1f} s) apart" if sft else "")
+    rows.append(f"Actors ready after {med([r['actors_ready_seconds'] for r in runs]):.1f} s{apart} (median of "
                 f"{len(runs)}); {runs[0]['iterations']} iterations; {runs[-1]['summary']}")
     return rows
 

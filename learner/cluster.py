@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from services.config import RoleResources
+from services.config import JobConfig, RoleResources
 from services.errors import TetherError
 
 # Defaults for every Ray process of tether: stay on loopback and send nothing home. Only
@@ -58,13 +58,23 @@ def _check_reachable(address: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
+def role_counts(cfg: JobConfig) -> dict[str, int]:
+    """Actors per role, in bundle order; each role's resources are ``cfg.cluster.<role>``."""
+    # LoRA with the base model as the reference, or reference.placement learner: the learner ranks score it
+    references = 0 if cfg.learner.reference_in_learner or cfg.reference_copy_in_learner else cfg.reference.num_actors
+    return {"rollout": cfg.rollout.num_engines, "reference": references,
+            "reward": 0 if cfg.reward_in_learner else cfg.reward.num_actors,  # reward.placement learner: none
+            "teacher": cfg.distill.num_actors if cfg.distill.teacher_path else 0,
+            "learner": cfg.learner.world_size}
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """What joining the cluster, reserving a bundle per actor and the pre-flight read (``learner.plan`` builds it
     from the job's settings)."""
 
     run_name: str  # run.name: the namespace and the placement group are named for it
-    counts: dict[str, int]  # actors per role, in bundle order (``learner.plan.role_counts``)
+    counts: dict[str, int]  # actors per role, in bundle order (``role_counts``)
     resources: dict[str, RoleResources]  # cluster.<role>: each actor's bundle
     address: str | None = None  # cluster.address
     connect_timeout_s: float = 30.0
@@ -73,6 +83,15 @@ class ClusterSpec:
     object_store_mib: int = 512  # a local Ray's
     log_level: str = "info"  # metrics.log_level: Ray's own and the libraries' in the actors
     weight_transfer: bool = False  # learner.weight_sync 'nccl': every engine reaches learner rank 0's node
+
+    @classmethod
+    def of(cls, cfg: JobConfig) -> ClusterSpec:
+        """From the settings alone, before the plan: the driver starts Ray while the plan checks the input."""
+        c = cfg.cluster
+        counts = role_counts(cfg)
+        return cls(cfg.run.name, counts, {role: getattr(c, role) for role in counts}, c.address, c.connect_timeout_s,
+                   c.placement_timeout_s, c.num_cpus, c.object_store_mib, cfg.metrics.log_level,
+                   cfg.learner.weight_sync == "nccl")
 
     @property
     def namespace(self) -> str:
@@ -88,6 +107,7 @@ class ClusterSpec:
 # tether's variables for every actor, set by connect(): what the actors need, never what the job set
 ACTOR_ENV: dict[str, str] = {}
 _joined = False  # connect() joined or started the Ray that disconnect() leaves
+_started_here = False  # connect() started a local Ray: one node, this machine
 
 
 def in_submitted_job() -> bool:
@@ -114,10 +134,15 @@ def actor_env(run_name: str, log_level: str) -> dict[str, str]:
     return {**RAY_ENV_DEFAULTED, **env, "TETHER_RUN": run_name}
 
 
+def starts_local_ray(spec: ClusterSpec) -> bool:
+    """``connect`` will start a local Ray: none is connected, and neither cluster.address nor RAY_ADDRESS names one."""
+    return not (ray.is_initialized() or spec.address or os.environ.get("RAY_ADDRESS"))
+
+
 def connect(spec: ClusterSpec, log=print) -> None:
     """Join the configured cluster, the one `ray job submit` runs us in, or start a local Ray. tether's
     environment variables go to each actor (``_options``), so a job's own runtime env stays as it is."""
-    global _joined
+    global _joined, _started_here
     ACTOR_ENV.clear()
     ACTOR_ENV.update(actor_env(spec.run_name, spec.log_level))
     os.environ["TETHER_RUN"] = spec.run_name  # the driver's metrics carry the run, like the actors'
@@ -141,9 +166,12 @@ def connect(spec: ClusterSpec, log=print) -> None:
             runtime_env={"env_vars": ACTOR_ENV},
             _node_ip_address="127.0.0.1",
             namespace=spec.namespace,
+            # no idle workers started ahead: every actor brings its own environment variables (``_options``), so
+            # none would take one, and on a small machine their start (about 1.3 CPU s each) delays Ray's own
+            _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
             **quiet,
         )
-        _joined = True
+        _joined = _started_here = True
         log("ray: started a local Ray (no cluster.address and no RAY_ADDRESS)")
 
 
@@ -151,9 +179,9 @@ def disconnect() -> None:
     """Leave the Ray that ``connect`` joined or started (a local one stops with it) now, at the end of the job:
     at the interpreter's exit Ray first sleeps 0.5 s for the actors' last log lines. A connection the job found
     already open is left as it was."""
-    global _joined
+    global _joined, _started_here
     if _joined:
-        _joined = False
+        _joined = _started_here = False
         ray.shutdown()
 
 
@@ -320,38 +348,23 @@ def preflight(spec: ClusterSpec, placement: Placement, models: list, storage, lo
     """Before any model loads, check every node that holds a role: the models resolve there, the run
     storage (a ``RunStorage``) is shared and writable from there, and a node reaches learner rank 0's node
     where it must (``rank0_reach``). One check per node, not per actor: what is checked belongs to the node
-    (its files, its mounts, its network), and each check costs a fresh worker process. Driver-made model files go to the
-    object store only when some node lacks them. Raises ClusterError naming each actor, node and what is
-    missing."""
+    (its files, its mounts, its network), and each check costs a fresh worker process; on the local Ray this driver
+    started, whose one node is this machine, the driver checks it itself. Driver-made model files go to the object
+    store only when some node lacks them. Raises ClusterError naming each actor, node and what is missing."""
     node_of = placement.bundle_nodes()
     actors_on: dict[str, list[tuple[str, int]]] = {}
     for role, i in spec.roles:
         actors_on.setdefault(node_of[placement.bundles[role][i]], []).append((role, i))
-    reach = rank0_reach(spec.weight_transfer, actors_on, node_of[placement.bundles["learner"][0]])
-    probe = storage.write_probe()
-    check = ray.remote(num_cpus=0, max_retries=0)(_check_node)
-    stand_in = None
-    if any(reach.values()):
-        stand_in = ray.remote(RendezvousStandIn).options(
-            num_cpus=0, scheduling_strategy=placement.strategy("learner", 0)).remote()
     names = {node: ", ".join(f"{role}-{i}" for role, i in actors) for node, actors in actors_on.items()}
+    probe = storage.write_probe()
     try:
-        rendezvous = ray.get(stand_in.address.remote(), timeout=spec.placement_timeout_s) if stand_in else None
-        calls = {node: check.options(scheduling_strategy=placement.strategy(*actors[0])).remote(
-                     models, storage, probe, rendezvous if "rendezvous" in reach[node] else None,
-                     rendezvous if "weight_transfer" in reach[node] else None)
-                 for node, actors in actors_on.items()}
-        try:
-            found = dict(zip(calls, ray.get(list(calls.values()), timeout=spec.placement_timeout_s),
-                             strict=True))
-        except ray.exceptions.GetTimeoutError as err:
-            late = [names[node] for node, ref in calls.items() if not ray.wait([ref], timeout=0)[0]]
-            raise ClusterError(f"pre-flight: node checks did not answer within {spec.placement_timeout_s:.0f}s "
-                               f"for the nodes of {late}") from err
+        if _started_here:
+            found = {node: _check_node(models, storage, probe) for node in actors_on}
+        else:
+            reach = rank0_reach(spec.weight_transfer, actors_on, node_of[placement.bundles["learner"][0]])
+            found = _check_on_nodes(spec, placement, actors_on, names, reach, models, storage, probe)
     finally:
         storage.remove(probe)  # a leftover would make the run directory look like it holds a run
-        if stand_in is not None:
-            ray.kill(stand_in)
     problems = [f"{names[node]} on {f['node']}: {p}" for node, f in found.items() for p in f["problems"]]
     if problems:
         raise ClusterError("pre-flight failed:\n  " + "\n  ".join(problems))
@@ -362,3 +375,29 @@ def preflight(spec: ClusterSpec, placement: Placement, models: list, storage, lo
         log(f"pre-flight: the driver's model files go through the object store to {', '.join(shipped)}")
     log("pre-flight: models and run storage ok on " + "; ".join(f"{found[node]['node']}: {names[node]}"
                                                                  for node in found))
+
+
+def _check_on_nodes(spec: ClusterSpec, placement: Placement, actors_on: dict, names: dict[str, str],
+                    reach: dict[str, set[str]], models: list, storage, probe: str) -> dict[str, dict]:
+    """``_check_node`` as a task on each node (on the bundle of its first actor), with a stand-in for rank 0's
+    rendezvous where some node must reach it."""
+    check = ray.remote(num_cpus=0, max_retries=0)(_check_node)
+    stand_in = None
+    if any(reach.values()):
+        stand_in = ray.remote(RendezvousStandIn).options(
+            num_cpus=0, scheduling_strategy=placement.strategy("learner", 0)).remote()
+    try:
+        rendezvous = ray.get(stand_in.address.remote(), timeout=spec.placement_timeout_s) if stand_in else None
+        calls = {node: check.options(scheduling_strategy=placement.strategy(*actors[0])).remote(
+                     models, storage, probe, rendezvous if "rendezvous" in reach[node] else None,
+                     rendezvous if "weight_transfer" in reach[node] else None)
+                 for node, actors in actors_on.items()}
+        try:
+            return dict(zip(calls, ray.get(list(calls.values()), timeout=spec.placement_timeout_s), strict=True))
+        except ray.exceptions.GetTimeoutError as err:
+            late = [names[node] for node, ref in calls.items() if not ray.wait([ref], timeout=0)[0]]
+            raise ClusterError(f"pre-flight: node checks did not answer within {spec.placement_timeout_s:.0f}s "
+                               f"for the nodes of {late}") from err
+    finally:
+        if stand_in is not None:
+            ray.kill(stand_in)

@@ -1,6 +1,6 @@
 """The loop's steps, and what they share (``Job``): ``run()`` in ``learner/main.py`` calls them in order.
 
-- ``setup``: inputs checked before any actor starts; cluster, actors, resume, the first evaluation;
+- ``setup``: once the input is checked (``learner.plan``) and Ray is up: actors, resume, the first evaluation;
 - ``collect_batch``: generate, score, collect on the learner ranks; lost chunks are regenerated;
 - ``update``: KL-penalised rewards, GAE and the PPO epochs on every rank, one combined ``UpdateResult``;
   then the controller's beta;
@@ -21,7 +21,7 @@ from learner.cluster import Placement
 from learner.fleet import Fleet
 from learner.group import LearnerGroup
 from learner.kl import AdaptiveKLController, FixedKLController, controller_statistic
-from learner.plan import plan as plan_job
+from learner.plan import Plan
 from learner.results import UpdateResult
 from learner.weight_sync import WeightSync
 from services.config import JobConfig, config_to_yaml
@@ -361,18 +361,15 @@ def dapo_metrics(sums: dict[str, float], extra_rounds: int | None) -> dict[str, 
     return metrics
 
 
-def setup(cfg: JobConfig, log: Callable[[str], None]) -> Job:
-    """Everything before the first iteration. Whatever can be wrong with the input fails first, before any
-    actor starts; then the cluster, the actors, the resume (if asked) and the evaluation before training."""
+def setup(cfg: JobConfig, plan: Plan, wall_start: float, log: Callable[[str], None]) -> Job:
+    """Everything else before the first iteration, once the input is checked (``plan``) and Ray is up: the
+    actors, the resume (if asked) and the evaluation before training. ``wall_start``: the job's start."""
     import ray
 
-    wall_start = time.perf_counter()
-    plan = plan_job(cfg, log)  # whatever can be wrong with the input fails here
     run_path = rundir.prepare(cfg.run, config_to_yaml(cfg))
     log(f"run directory {run_path}")
 
-    # cluster and actors: each role on its own bundle
-    cluster.connect(plan.cluster, log=log)
+    # the actors: each role on its own bundle
     placement = cluster.reserve(plan.cluster)
     cluster.preflight(plan.cluster, placement, plan.models.all(), run_path, log=log)
     fleet = Fleet(plan.fleet, placement, wait=False)

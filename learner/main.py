@@ -123,12 +123,53 @@ class Progress:
 # ====================================================================== the job: setup, then a loop of named steps
 
 
+def plan_and_connect(cfg: JobConfig):
+    """The input checked (``learner.plan``: whatever can be wrong with it fails there, before any actor starts),
+    and Ray joined or started. Joining is quick and comes after the plan. A local Ray starts on this thread
+    (``ray.init`` must run on the main thread) while a second one imports the loop and runs the plan: Ray's start
+    mostly waits on the processes it spawns, the imports and the plan are the driver's CPU. On bad input the Ray
+    just started stops again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from actors.base import starting_up
+    from learner import cluster
+
+    def imports_and_plan():
+        with starting_up():  # the loop's imports, with the actor classes the driver starts
+            import learner.loop  # noqa: F401
+            from learner.plan import plan
+        return plan(cfg, log)
+
+    spec = cluster.ClusterSpec.of(cfg)
+    if not cluster.starts_local_ray(spec):
+        planned = imports_and_plan()
+        cluster.connect(spec, log=log)
+        return planned
+    with ThreadPoolExecutor(1, thread_name_prefix="plan") as pool:
+        planning = pool.submit(imports_and_plan)
+        try:
+            cluster.connect(spec, log=log)
+        except BaseException:
+            planning.result()  # bad input is named first
+            raise
+        try:
+            return planning.result()
+        except BaseException:
+            cluster.disconnect()
+            raise
+
+
 def run(cfg: JobConfig) -> dict:
     """The job: setup, then one iteration after another of named steps (``learner/loop.py``)."""
+    import time
+
     from learner import cluster
+
+    wall_start = time.perf_counter()
+    plan = plan_and_connect(cfg)
     from learner.loop import GracefulStop, setup
 
-    job = setup(cfg, log)  # inputs checked, actors up, weights and beta synced, resumed if asked, first eval
+    job = setup(cfg, plan, wall_start, log)  # actors up, weights and beta synced, resumed if asked, first eval
     progress, stop = Progress(cfg, job.run_path), GracefulStop()
     progress.samples(0, job.take_eval_samples())  # the evaluation before training (none on a resume)
     iteration, summary = job.first_iteration - 1, None
@@ -164,13 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 0
     # learner.cluster before torch loads: it sets the OpenMP environment (THREAD_ENV)
-    from actors.base import starting_up
+    import learner.cluster  # noqa: F401
     from services.console import quiet_libraries
 
     quiet_libraries(cfg.metrics.log_level)
-    with starting_up():  # the loop's imports (learner.loop), with the actor classes the driver starts
-        import learner.loop  # noqa: F401
-
     try:
         summary = run(cfg)
     except (TetherError, FileNotFoundError, ValueError) as err:  # bad input found late, or a named failure

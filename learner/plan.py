@@ -16,29 +16,10 @@ from actors.engines import SamplingSettings
 from actors.episodes import EpisodeLimits
 from actors.specs import EngineSpec, EnvironmentSpec, ReferenceSpec, RewardSpec, RolloutSpec
 from learner.algorithm import Algorithm
-from learner.cluster import ClusterSpec
+from learner.cluster import ClusterSpec, role_counts
 from services.config import JobConfig, LearnerConfig, RoleResources
 from services.model_source import ModelSource
 from services.storage import RunStorage
-
-
-def role_counts(cfg: JobConfig) -> dict[str, int]:
-    """Actors per role, in bundle order; each role's resources are ``cfg.cluster.<role>``."""
-    # LoRA with the base model as the reference, or reference.placement learner: the learner ranks score it
-    references = 0 if cfg.learner.reference_in_learner or cfg.reference_copy_in_learner else cfg.reference.num_actors
-    return {"rollout": cfg.rollout.num_engines, "reference": references,
-            "reward": 0 if cfg.reward_in_learner else cfg.reward.num_actors,  # reward.placement learner: none
-            "teacher": cfg.distill.num_actors if cfg.distill.teacher_path else 0,
-            "learner": cfg.learner.world_size}
-
-
-def cluster_spec(cfg: JobConfig) -> ClusterSpec:
-    """What joining, reserving and the pre-flight read (``learner.cluster``)."""
-    c = cfg.cluster
-    counts = role_counts(cfg)
-    return ClusterSpec(cfg.run.name, counts, {role: getattr(c, role) for role in counts}, c.address,
-                       c.connect_timeout_s, c.placement_timeout_s, c.num_cpus, c.object_store_mib,
-                       cfg.metrics.log_level, cfg.learner.weight_sync == "nccl")
 
 
 @dataclass(frozen=True)
@@ -295,5 +276,5 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print) -> Plan:
                          f"{response_width} + 1 = {max_model_len} tokens do not fit the model's {positions} positions")
     return Plan(models, prompts, eval_prompts, probe_set,
                 fleet_spec(cfg, models, sampling, pad_id, max_model_len, task.reward_actor_options()),
-                RankSpec.of(cfg, model, task.reward_actor_options()), SyncSpec.of(cfg), cluster_spec(cfg), resume_from,
+                RankSpec.of(cfg, model, task.reward_actor_options()), SyncSpec.of(cfg), ClusterSpec.of(cfg), resume_from,
                 resume_state)

@@ -176,9 +176,12 @@ def policy_dir(task: PolicyRecipe, model_path: str | None, cache_dir: str, seed:
             log(f"SFT warm start: cached at {path} (trained by another job meanwhile)")
             return path
         log(f"SFT warm start: training {task.name} GPT-2 from random init ({steps} steps) -> {path}")
+        start = time.perf_counter()
         tokenizer = build_char_tokenizer(task.vocabulary)
         model = sft_warm_start(task, tokenizer, seed, steps, batch_size, lr, log=log)
-        return save_model_dir(model, tokenizer, path)
+        saved = save_model_dir(model, tokenizer, path)
+        log(f"SFT warm start: saved ({time.perf_counter() - start:.1f}s)")
+        return saved
 
 
 # model types whose directories tether writes itself (the SFT warm starts, the SmolLM2 conversion)

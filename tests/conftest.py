@@ -193,10 +193,12 @@ def tiny_model_dir(cache_dir) -> str:
                           log=lambda _: None))
 
 
-def run_job(args: list[str], timeout_s: float = 900) -> subprocess.CompletedProcess:
-    """`python -m learner.main ARGS` as a user runs it; returns the finished process."""
+def run_job(args: list[str], timeout_s: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m learner.main ARGS` as a user runs it (in ``env``, else this process's); returns the finished
+    process."""
     return subprocess.run([sys.executable, "-m", "learner.main", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout_s, env={**os.environ, **RAY_ENV}, check=False)
+                          text=True, timeout=timeout_s, env={**(os.environ if env is None else env), **RAY_ENV},
+                          check=False)
 
 
 def start_job(args: list[str]) -> subprocess.Popen:

@@ -75,6 +75,33 @@ def test_bad_task_data_fails_before_any_actor(cache_dir, tmp_path, task, message
 
 
 @pytest.mark.integration
+def test_bad_task_data_with_a_local_ray_fails_before_any_actor_and_stops_that_ray(cache_dir, tmp_path):
+    """With no cluster.address the driver starts its Ray while the plan checks the input: the plan's error is the
+    job's, no actor starts, and every process of that Ray is gone when the job exits."""
+    import os
+    import shutil
+    import tempfile
+
+    import psutil
+
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths are under it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
+    try:
+        proc = run_job(["--run.output_dir", str(tmp_path / "runs"), "--model.cache_dir", cache_dir, "--run.seed", "1",
+                        "--model.sft_steps", "60", "--model.sft_batch_size", "50",
+                        "--task.name", "tests.faulty_tasks:NoPrompts"], timeout_s=300, env=env)
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "[tether] error: the task has an empty prompt set" in proc.stderr, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        assert "ray: started a local Ray" in proc.stdout  # beside the plan
+        assert "actors ready" not in proc.stdout and not (tmp_path / "runs").exists()
+        left = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or [])]
+        assert left == [], f"processes of the job's Ray still running: {left}"
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.integration
 def test_a_raising_reward_fails_the_job_with_its_location(ray_head, cache_dir, tiny_model_dir, tmp_path):
     # the tests' randomwalks policy (the faulty task's prompts and vocabulary are randomwalks')
     proc = run_job(["--cluster.address", ray_head.address, "--run.output_dir", str(tmp_path), "--model.cache_dir",

@@ -210,8 +210,7 @@ def test_a_tensor_parallel_engine_runs_its_workers_from_its_actor_in_a_placement
 
 
 def test_preflight_names_the_node_and_port_an_engine_cannot_reach_for_the_weight_transfer(ray_client, tmp_path):
-    from learner.cluster import Placement, RendezvousStandIn, _check_node, preflight, rank0_reach
-    from learner.plan import cluster_spec
+    from learner.cluster import ClusterSpec, Placement, RendezvousStandIn, _check_node, preflight, rank0_reach
     from services.config import load_config
     from services.storage import RunStorage
     from tests.conftest import free_port
@@ -231,7 +230,7 @@ def test_preflight_names_the_node_and_port_an_engine_cannot_reach_for_the_weight
     try:
         ray_client.get(group.ready())
         logged = []
-        preflight(cluster_spec(nccl), Placement(group, {"rollout": [0], "reference": [1], "reward": [2], "learner": [3]}), [],
+        preflight(ClusterSpec.of(nccl), Placement(group, {"rollout": [0], "reference": [1], "reward": [2], "learner": [3]}), [],
                   storage, log=logged.append)
         assert logged and logged[-1].startswith("pre-flight: models and run storage ok on")
     finally:
