@@ -128,8 +128,8 @@ def plan_and_connect(cfg: JobConfig):
     and Ray joined or started. Joining is quick and comes after the plan. A local Ray starts on this thread
     (``ray.init`` must run on the main thread) while a second one imports the loop and runs the plan: Ray's start
     mostly waits on the processes it spawns, the imports and the plan are the driver's CPU. On bad input the Ray
-    just started stops again."""
-    from concurrent.futures import ThreadPoolExecutor
+    just started stops again; Ctrl-C does not wait for the plan (its thread is a daemon)."""
+    import threading
 
     from actors.base import starting_up
     from learner import cluster
@@ -145,18 +145,28 @@ def plan_and_connect(cfg: JobConfig):
         planned = imports_and_plan()
         cluster.connect(spec, log=log)
         return planned
-    with ThreadPoolExecutor(1, thread_name_prefix="plan") as pool:
-        planning = pool.submit(imports_and_plan)
+    outcome: dict = {}
+
+    def planning():
         try:
-            cluster.connect(spec, log=log)
-        except BaseException:
-            planning.result()  # bad input is named first
-            raise
-        try:
-            return planning.result()
-        except BaseException:
-            cluster.disconnect()
-            raise
+            outcome["plan"] = imports_and_plan()
+        except BaseException as err:  # noqa: BLE001 (raised on the main thread below)
+            outcome["error"] = err
+
+    thread = threading.Thread(target=planning, name="plan", daemon=True)
+    thread.start()
+    try:
+        cluster.connect(spec, log=log)
+    except Exception:
+        thread.join()
+        if "error" in outcome:  # bad input is named first
+            raise outcome["error"] from None
+        raise
+    thread.join()
+    if "error" in outcome:
+        cluster.disconnect()
+        raise outcome["error"]
+    return outcome["plan"]
 
 
 def run(cfg: JobConfig) -> dict:
