@@ -116,6 +116,7 @@ class Job:
     wall_start: float
     log: Callable[[str], None]  # one line to the job log
     ahead: list[Started] = field(default_factory=list)  # async: the next batches, generating while the learner trains
+    curves: rundir.Curves | None = None  # curves.png, drawn on a thread of its own
     eval_samples: list[dict] | None = None  # the last evaluation's samples, until the tracker takes them
     eval_kl: float | None = None  # the last evaluation's KL of the policy to the reference, nats per episode
 
@@ -283,7 +284,7 @@ class Job:
         rundir.append_metrics(self.run_path, record)
         self.job_metrics.record(record)
         if iteration % cfg.metrics.plot_every == 0:
-            rundir.plot_curves(self.run_path, self.records, cfg.kl.target, self.start_eval)
+            self.curves.draw(self.records)
         return record
 
     def take_eval_samples(self) -> list[dict] | None:
@@ -330,8 +331,7 @@ class Job:
             self.learner.export_hf(self.run_path.child("export").url)
             self.log(f"policy exported as a Hugging Face model directory: {self.run_path.display('export')}")
         rundir.write_summary(self.run_path, summary)
-        if records:
-            rundir.plot_curves(self.run_path, records, cfg.kl.target, self.start_eval)
+        self.curves.draw(records)  # the last, unless the loop drew these records (run() waits for it)
         if stop.requested:
             self.log(f"stopped by {stop.signal_name} after iteration {iteration}; checkpoint written; continue "
                      f"with --run.resume latest --run.name {cfg.run.name}")
@@ -412,4 +412,4 @@ def setup(cfg: JobConfig, plan: Plan, wall_start: float, log: Callable[[str], No
     fleet.take_counts()
     return Job(cfg, run_path, prompts, eval_prompts, placement, fleet, learner, weights, kl_ctl, sampler,
                first_iteration, start_eval, dict(start_eval), records, job_metrics, wall_start, log,
-               eval_samples=samples)
+               curves=rundir.Curves(run_path, cfg.kl.target, start_eval), eval_samples=samples)

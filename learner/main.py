@@ -197,9 +197,12 @@ def run(cfg: JobConfig) -> dict:
         summary = job.finish(iteration, stop)
         return summary
     finally:
-        progress.close(summary)  # the tracker takes the summary and the final curves
         job.placement.remove()
-        cluster.disconnect()
+        cluster.disconnect()  # while the last curves draw
+        try:
+            job.curves.wait()
+        finally:
+            progress.close(summary)  # the tracker takes the summary and the final curves
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,14 +82,13 @@ def write_summary(run: RunStorage, summary: dict) -> None:
 
 def plot_curves(run: RunStorage, records: list[dict], target: float | None, eval_start: dict | None = None) -> None:
     """reward, response KL (with its target) and beta against iteration; evaluations (the one before
-    training at iteration 0) on the reward panel."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    training at iteration 0) on the reward panel. Matplotlib's object API, without pyplot's global state: it
+    draws on the ``Curves`` thread."""
+    from matplotlib.figure import Figure
 
     it = [r["iteration"] for r in records]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig = Figure(figsize=(13, 3.6))
+    axes = fig.subplots(1, 3)
     axes[0].plot(it, [r["reward_mean"] for r in records], label="reward (score - beta*KL)")
     axes[0].plot(it, [r["score_mean"] for r in records], label="score")
     evals = ([{"iteration": 0, "eval": eval_start}] if eval_start else []) + [r for r in records if "eval" in r]
@@ -110,5 +109,29 @@ def plot_curves(run: RunStorage, records: list[dict], target: float | None, eval
     # drawn locally, then written whole: object stores take no partial writes
     with tempfile.TemporaryDirectory(prefix="tether-plot-") as tmp:
         fig.savefig(os.path.join(tmp, "curves.png"), dpi=100)
-        plt.close(fig)
         run.upload(os.path.join(tmp, "curves.png"), "curves.png")
+
+
+class Curves:
+    """curves.png, drawn on a thread of its own (``plot_curves``, 0.3-0.7 s): the loop does not wait for a drawing,
+    and the last one draws while Ray stops. Drawings run one after another; asking again for the records already
+    drawn draws nothing."""
+
+    def __init__(self, run: RunStorage, target: float | None, eval_start: dict | None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.run, self.target, self.eval_start = run, target, eval_start
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="curves")
+        self.drawings: list = []
+        self.drawn_records = 0
+
+    def draw(self, records: list[dict]) -> None:
+        if records and len(records) != self.drawn_records:
+            self.drawn_records = len(records)
+            self.drawings.append(self.pool.submit(plot_curves, self.run, list(records), self.target, self.eval_start))
+
+    def wait(self) -> None:
+        """Until every drawing asked for is written; raises the first one's error."""
+        self.pool.shutdown(wait=True)
+        for drawing in self.drawings:
+            drawing.result()
