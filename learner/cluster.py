@@ -70,8 +70,8 @@ def role_counts(cfg: JobConfig) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """What joining the cluster, reserving a bundle per actor and the pre-flight read (``learner.plan`` builds it
-    from the job's settings)."""
+    """What joining the cluster, reserving a bundle per actor and the pre-flight read (``ClusterSpec.of``, from the
+    job's settings)."""
 
     run_name: str  # run.name: the namespace and the placement group are named for it
     counts: dict[str, int]  # actors per role, in bundle order (``role_counts``)
@@ -301,9 +301,10 @@ class RendezvousStandIn:
 
 def _check_node(models: list, storage, probe: str, rendezvous: tuple[str, int] | None = None,
                 weight_transfer: tuple[str, int] | None = None) -> dict:
-    """Runs on the node of one role's bundle: do the models resolve here, is the run storage the
-    driver's (the probe file the driver wrote is visible) and writable from here, and can it reach rank 0's
-    node: for the ranks' rendezvous (a learner rank) and for vLLM's weight transfer (a rollout engine)?"""
+    """Runs on the node of one role's bundle (in the driver, on the local Ray it started): do the models resolve
+    here, is the run storage the driver's (the probe file the driver wrote is visible) and writable from here, and
+    can it reach rank 0's node: for the ranks' rendezvous (a learner rank) and for vLLM's weight transfer (a
+    rollout engine)?"""
     from services.model_source import ModelNotFoundError, node_name
     from services.storage import StorageError
 

@@ -115,8 +115,8 @@ class Job:
     job_metrics: DriverMetrics
     wall_start: float
     log: Callable[[str], None]  # one line to the job log
+    curves: rundir.Curves  # curves.png, drawn on a thread of its own
     ahead: list[Started] = field(default_factory=list)  # async: the next batches, generating while the learner trains
-    curves: rundir.Curves | None = None  # curves.png, drawn on a thread of its own
     eval_samples: list[dict] | None = None  # the last evaluation's samples, until the tracker takes them
     eval_kl: float | None = None  # the last evaluation's KL of the policy to the reference, nats per episode
 
@@ -412,4 +412,4 @@ def setup(cfg: JobConfig, plan: Plan, wall_start: float, log: Callable[[str], No
     fleet.take_counts()
     return Job(cfg, run_path, prompts, eval_prompts, placement, fleet, learner, weights, kl_ctl, sampler,
                first_iteration, start_eval, dict(start_eval), records, job_metrics, wall_start, log,
-               curves=rundir.Curves(run_path, cfg.kl.target, start_eval), eval_samples=samples)
+               rundir.Curves(run_path, cfg.kl.target, start_eval), eval_samples=samples)
