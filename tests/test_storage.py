@@ -37,6 +37,24 @@ def test_storage_reads_and_writes_local_paths_and_file_uris(tmp_path):
             run.read_probe(probe, "node x: ")
 
 
+def test_curves_draw_on_their_thread_once_per_records_and_raise_a_drawings_error(tmp_path):
+    from learner.rundir import Curves
+
+    run = RunStorage(str(tmp_path)).child("run")
+    records = [{"iteration": i, "reward_mean": 0.1 * i, "score_mean": 0.2 * i, "kl_response_mean": 1.0,
+                "kl_coef": 0.05} for i in (1, 2)]
+    curves = Curves(run, 6.0, {"optimality": 0.4})
+    curves.draw(records)
+    curves.draw(records)  # the same records: nothing more to draw
+    curves.wait()
+    assert len(curves.drawings) == 1 and run.size("curves.png") > 0
+
+    broken = Curves(run, 6.0, None)
+    broken.draw([{"iteration": 1}])  # no reward_mean: the drawing fails on its thread, the error comes at wait()
+    with pytest.raises(KeyError, match="reward_mean"):
+        broken.wait()
+
+
 def _sealed(tmp_path, shards):
     run = RunStorage(f"file://{tmp_path}").child("run")
     ckpt = checkpoint.begin(run, 3)
