@@ -94,6 +94,11 @@ class ClusterSpec:
                    cfg.learner.weight_sync == "nccl")
 
     @property
+    def local_cpus(self) -> int:
+        """The CPUs of a local Ray the job starts: cluster.num_cpus, else the machine's."""
+        return self.num_cpus or os.cpu_count() or 1
+
+    @property
     def namespace(self) -> str:
         """Actors live in ``tether-<run name>``, so the dashboard and operators find them by role."""
         return f"tether-{self.run_name}"
@@ -160,7 +165,7 @@ def connect(spec: ClusterSpec, log=print) -> None:
         log(f"ray: joined {address}")
     else:
         ray.init(
-            num_cpus=spec.num_cpus or os.cpu_count(),
+            num_cpus=spec.local_cpus,
             object_store_memory=spec.object_store_mib << 20,
             include_dashboard=False,
             runtime_env={"env_vars": ACTOR_ENV},

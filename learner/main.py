@@ -136,14 +136,16 @@ def plan_and_connect(cfg: JobConfig):
     from actors.base import starting_up
     from learner import cluster
 
+    spec = cluster.ClusterSpec.of(cfg)
+    local = cluster.starts_local_ray(spec)
+
     def imports_and_plan():
         with starting_up():  # the loop's imports, with the actor classes the driver starts
             import learner.loop  # noqa: F401
             from learner.plan import plan
-        return plan(cfg, log)
+        return plan(cfg, log, local_ray=local)
 
-    spec = cluster.ClusterSpec.of(cfg)
-    if not cluster.starts_local_ray(spec):
+    if not local:
         planned = imports_and_plan()
         cluster.connect(spec, log=log)
         return planned

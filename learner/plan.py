@@ -40,18 +40,25 @@ class RankSpec:
     resources: RoleResources = field(default_factory=RoleResources)  # cluster.learner: each rank's actor
     reference: ReferenceSpec | None = None  # reference.placement learner: the rank's own copy of the initial policy
     reward: RewardSpec | None = None  # reward.placement learner: the task whose function the rank scores with
+    torch_threads: int | None = None  # learner.torch_threads as resolved (``RankSpec.of``); none: Ray's default
 
     @classmethod
-    def of(cls, cfg: JobConfig, model: ModelSource | str, task_options: dict | None = None) -> RankSpec:
-        """``task_options``: what the reward is built from (``reward_spec``)."""
+    def of(cls, cfg: JobConfig, model: ModelSource | str, task_options: dict | None = None,
+           machine_cpus: int | None = None) -> RankSpec:
+        """``task_options``: what the reward is built from (``reward_spec``). ``machine_cpus``: the CPUs of the one
+        machine a local Ray gives the job alone; there an unset learner.torch_threads shares them among the ranks
+        of a synchronous job on CPU, whose engines and reference idle while the ranks update."""
         reference = ReferenceSpec(model, "hf", cfg.learner.dtype, temperature=cfg.rollout.temperature,
                                   device=cfg.device("learner"),
                                   max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch) \
             if cfg.reference_copy_in_learner else None
         reward = reward_spec(cfg, Models(model), task_options) if cfg.reward_in_learner else None
+        threads = cfg.learner.torch_threads
+        if threads is None and machine_cpus and cfg.device("learner") == "cpu" and cfg.rollout.mode == "sync":
+            threads = max(1, machine_cpus // cfg.learner.world_size)
         return cls(model, cfg.learner, Algorithm.from_config(cfg), cfg.rollout.temperature, cfg.run.seed,
                    cfg.device("learner"), cfg.run.iterations, cfg.rollout.batch_size, cfg.rollout.agent is not None,
-                   cfg.cluster.learner, reference, reward)
+                   cfg.cluster.learner, reference, reward, threads)
 
 
 @dataclass(frozen=True)
@@ -195,8 +202,9 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
         cfg.metrics.eval_samples_saved, limits, agents)
 
 
-def plan(cfg: JobConfig, log: Callable[[str], None] = print) -> Plan:
-    """Everything that can be wrong with the input fails here, before any actor starts."""
+def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = False) -> Plan:
+    """Everything that can be wrong with the input fails here, before any actor starts. ``local_ray``: the job
+    starts a Ray of its own on this machine (``cluster.starts_local_ray``), which then runs nothing but the job."""
     from actors.reference import check_teacher
     from actors.reward import check_reward_label, check_reward_service
     from learner import checkpoint, rundir
@@ -206,7 +214,7 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print) -> Plan:
     from services.smollm2 import SMOLLM2, smollm2_dir
     from services.tasks import get_task
 
-    task = get_task(cfg.task.name, **cfg.task.options())
+    task, cluster = get_task(cfg.task.name, **cfg.task.options()), ClusterSpec.of(cfg)
     if cfg.rollout.agent is not None:
         from actors.agent_endpoint import load_agent
 
@@ -276,5 +284,5 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print) -> Plan:
                          f"{response_width} + 1 = {max_model_len} tokens do not fit the model's {positions} positions")
     return Plan(models, prompts, eval_prompts, probe_set,
                 fleet_spec(cfg, models, sampling, pad_id, max_model_len, task.reward_actor_options()),
-                RankSpec.of(cfg, model, task.reward_actor_options()), SyncSpec.of(cfg), ClusterSpec.of(cfg), resume_from,
-                resume_state)
+                RankSpec.of(cfg, model, task.reward_actor_options(), cluster.local_cpus if local_ray else None),
+                SyncSpec.of(cfg), cluster, resume_from, resume_state)

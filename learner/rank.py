@@ -103,8 +103,8 @@ class LearnerRank(ScoresInRank):
                             and not (learner_cfg.max_tokens_per_microbatch and learner_cfg.zero_stage == 3))
         on_gpu = check_device(device, f"learner-rank-{self.rank}") == "cuda"
         yield_cpu_to_engines("cuda" if on_gpu else "cpu")
-        if learner_cfg.torch_threads:
-            torch.set_num_threads(learner_cfg.torch_threads)
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
         if not on_gpu:
             # the shared-memory allreduce op costs an ~80 s JIT build and gloo needs none of it
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

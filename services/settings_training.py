@@ -394,8 +394,9 @@ class LearnerConfig(Section):
         1800.0, description="longest wait for the learner ranks in one call (rendezvous, collect, update, "
         "weight sync) before the job fails naming the ranks that did not answer")
     torch_threads: PositiveInt | None = Field(
-        None, description="CPU threads of each rank's torch; none = Ray's default (one per whole CPU of the "
-        "actor). On a CPU-only node the engines idle during the PPO update, so a rank can use their cores too")
+        None, description="CPU threads of each rank's torch; none = on a local Ray the job starts, in a sync job "
+        "on CPU, the machine's CPUs shared by the ranks (the engines and the reference idle while the ranks update), "
+        "elsewhere Ray's default (one per whole CPU of the actor)")
     max_tokens_per_microbatch: PositiveInt | None = Field(
         None, description="pack the learner's forwards and backwards (and the reference's forward) into "
         "micro-batches of at most this many real tokens, sequences one after another without padding; one "

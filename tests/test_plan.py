@@ -130,6 +130,23 @@ def test_the_reference_is_a_copy_in_each_learner_rank_where_auto_or_asked(settin
         assert rank.reference is None
 
 
+@pytest.mark.parametrize("settings, machine_cpus, threads", [
+    ({}, 2, 2),  # the default job on a local Ray: the machine's cores while the engine idles
+    ({"learner": {"world_size": 2}, "ppo": {"minibatch_size": 32}}, 4, 2),  # shared by the ranks
+    ({"learner": {"world_size": 4}, "ppo": {"minibatch_size": 32}}, 2, 1),
+    ({}, None, None),  # a joined cluster: its nodes are shared, Ray's default
+    ({"rollout": {"mode": "async"}}, 2, None),  # the engines generate while the ranks update
+    ({"cluster": {"learner": {"num_gpus": 1}}}, 2, None),
+    ({"learner": {"torch_threads": 3}}, None, 3),  # as set, anywhere
+    ({"learner": {"torch_threads": 1}}, 2, 1),
+])
+def test_learner_threads_take_an_own_machine_s_cores_in_a_sync_job_on_cpu(settings, machine_cpus, threads):
+    from learner.plan import RankSpec
+    from services.config import load_config
+
+    assert RankSpec.of(load_config(None, settings), "/models/policy", machine_cpus=machine_cpus).torch_threads == threads
+
+
 @pytest.mark.parametrize("settings, in_learner", [
     ({}, True),  # the default job: the task's function, both roles on CPU
     ({"reward": {"placement": "actor"}}, False),
