@@ -214,7 +214,7 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
     from services.smollm2 import SMOLLM2, smollm2_dir
     from services.tasks import get_task
 
-    task, cluster = get_task(cfg.task.name, **cfg.task.options()), ClusterSpec.of(cfg)
+    task = get_task(cfg.task.name, **cfg.task.options())
     if cfg.rollout.agent is not None:
         from actors.agent_endpoint import load_agent
 
@@ -282,6 +282,7 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
         raise ValueError(f"task.max_prompt_tokens={cfg.task.max_prompt_tokens} + "
                          f"{'rollout.max_trajectory_tokens' if episodic else 'rollout.max_new_tokens'}="
                          f"{response_width} + 1 = {max_model_len} tokens do not fit the model's {positions} positions")
+    cluster = ClusterSpec.of(cfg)
     return Plan(models, prompts, eval_prompts, probe_set,
                 fleet_spec(cfg, models, sampling, pad_id, max_model_len, task.reward_actor_options()),
                 RankSpec.of(cfg, model, task.reward_actor_options(), cluster.local_cpus if local_ray else None),
