@@ -111,6 +111,20 @@ def test_ray_settings_reach_actors_only_where_the_environment_does_not_set_them(
                                         "RAY_USAGE_STATS_ENABLED": "0"}
 
 
+def test_the_local_ray_s_polled_raylet_wait_is_ray_s_own_again_after_the_start():
+    """connect() replaces Ray's private services.get_node for the local ray.init alone (the job with a local Ray in
+    test_bad_input starts through it); afterwards, and after an error inside, Ray's own is back."""
+    from ray._private import services
+
+    from learner.cluster import _raylet_wait_by_polling
+
+    ray_get_node = services.get_node
+    with pytest.raises(RuntimeError, match="inside"), _raylet_wait_by_polling():
+        assert services.get_node is not ray_get_node
+        raise RuntimeError("inside")
+    assert services.get_node is ray_get_node
+
+
 def test_vllm_settings_are_config_fields():
     from services.config import load_config
 
