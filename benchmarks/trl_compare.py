@@ -10,7 +10,10 @@ sampled optimality >= 0.95; reports the whole-process time of each and their rat
 - Each side, for each seed (``run.seed``; TRL's ``--seed``; the SFT start of that seed), runs at the step counts of
   ``--ladder`` in turn until a run's final evaluation reaches 0.95: its time to the target is that run's. The
   ratio is tether's over TRL's per seed; the median over the seeds is the race's figure.
-- Whole process: from starting the command to its exit, SFT model cached, evaluation not included.
+- Whole process: from starting the command to its exit, SFT model cached, evaluation not included: TRL's
+  process evaluates nothing, so tether's runs evaluate once, at their last iteration (``run.eval_every`` the run's
+  iterations, ``run.eval_before_training`` off); ``--with-start-eval`` keeps the default job's evaluation before
+  training in tether's time.
 
     .venv/bin/python benchmarks/trl_compare.py [--seeds 1 2 3] [--ladder 5 10 15 20 30 40 60 80]
 """
@@ -104,10 +107,11 @@ def evaluate(model_dir: Path, prompts_n: int = 20, samples: int = 50, seed: int 
     return task.evaluate(prompt_texts, completions)["optimality"]
 
 
-def run_tether(steps: int, work: Path, seed: int) -> dict:
+def run_tether(steps: int, work: Path, seed: int, start_eval: bool = False) -> dict:
     name = f"tether-{seed}-{steps}"
     seconds = timed([sys.executable, "-m", "learner.main", "--run.iterations", str(steps), "--run.eval_every",
-                     str(steps), "--run.seed", str(seed), "--run.output_dir", str(work), "--run.name", name],
+                     str(steps), "--run.seed", str(seed), "--run.output_dir", str(work), "--run.name", name,
+                     "--run.eval_before_training" if start_eval else "--no-run.eval_before_training"],
                     work / f"{name}.log", env={**os.environ, "PYTHONPATH": str(ROOT)})
     return {"steps": steps, "whole_process_seconds": seconds, "optimality": evaluate(work / name / "export")}
 
@@ -149,13 +153,15 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="run.seed (TRL's --seed) of each race")
     parser.add_argument("--ladder", nargs="+", type=int, default=[5, 10, 15, 20, 30, 40, 60, 80],
                         help="the step counts each side tries, in turn, until one reaches the target")
+    parser.add_argument("--with-start-eval", action="store_true",
+                        help="keep tether's evaluation before training (results: trl_compare-with-start-eval)")
     args, cache = parse_args(parser)
     python = trl_python(cache)
     work = Path(tempfile.mkdtemp(prefix="trl-compare-", dir=cache))
     races = {}
     for seed in args.seeds:
         sft = sft_start(seed)
-        tether = to_target(lambda s, seed=seed: run_tether(s, work, seed), args.ladder)
+        tether = to_target(lambda s, seed=seed: run_tether(s, work, seed, args.with_start_eval), args.ladder)
         trl = to_target(lambda s, seed=seed, sft=sft: run_trl(python, sft, s, work, seed), args.ladder)
         a, b = tether[-1], trl[-1]
         races[str(seed)] = {"sft_optimality": evaluate(sft), "tether": tether, "trl": trl,
@@ -164,13 +170,15 @@ def main() -> None:
     ratios = [r["ratio_tether_over_trl"] for r in races.values()]
     reached = all(r["both_reached_target"] for r in races.values())
     results = {**stamp(), "cpu_flags": cpu_flags(), "races": races, "median_ratio": statistics.median(ratios),
-               "all_reached_target": reached}
+               "all_reached_target": reached, "tether_evaluates_before_training": args.with_start_eval}
     table = [
-        (f"randomwalks, tether's default job against TRL {TRL_VERSION} GRPO (16 prompts x 8, lr 3e-4, beta 0, 2 "
+        (f"randomwalks, tether's default job ("
+         + ("with its evaluation before training" if args.with_start_eval else "no evaluation before training")
+         + f", one at its last iteration) against TRL {TRL_VERSION} GRPO (16 prompts x 8, lr 3e-4, beta 0, 2 "
          f"threads), same SFT start per seed, each side at the first step count of {args.ladder} whose one "
          f"evaluation (20 prompts x 50 samples) reached {TARGET}; {results['date']}, {results['machine']}, CPU flags: "
          f"{results['cpu_flags']}; `.venv/bin/python benchmarks/trl_compare.py --seeds "
-         f"{' '.join(map(str, args.seeds))}`"),
+         f"{' '.join(map(str, args.seeds))}{' --with-start-eval' if args.with_start_eval else ''}`"),
         "",
         ("| seed | SFT start | tether: iterations, whole process, optimality | TRL GRPO: steps, whole process, "
          "optimality | tether / TRL |"),
@@ -183,7 +191,8 @@ def main() -> None:
                      f"| {r['ratio_tether_over_trl']:.2f}x |")
     table.append(f"| median | | | | {results['median_ratio']:.2f}x"
                  f"{'' if reached else ' (a side did NOT reach the target in some race: not a time to target)'} |")
-    json_path, md_path = write_results(args.out, "trl_compare", results, table)
+    name = "trl_compare-with-start-eval" if args.with_start_eval else "trl_compare"
+    json_path, md_path = write_results(args.out, name, results, table)
     print("\n".join(table), flush=True)
     print(f"[trl_compare] {json_path} {md_path} (CPU {cpu_model()})", flush=True)
 

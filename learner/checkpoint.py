@@ -22,9 +22,9 @@ from services.storage import RunStorage
 # run.output_dir: a run directory moved elsewhere (another mount point, another bucket) resumes there
 # learner.lora.reference: the base model's log-probs from the learner's forward or from a reference actor, the same KL
 # reference.placement, reward.placement: the same scoring in an actor of its own or in the learner ranks
-RESUMABLE_CHANGES = ("run.iterations", "run.resume", "run.overwrite", "run.eval_every", "run.output_dir", "cluster",
-                     "metrics", "checkpoint", "run.probe_every", "learner.torch_threads", "learner.world_size",
-                     "learner.lora.reference", "reference.placement", "reward.placement")
+RESUMABLE_CHANGES = ("run.iterations", "run.resume", "run.overwrite", "run.eval_every", "run.eval_before_training",
+                     "run.output_dir", "cluster", "metrics", "checkpoint", "run.probe_every", "learner.torch_threads",
+                     "learner.world_size", "learner.lora.reference", "reference.placement", "reward.placement")
 
 
 class CheckpointError(TetherError, RuntimeError):

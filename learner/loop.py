@@ -402,13 +402,14 @@ def setup(cfg: JobConfig, plan: Plan, wall_start: float, log: Callable[[str], No
 
     job_metrics = DriverMetrics(ray.get_runtime_context().get_job_id())
     records = rundir.read_metrics(run_path, first_iteration - 1) if resume_state else []
-    samples = None
+    start_eval, samples = {}, None
     if resume_state:
         start_eval = resume_state["eval_start"]
-    else:
+    elif cfg.run.eval_before_training:
         start_eval, samples, _ = fleet.evaluate(eval_prompts, 0, learner=learner, with_kl=False)
         rundir.write_samples(run_path, 0, samples)
-    log("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in start_eval.items()))
+    if start_eval:
+        log("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in start_eval.items()))
     fleet.take_counts()
     return Job(cfg, run_path, prompts, eval_prompts, placement, fleet, learner, weights, kl_ctl, sampler,
                first_iteration, start_eval, dict(start_eval), records, job_metrics, wall_start, log,

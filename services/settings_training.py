@@ -426,6 +426,9 @@ class RunConfig(Section):
     overwrite: bool = Field(False, description="replace an existing run directory")
     resume: str | None = Field(None, description="continue from a checkpoint: 'latest' or its directory")
     eval_every: PositiveInt = Field(5, description="evaluate every N iterations (and at the end)")
+    eval_before_training: bool = Field(
+        True, description="evaluate the initial policy before the first iteration: the start that curves.png and "
+        "summary.json's eval_start show (off: neither has one); a resume keeps its run's")
     probe_every: PositiveInt = Field(1, description="check engine vs learner log-probs every N syncs")
     probe_tolerance: PositiveFloat | None = Field(
         None, description="max |logp diff| allowed by the probe; none = by learner.dtype (float32 1e-4, "

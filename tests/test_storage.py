@@ -231,7 +231,7 @@ def test_hf_export_loads_in_transformers_and_vllm_with_the_learners_logprobs(ran
 
 
 @pytest.mark.integration
-def test_job_on_a_file_uri_resumes_on_fewer_ranks_and_exports(ray_head, cache_dir, tmp_path):
+def test_job_on_a_file_uri_without_a_start_evaluation_resumes_on_fewer_ranks_and_exports(ray_head, cache_dir, tmp_path):
     from tests.conftest import run_job
     from tests.test_reliability import SMALL
 
@@ -240,8 +240,9 @@ def test_job_on_a_file_uri_resumes_on_fewer_ranks_and_exports(ray_head, cache_di
                         f"file://{tmp_path}", "--run.name", "uri", *SMALL, *extra], timeout_s=600)
 
     first = job("--run.iterations", "2", "--learner.world_size", "2", "--learner.zero_stage", "2",
-                "--no-checkpoint.export_hf")
+                "--no-checkpoint.export_hf", "--no-run.eval_before_training")
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "eval before training" not in first.stdout
     run_dir = tmp_path / "uri"
     manifest = json.loads((run_dir / "checkpoints" / "iter-000002" / "manifest.json").read_text())
     assert any("zero_pp_rank_1_" in name for name in manifest)  # rank 1's shard is sealed in
@@ -254,7 +255,11 @@ def test_job_on_a_file_uri_resumes_on_fewer_ranks_and_exports(ray_head, cache_di
     assert [r["iteration"] for r in records] == [1, 2, 3]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter-000003"
     for name in ("config.yaml", "config.before-resume.yaml", "summary.json", "curves.png",
-                 "samples/iteration-0000.md", "samples/iteration-0003.md", "export/model.safetensors",
+                 "samples/iteration-0002.md", "samples/iteration-0003.md", "export/model.safetensors",
                  "export/config.json", "export/tokenizer.json"):
         assert (run_dir / name).is_file(), name
+    # run.eval_before_training off in the first job, kept by the resume: no start to compare with
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_start"] == {} and 0 <= summary["eval_final"]["optimality"] <= 1
+    assert not (run_dir / "samples" / "iteration-0000.md").exists() and "eval before training" not in resumed.stdout
     assert not any(p.name.startswith(".") for p in run_dir.rglob("*"))  # no temp or probe files left behind
