@@ -283,7 +283,7 @@ class Job:
         self.records.append(record)
         rundir.append_metrics(self.run_path, record)
         self.job_metrics.record(record)
-        if iteration % cfg.metrics.plot_every == 0:
+        if iteration % cfg.metrics.plot_every == 0 or iteration == cfg.run.iterations:  # the last: beside the end
             self.curves.draw(self.records)
         return record
 
@@ -331,7 +331,7 @@ class Job:
             self.learner.export_hf(self.run_path.child("export").url)
             self.log(f"policy exported as a Hugging Face model directory: {self.run_path.display('export')}")
         rundir.write_summary(self.run_path, summary)
-        self.curves.draw(records)  # the last, unless the loop drew these records (run() waits for it)
+        self.curves.draw(records)  # a job stopped early: its last records (the loop drew the last iteration's)
         if stop.requested:
             self.log(f"stopped by {stop.signal_name} after iteration {iteration}; checkpoint written; continue "
                      f"with --run.resume latest --run.name {cfg.run.name}")

@@ -6,6 +6,7 @@ or a URI (file://, s3://, gs://), and the run directory is ``output_dir/name`` t
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import tempfile
@@ -122,6 +123,9 @@ class Curves:
 
         self.run, self.target, self.eval_start = run, target, eval_start
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="curves")
+        # matplotlib's import (0.3 s) now, beside the job, not at the first drawing: in a job shorter than
+        # metrics.plot_every that is the last one, which the exit waits for (a failed import fails that drawing)
+        self.pool.submit(importlib.import_module, "matplotlib.figure")
         self.drawings: list = []
         self.drawn_records = 0
 
