@@ -172,7 +172,7 @@ def main() -> None:
     results = {**stamp(), "cpu_flags": cpu_flags(), "races": races, "median_ratio": statistics.median(ratios),
                "all_reached_target": reached, "tether_evaluates_before_training": args.with_start_eval}
     table = [
-        (f"randomwalks, tether's default job ("
+        ("randomwalks, tether's default job ("
          + ("with its evaluation before training" if args.with_start_eval else "no evaluation before training")
          + f", one at its last iteration) against TRL {TRL_VERSION} GRPO (16 prompts x 8, lr 3e-4, beta 0, 2 "
          f"threads), same SFT start per seed, each side at the first step count of {args.ladder} whose one "

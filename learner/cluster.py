@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -195,13 +195,11 @@ def _raylet_wait_by_polling():
     ray_get_node = getattr(services, "get_node", None)
 
     def get_node(gcs_address: str, node_id: str):
-        try:
+        with suppress(Exception):  # Ray's own wait below reports what is wrong
             gcs, deadline = GcsClient(address=gcs_address), time.monotonic() + 30
             while (time.monotonic() < deadline
                    and not any(found.hex() == node_id for found in gcs.get_all_node_info(timeout=5))):
                 time.sleep(0.05)
-        except Exception:  # noqa: BLE001 (Ray's own wait below reports what is wrong)
-            pass
         return ray_get_node(gcs_address, node_id)
 
     if ray_get_node is None:  # a Ray without it: its own wait
