@@ -369,6 +369,8 @@ def setup(cfg: JobConfig, plan: Plan, wall_start: float, log: Callable[[str], No
     run_path = rundir.prepare(cfg.run, config_to_yaml(cfg))
     log(f"run directory {run_path}")
 
+    for shipment in plan.shipments:  # Ray is up now: the driver's data the actors read, put once
+        shipment.ship()
     # the actors: each role on its own bundle
     placement = cluster.reserve(plan.cluster)
     cluster.preflight(plan.cluster, placement, plan.models.all(), run_path, log=log)

@@ -243,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli() -> None:
     """The ``tether`` console command (pyproject.toml) and ``python -m learner.main``."""
+    # Ray before its import: a call to Ray before the driver connects raises, never starts a second local Ray
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     cfg = parse(sys.argv[1:])
     if isinstance(cfg, int):
         sys.exit(cfg)

@@ -19,6 +19,7 @@ from learner.algorithm import Algorithm
 from learner.cluster import ClusterSpec, role_counts
 from services.config import JobConfig, LearnerConfig, RoleResources
 from services.model_source import ModelSource
+from services.shipment import Shipment
 from services.storage import RunStorage
 
 
@@ -144,6 +145,9 @@ class Plan:
     cluster: ClusterSpec
     resume_from: RunStorage | None = None
     resume_state: dict | None = None
+    # what actors read that the driver holds (a dataset's rows): shipped once Ray is up, never by the plan, which
+    # runs before or beside Ray's start and must not start a Ray of its own by a side effect
+    shipments: tuple[Shipment, ...] = ()
 
 
 def reward_spec(cfg: JobConfig, models: Models, task_options: dict | None = None) -> RewardSpec:
@@ -283,7 +287,9 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
                          f"{'rollout.max_trajectory_tokens' if episodic else 'rollout.max_new_tokens'}="
                          f"{response_width} + 1 = {max_model_len} tokens do not fit the model's {positions} positions")
     cluster = ClusterSpec.of(cfg)
+    task_options = task.reward_actor_options()  # its shipments go to the object store once Ray is up
+    shipments = tuple(v for v in (task_options or {}).values() if isinstance(v, Shipment))
     return Plan(models, prompts, eval_prompts, probe_set,
-                fleet_spec(cfg, models, sampling, pad_id, max_model_len, task.reward_actor_options()),
-                RankSpec.of(cfg, model, task.reward_actor_options(), cluster.local_cpus if local_ray else None),
-                SyncSpec.of(cfg), cluster, resume_from, resume_state)
+                fleet_spec(cfg, models, sampling, pad_id, max_model_len, task_options),
+                RankSpec.of(cfg, model, task_options, cluster.local_cpus if local_ray else None),
+                SyncSpec.of(cfg), cluster, resume_from, resume_state, shipments)

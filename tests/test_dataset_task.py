@@ -4,6 +4,7 @@ dataset directory), a reward function with the row's fields, and the errors for 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -287,8 +288,10 @@ def test_without_a_reward_function_a_reward_model_scores_and_evaluates(tiny_mode
 
 
 def test_rows_reach_a_reward_actor_through_the_object_store(ray_client, tiny_model_dir, tmp_path):
-    """``reward_actor_options`` holds an object ref, never the path: a real Ray actor builds the task from it
-    after the file is gone."""
+    """``reward_actor_options`` holds the rows, never the path, shipped as one object ref once Ray is up: a real Ray
+    actor builds the task from it after the file is gone."""
+    import pickle
+
     from actors.reward import RewardActor
     from services.experience import make_batch
     from services.models import load_tokenizer
@@ -296,7 +299,10 @@ def test_rows_reach_a_reward_actor_through_the_object_store(ray_client, tiny_mod
     path = _write("parquet", tmp_path)
     task = dataset_task(path)
     options = task.reward_actor_options()
-    assert "path" not in options and isinstance(options["rows"], ray_client.ObjectRef)
+    assert "path" not in options and options["rows"] is task.reward_actor_options()["rows"]
+    options["rows"].ship()
+    assert isinstance(options["rows"].ref, ray_client.ObjectRef)
+    assert pickle.loads(pickle.dumps(options["rows"])).value is None  # the ref travels, not the rows
     path.unlink()
     actor = ray_client.remote(num_cpus=0)(RewardActor).remote(0, RewardSpec("dataset", options, tiny_model_dir))
     tok = load_tokenizer(tiny_model_dir)
@@ -305,6 +311,31 @@ def test_rows_reach_a_reward_actor_through_the_object_store(ray_client, tiny_mod
     scores = ray_client.get(actor.score.remote(batch, 0))
     assert torch.allclose(scores, torch.tensor([0.0, -0.3]))
     ray_client.kill(actor)
+
+
+def test_the_plan_of_a_dataset_job_starts_no_ray(cache_dir, tiny_model_dir, tmp_path):
+    """The start-up race's losing order, every time: the plan runs to its end before anything connects (the driver
+    runs it beside Ray's start), in a process without Ray. It must not start one by a side effect (a ``ray.put``
+    of the rows did: the driver's own ``ray.init`` then failed, "Perhaps you called ray.init twice")."""
+    import subprocess
+    import sys
+
+    from tests.conftest import RAY_ENV, ROOT
+
+    data = write_jsonl(tmp_path / "data.jsonl", ROWS)
+    script = (
+        "import ray\n"
+        "from learner.main import parse\n"
+        "from learner.plan import plan\n"
+        f"cfg = parse({_job_args(cache_dir, tiny_model_dir, tmp_path / 'runs', data)!r})\n"
+        "planned = plan(cfg, print, local_ray=True)\n"
+        "assert planned.shipments and planned.shipments[0].ref is None\n"
+        "print('ray started:', ray.is_initialized())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_AUTO_CONNECT")}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**env, **RAY_ENV})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "ray started: False" in proc.stdout
 
 
 # ---------------------------------------------------------------------- the job

@@ -2,8 +2,8 @@
 dataset directory, through the ``datasets`` library.
 
 The driver reads the file once (``path`` set). The reward actors get only what the reward reads, the
-prompt column and ``task.reward_fields``, as one object-store ref (``reward_actor_options``): they never open
-``task.path`` on their own node. The reward function, ``package.module:function``, is code: it is imported by
+prompt column and ``task.reward_fields``, as one ``Shipment`` (``reward_actor_options``), put in the object store
+once Ray is up: they never open ``task.path`` on their own node. The reward function, ``package.module:function``, is code: it is imported by
 name on the driver (to fail before any actor starts) and again on each reward actor. It is called once per
 sample as ``function(prompt=..., completion=..., **fields)`` and returns a number; ``prompt`` is the row's
 ``task.prompt_field`` value as in the file (text, or the chat messages), ``completion`` the decoded response.
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from services.errors import load_object
+from services.shipment import Shipment
 from services.tasks.base import Task
 
 FILE_READERS = {".jsonl": "from_json", ".json": "from_json", ".csv": "from_csv", ".parquet": "from_parquet"}
@@ -131,16 +132,14 @@ class DatasetTask(Task):
     eval_split: str | None = None
     reward_function: str | None = None
     reward_fields: list[str] = field(default_factory=list)
-    # on a reward actor: the driver's rows, {"train": columns, "eval": columns}, or an object ref to them
+    # on a reward actor: the driver's rows, {"train": columns, "eval": columns}, as a Shipment
     rows: Any = None
 
     def __post_init__(self) -> None:
         if self.rows is None:
             self.rows = self._read()
-        elif not isinstance(self.rows, dict):
-            import ray
-
-            self.rows = ray.get(self.rows)
+        elif isinstance(self.rows, Shipment):
+            self.rows = self.rows.get()
         if self.reward_function:
             self.check_reward_function(self.function)
 
@@ -196,15 +195,13 @@ class DatasetTask(Task):
     # ------------------------------------------------------------------ the reward, on a reward actor
 
     def reward_actor_options(self) -> dict:
-        """What a reward actor builds this task from: the prompt column and the reward fields, put once in
-        the object store (needs a connected Ray); never the path."""
-        import ray
-
-        if not hasattr(self, "_rows_ref"):  # kept here too, so a restarted reward actor finds it
+        """What a reward actor builds this task from: the prompt column and the reward fields as one ``Shipment``
+        (the driver ships it once Ray is up: ``Plan.shipments``); never the path."""
+        if not hasattr(self, "_rows"):  # one shipment for every spec that holds these options
             keep = [self.prompt_field, *self.reward_fields]
-            self._rows_ref = ray.put({split: {c: rows[c] for c in keep} for split, rows in self.rows.items()})
+            self._rows = Shipment({split: {c: rows[c] for c in keep} for split, rows in self.rows.items()})
         return {"prompt_field": self.prompt_field, "reward_function": self.reward_function,
-                "reward_fields": list(self.reward_fields), "rows": self._rows_ref}
+                "reward_fields": list(self.reward_fields), "rows": self._rows}
 
     @cached_property
     def function(self) -> Callable:
