@@ -18,6 +18,7 @@ from actors.rollout import RolloutActor
 from learner import cluster
 from learner.cluster import ClusterError, Placement
 from learner.plan import FleetSpec
+from learner.records import ChunkRefs
 from services.errors import TetherError
 
 IN_FLIGHT_THREADS = 16  # a rollout actor's concurrent calls with in-flight updates (its chunks, a load, the probe)
@@ -100,19 +101,22 @@ class Fleet:
                                              groups)
         return refs
 
-    def score(self, chunk_refs: dict[int, ray.ObjectRef]) -> tuple[dict | None, dict | None, dict | None]:
-        """Reference log-probs, reward scores and (distillation) teacher log-probs, all started on the chunk refs
-        at once; the teacher's are None without a teacher, the reference's and the reward's where the learner
-        ranks score them (reference.placement and reward.placement learner, LoRA's base reference)."""
-        # none with learner.lora.reference 'base': the learner ranks score the base model themselves
-        ref_refs = ({i: self.references[i % len(self.references)].score.remote(ch) for i, ch in chunk_refs.items()}
-                    if self.references else None)
-        # none with reward.placement learner: the ranks score their chunks with the task's function
-        score_refs = ({i: self.rewards[i % len(self.rewards)].score.remote(ch, i) for i, ch in chunk_refs.items()}
-                      if self.rewards else None)
-        teacher_refs = ({i: self.teachers[i % len(self.teachers)].score.remote(ch) for i, ch in chunk_refs.items()}
-                        if self.teachers else None)
-        return ref_refs, score_refs, teacher_refs
+    def score(self, rollout_refs: dict[int, ray.ObjectRef], roles: tuple[str, ...] = ("reference", "score", "teacher")
+              ) -> dict[int, ChunkRefs]:
+        """Each chunk's refs (``ChunkRefs``): the reference's log-probs, the reward's scores and (distillation) the
+        teacher's log-probs, all started on the rollout refs at once, for the ``roles`` that have actors: none
+        where the learner ranks score it (reference.placement and reward.placement learner, LoRA's base reference),
+        or without a teacher."""
+        held = {"reference": self.references, "score": self.rewards, "teacher": self.teachers}
+        chunks = {}
+        for i, rollout in rollout_refs.items():
+            refs = {}
+            for role in roles:
+                if actors := held[role]:
+                    actor = actors[i % len(actors)]  # a reward actor takes the slot too (its samples' rows)
+                    refs[role] = actor.score.remote(rollout, i) if role == "score" else actor.score.remote(rollout)
+            chunks[i] = ChunkRefs(rollout, **refs)
+        return chunks
 
     def evaluate(self, eval_prompts: list[list[int]], iteration: int, resync: Callable[[], object] | None = None,
                  learner=None, with_kl: bool = True) -> tuple[dict, list, dict | None]:
@@ -130,10 +134,8 @@ class Fleet:
                 calls = ([self.rewards[i % len(self.rewards)].evaluate.remote(ch, i, keep) for i, ch in chunks.items()]
                          if self.rewards else None)  # none with reward.placement learner: the ranks evaluate
                 kl = None
-                if learner is not None and with_kl:  # ref_refs none: the ranks score the reference themselves
-                    ref_refs = ({i: self.references[i % len(self.references)].score.remote(ch)
-                                 for i, ch in chunks.items()} if self.references else None)
-                    kl = learner.evaluation_kl(chunks, ref_refs)
+                if learner is not None and with_kl:  # no reference actors: the ranks score the reference themselves
+                    kl = learner.evaluation_kl(self.score(chunks, roles=("reference",)))
                 parts = ray.get(calls) if calls is not None else learner.evaluate_rewards(chunks, keep)
                 break
             except ray.exceptions.RayActorError:

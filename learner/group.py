@@ -10,7 +10,7 @@ from learner.cluster import ClusterError, Placement, start_actor
 from learner.kl import kl_stats_from_sums
 from learner.plan import RankSpec
 from learner.rank import LearnerRank
-from learner.results import UpdateResult
+from learner.records import Admission, ChunkRefs, UpdateResult
 
 
 def rank_slots(slots, world_size: int) -> list[list[int]]:
@@ -62,32 +62,20 @@ class LearnerGroup:
                                        f"during {what}: {err}") from err
         return ray.get(refs)
 
-    def collect(self, chunk_refs: dict[int, object], ref_logprob_refs: dict[int, object] | None,
-                score_refs: dict[int, object] | None, expected_state: tuple | None = None,
-                teacher_logprob_refs: dict[int, object] | None = None) -> list[int]:
-        """Chunk slot i goes to rank i % W, which fetches it and runs its forward. Returns the slots
-        lost to dead actors, or with rows the learner must not train on (``stale_rows(chunk,
-        *expected_state)``: another (policy_version, kl_coef), or async, too stale), to regenerate and
+    def collect(self, chunks: dict[int, ChunkRefs], admission: Admission | None = None) -> list[int]:
+        """Chunk slot i goes to rank i % W, which fetches it and runs its forward. Returns the slots lost to dead
+        actors, or with rows ``admission`` refuses (another version or beta; async: too stale), to regenerate and
         collect again, with only those slots."""
-        by_rank = rank_slots(chunk_refs, self.world_size)
-        # every rank runs this many forwards (ZeRO-3 gathers in each), whatever it got or lost
-        forwards = max(len(slots) for slots in by_rank)
-        calls = [rank.collect.remote(slots, [chunk_refs[s] for s in slots],
-                                     None if ref_logprob_refs is None else [ref_logprob_refs[s] for s in slots],
-                                     None if score_refs is None else [score_refs[s] for s in slots], forwards,
-                                     expected_state,
-                                     None if teacher_logprob_refs is None else [teacher_logprob_refs[s] for s in slots])
+        by_rank = rank_slots(chunks, self.world_size)
+        calls = [rank.collect.remote(slots, [chunks[s] for s in slots], admission)
                  for rank, slots in zip(self.ranks, by_rank, strict=True)]
         return sorted(s for result in self._get(calls, "collect") for s in result["failed"])
 
-    def evaluation_kl(self, chunk_refs: dict[int, object], ref_logprob_refs: dict[int, object] | None) -> dict:
+    def evaluation_kl(self, chunks: dict[int, ChunkRefs]) -> dict:
         """The KL of the current policy to the reference on evaluation chunks (``kl_stats_from_sums``, k1 per
         episode): chunk slot i goes to rank i % W, as in ``collect``."""
-        by_rank = rank_slots(chunk_refs, self.world_size)
-        forwards = max(len(slots) for slots in by_rank)
-        calls = [rank.evaluation_kl.remote([chunk_refs[s] for s in slots],
-                                           None if ref_logprob_refs is None else [ref_logprob_refs[s] for s in slots],
-                                           forwards)
+        by_rank = rank_slots(chunks, self.world_size)
+        calls = [rank.evaluation_kl.remote([chunks[s] for s in slots])
                  for rank, slots in zip(self.ranks, by_rank, strict=True)]
         parts = [part for part in self._get(calls, "the evaluation's KL") if part]
         return kl_stats_from_sums({k: sum(part[k] for part in parts) for k in parts[0]})
@@ -109,17 +97,6 @@ class LearnerGroup:
         """Every rank trains at once on what it collected. Returns their results combined."""
         return UpdateResult.combine(self._get([rank.update.remote(kl_coef, iteration) for rank in self.ranks],
                                               "update"))
-
-    def train(self, chunk_refs: list, ref_logprob_refs: list | None, score_refs: list | None, kl_coef: float,
-              iteration: int, teacher_logprob_refs: list | None = None) -> UpdateResult:
-        """collect + update, for callers that need no retries."""
-        failed = self.collect(dict(enumerate(chunk_refs)),
-                              None if ref_logprob_refs is None else dict(enumerate(ref_logprob_refs)),
-                              None if score_refs is None else dict(enumerate(score_refs)), None,
-                              None if teacher_logprob_refs is None else dict(enumerate(teacher_logprob_refs)))
-        if failed:
-            raise ClusterError(f"chunks {failed} were lost to dead actors")
-        return self.update(kl_coef, iteration)
 
     def policy_weights(self, adapter: bool = False) -> ray.ObjectRef:
         """Rank 0's full weights (``adapter``: its LoRA adapter alone) as an ObjectRef: the driver passes it on

@@ -16,13 +16,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from learner import checkpoint, cluster, rundir
 from learner.cluster import Placement
 from learner.fleet import Fleet
 from learner.group import LearnerGroup
 from learner.kl import AdaptiveKLController, FixedKLController, controller_statistic
 from learner.plan import Plan
-from learner.results import UpdateResult
+from learner.records import Admission, ChunkRefs, UpdateResult
 from learner.weight_sync import WeightSync
 from services.config import JobConfig, config_to_yaml
 from services.errors import TetherError
@@ -70,10 +72,7 @@ class Started:
     """A rollout batch whose chunks are being generated and scored (their refs)."""
 
     prompt_rows: list[int]
-    chunk_refs: dict
-    ref_refs: dict | None  # None: the learner ranks score the reference (reference.placement, LoRA's base)
-    score_refs: dict | None  # None: the learner ranks score with the task's function (reward.placement)
-    teacher_refs: dict | None  # on-policy distillation's teacher log-probs; None without a teacher
+    chunks: dict[int, ChunkRefs]  # by slot
     prompt_cursor: dict  # the prompt sampler's state before these prompts: a checkpoint taken while the
     # batch is in flight saves this, so a resume (empty pipeline) draws them again
 
@@ -132,8 +131,7 @@ class Job:
         # actors that restarted come back at version 0: re-sync them (and probe) before they generate
         resynced = self.weights.bring_up_to_date()
         batch = self.ahead.pop(0) if self.ahead else self._start(iteration)
-        resynced += self._collect_chunks(iteration, batch, batch.chunk_refs, batch.ref_refs, batch.score_refs,
-                                         batch.teacher_refs)
+        resynced += self._collect_chunks(iteration, batch, batch.chunks)
         extra_rounds = self._dynamic_sampling(iteration, batch, resynced) if self.cfg.rollout.dynamic_sampling else None
         if self._overlaps() and not self.ahead and iteration < self.cfg.run.iterations:
             # generates with version v while v + 1 trains; after any extra rounds, so that the prompt cursor a
@@ -141,8 +139,7 @@ class Job:
             self.ahead.append(self._start(iteration + 1))
         return Collected(batch.prompt_rows, resynced, started, extra_rounds)
 
-    def _collect_chunks(self, iteration: int, batch: Started, chunk_refs: dict, ref_refs: dict | None,
-                        score_refs: dict | None, teacher_refs: dict | None) -> list[dict]:
+    def _collect_chunks(self, iteration: int, batch: Started, chunks: dict[int, ChunkRefs]) -> list[dict]:
         """The learner ranks collect these chunks; lost ones are regenerated (the same slots of
         ``batch.prompt_rows``). Returns the actors re-synced meanwhile."""
         lost: list[int] = []
@@ -152,9 +149,8 @@ class Job:
                 self.log(f"iteration {iteration}: chunks {lost} lost to a dead or restarted actor, or too stale; "
                          f"regenerating (retry {retry})")
                 resynced += self.weights.bring_up_to_date()
-                chunk_refs = self.fleet.generate(batch.prompt_rows, self.prompts, iteration, slots=lost)
-                ref_refs, score_refs, teacher_refs = self.fleet.score(chunk_refs)
-            lost = self.learner.collect(chunk_refs, ref_refs, score_refs, self._admitted(), teacher_refs)
+                chunks = self.fleet.score(self.fleet.generate(batch.prompt_rows, self.prompts, iteration, slots=lost))
+            lost = self.learner.collect(chunks, self._admission())
             if not lost:
                 return resynced
         raise LoopError(f"iteration {iteration}: chunks {lost} still lost after "
@@ -180,16 +176,15 @@ class Job:
             first = len(batch.prompt_rows) * r.samples_per_prompt // r.chunk_size
             batch.prompt_rows += self.sampler.next(r.batch_size // r.samples_per_prompt)
             slots = list(range(first, first + r.batch_size // r.chunk_size))
-            chunk_refs = self.fleet.generate(batch.prompt_rows, self.prompts, iteration, slots=slots)
-            resynced += self._collect_chunks(iteration, batch, chunk_refs, *self.fleet.score(chunk_refs))
+            chunks = self.fleet.score(self.fleet.generate(batch.prompt_rows, self.prompts, iteration, slots=slots))
+            resynced += self._collect_chunks(iteration, batch, chunks)
             extra += 1
         return extra
 
     def _start(self, iteration: int) -> Started:
         cursor = self.sampler.state_dict()
         prompt_rows = self.sampler.next(self.cfg.rollout.batch_size // self.cfg.rollout.samples_per_prompt)
-        chunk_refs = self.fleet.generate(prompt_rows, self.prompts, iteration)
-        return Started(prompt_rows, chunk_refs, *self.fleet.score(chunk_refs), cursor)
+        return Started(prompt_rows, self.fleet.score(self.fleet.generate(prompt_rows, self.prompts, iteration)), cursor)
 
     def _overlaps(self) -> bool:
         """Admission: a batch started now, at the engines' version v, is trained at v + 1 at the earliest,
@@ -206,13 +201,12 @@ class Job:
         r = self.cfg.rollout
         return self._overlaps() and r.in_flight_updates != "off" and not r.dynamic_sampling
 
-    def _admitted(self) -> tuple:
-        """``stale_rows``' arguments for the rows the learner may train on now. Sync: exactly its version
-        and beta. Async: versions at most ``rollout.max_staleness`` behind, under any stamped beta (the
-        penalty uses the controller's beta at the update)."""
+    def _admission(self) -> Admission:
+        """The rows the learner may train on now. Sync: exactly its version and beta. Async: versions at most
+        ``rollout.max_staleness`` behind, under any stamped beta (the penalty uses the controller's at the update)."""
         if self.cfg.rollout.mode == "sync":
-            return self.weights.policy_version, self.weights.kl_coef
-        return self.weights.policy_version, None, self.cfg.rollout.max_staleness
+            return Admission(self.weights.policy_version, self.weights.kl_coef)
+        return Admission(self.weights.policy_version, None, self.cfg.rollout.max_staleness)
 
     def update(self, iteration: int, collected: Collected) -> Trained:
         """KL-penalised rewards at the current beta, GAE and the PPO epochs on every rank; then the
@@ -223,14 +217,9 @@ class Job:
         if result.trained_episodes != self.cfg.rollout.batch_size:  # an agent's episode may be several rows
             raise LoopError(f"iteration {iteration}: trained on {result.trained_episodes} episodes, expected "
                             f"{self.cfg.rollout.batch_size}")
-        # sync: every row was generated by the learner's current version, under the current beta; async:
-        # by a version at most rollout.max_staleness behind
+        # every row trained on is one the collection admitted: the ranks checked each chunk, this checks the batch
         version, versions, betas = self.weights.policy_version, result.policy_versions, result.kl_coefs
-        if self.cfg.rollout.mode == "sync":
-            admitted = versions == [version] and all(abs(b - kl_coef) <= 1e-6 * max(kl_coef, 1) for b in betas)
-        else:
-            admitted = all(0 <= version - v <= self.cfg.rollout.max_staleness for v in versions)
-        if not admitted:
+        if bool(self._admission().refuses(torch.tensor(versions), torch.tensor(betas, dtype=torch.float64)).any()):
             raise LoopError(f"iteration {iteration}: batch stamped with versions {versions} and betas {betas}, "
                             f"but the learner is at version {version}, beta {kl_coef} (rollout.mode "
                             f"{self.cfg.rollout.mode}, rollout.max_staleness {self.cfg.rollout.max_staleness})")

@@ -17,6 +17,7 @@ from actors.episodes import EpisodeLimits
 from actors.specs import EngineSpec, EnvironmentSpec, ReferenceSpec, RewardSpec, RolloutSpec
 from learner.algorithm import Algorithm
 from learner.cluster import ClusterSpec, role_counts
+from learner.update import UpdateSettings
 from services.config import JobConfig, LearnerConfig, RoleResources
 from services.model_source import ModelSource
 from services.shipment import Shipment
@@ -26,18 +27,15 @@ from services.storage import RunStorage
 @dataclass(frozen=True)
 class RankSpec:
     """What a learner rank is built from, and nothing else: the policy's files, the learner's settings, the
-    algorithm layer (``learner.algorithm``, with the settings it reads) and the few figures of the job the
-    optimizer steps and their schedule need."""
+    algorithm layer (``learner.algorithm``, with the settings it reads) and the update's (``learner.update``)."""
 
     model: ModelSource | str
     learner: LearnerConfig
     algorithm: Algorithm
+    update: UpdateSettings
     temperature: float = 1.0  # rollout.temperature: the learner scores at the engines' temperature
     seed: int = 0  # run.seed: the value head's init, the same on every rank
     device: str = "cpu"  # the device the learner role reserved
-    run_iterations: int = 1  # run.iterations: ppo.lr_schedule's length
-    rollout_batch_size: int | None = None  # episodes per batch: the optimizer steps per epoch
-    rows_per_episode_vary: bool = False  # rollout.agent: an episode gives a row per trajectory of its calls
     resources: RoleResources = field(default_factory=RoleResources)  # cluster.learner: each rank's actor
     reference: ReferenceSpec | None = None  # reference.placement learner: the rank's own copy of the initial policy
     reward: RewardSpec | None = None  # reward.placement learner: the task whose function the rank scores with
@@ -57,9 +55,11 @@ class RankSpec:
         threads = cfg.learner.torch_threads
         if threads is None and machine_cpus and cfg.device("learner") == "cpu" and cfg.rollout.mode == "sync":
             threads = max(1, machine_cpus // cfg.learner.world_size)
-        return cls(model, cfg.learner, Algorithm.from_config(cfg), cfg.rollout.temperature, cfg.run.seed,
-                   cfg.device("learner"), cfg.run.iterations, cfg.rollout.batch_size, cfg.rollout.agent is not None,
-                   cfg.cluster.learner, reference, reward, threads)
+        update = UpdateSettings(cfg.ppo, cfg.run.seed, cfg.run.iterations, cfg.rollout.batch_size,
+                                cfg.rollout.agent is not None, cfg.learner.max_tokens_per_microbatch,
+                                cfg.learner.zero_stage == 3)
+        return cls(model, cfg.learner, Algorithm.from_config(cfg), update, cfg.rollout.temperature, cfg.run.seed,
+                   cfg.device("learner"), cfg.cluster.learner, reference, reward, threads)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""The module the learner's DeepSpeed engine trains: the policy LM with its value head (or a separate critic),
-and where on the node a rank computes."""
+"""The module the learner's engine trains: the policy LM with its value head (or a separate critic), and where on
+the node a rank computes."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
@@ -59,3 +60,24 @@ def local_gpu_index(assigned: list[str], visible: str | None, actor: str) -> int
         raise RuntimeError(f"{actor}: Ray assigned it GPU {assigned[0]}, but CUDA_VISIBLE_DEVICES={visible!r} "
                            "does not show it")
     return order.index(assigned[0])
+
+
+def join_rendezvous(rank: int, world_size: int, master_addr: str, master_port: int, device: str,
+                    where: str) -> torch.device:
+    """The device learner rank ``rank`` computes on (``device`` as the config decided it; a CUDA role on a node
+    without CUDA is named), with the environment DeepSpeed's rendezvous at ``master_addr:master_port`` reads set.
+    LOCAL_RANK is the GPU DeepSpeed and NCCL take, as CUDA numbers them in this process: Ray shows each rank only its
+    own GPUs (CUDA_VISIBLE_DEVICES), so it is 0 unless every GPU stays visible here."""
+    import os
+
+    from actors.engines import check_device
+
+    local_gpu = 0
+    if device == "cuda":
+        import ray
+
+        local_gpu = local_gpu_index(ray.get_runtime_context().get_accelerator_ids().get("GPU", []),
+                                    os.environ.get("CUDA_VISIBLE_DEVICES"), where)
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_gpu))
+    return torch.device("cuda", local_gpu) if check_device(device, where) == "cuda" else torch.device("cpu")

@@ -185,3 +185,16 @@ class EngineClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._all("weight-update finish", [r.finish_weight_transfer.remote() for r in self.rollouts])
+
+
+def trainer_engine(lm: nn.Module, zero3: bool, backend: Backend, rank: int, rollouts: Sequence,
+                   workers_per_engine: int, master_address: str, master_port: int, buffer_bytes: int,
+                   timeout_s: float):
+    """vLLM's trainer-side weight-transfer engine of learner rank ``rank``, over the policy ``lm``; rank 0 also sets
+    up the engines' side (NCCL: one group of rank 0 and every engine worker at ``master_address:master_port``)."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    info = trainer_init_info(backend, rank, master_address, master_port, 1 + len(rollouts) * workers_per_engine,
+                             buffer_bytes)
+    return WeightTransferTrainerFactory.trainer_init(info, client=EngineClient(rollouts, workers_per_engine, timeout_s),
+                                                     source=parameter_source(lm, zero3=zero3))

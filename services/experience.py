@@ -149,18 +149,6 @@ class Episodes:
     environment_failures: list[int]
 
 
-def stale_rows(batch: RolloutBatch, policy_version: int, kl_coef: float | None, max_staleness: int = 0) -> Tensor:
-    """[B] bool: rows a learner at ``policy_version`` must not train on: generated more than
-    ``max_staleness`` versions before it (or by a version it does not have yet), as from an engine that
-    restarted (at version 0) after the driver's version check; and, when ``kl_coef`` is given (sync
-    mode), rows stamped with another beta."""
-    behind = policy_version - batch.policy_version
-    stale = (behind < 0) | (behind > max_staleness)
-    if kl_coef is not None:
-        stale |= (batch.kl_coef.double() - kl_coef).abs() > 1e-6 * max(abs(kl_coef), 1.0)
-    return stale
-
-
 def stale_tokens(batch: RolloutBatch, mask: Tensor, version: int | None) -> Tensor:
     """[B, T] float: 1 on the tokens of ``mask`` sampled by a version other than the learner's ``version`` (None:
     unknown, none counted); token by token with in-flight updates, where a response may span versions."""

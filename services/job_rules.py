@@ -1,5 +1,6 @@
-"""The rules across settings sections, checked on every JobConfig (``JOB_RULES``, in this order); each function
-takes the JobConfig and returns its refusal or None. A rule within one section lives with that section."""
+"""The rules across settings sections, checked on every JobConfig (``JOB_RULES``, in this order); each
+function takes the JobConfig and returns its refusal or None. A rule within one section lives with that
+section."""
 
 from __future__ import annotations
 
@@ -22,17 +23,17 @@ AGENT = {"task": {"name": "agent", "path": "rows.jsonl"}, "rollout": {"agent": "
 def group_estimator_needs_a_group(cfg: Any) -> str | None:
     n = cfg.rollout.samples_per_prompt
     if cfg.ppo.advantage in GROUP_ESTIMATORS and n < 2:
-        return (f"ppo.advantage={cfg.ppo.advantage!r} takes its baseline over the samples of one prompt: it needs "
-                f"rollout.samples_per_prompt >= 2 (got {n})")
+        return (f"ppo.advantage={cfg.ppo.advantage!r} takes its baseline over the samples of one prompt: it "
+                f"needs rollout.samples_per_prompt >= 2 (got {n})")
     return None
 
 
 @rule("ppo.correction", "rollout.mode", example={"rollout": {"mode": "async"}, "ppo": {"correction": "none"}})
 def async_needs_a_correction(cfg: Any) -> str | None:
     if cfg.ppo.correction == "none" and cfg.rollout.mode == "async":
-        return ("ppo.correction='none' with rollout.mode='async' would train on rows an older policy sampled as if "
-                "the learner's had: async mode needs the weight pi_prox / pi_behav; set ppo.correction to 'tis' (or "
-                "'mis', 'icepop', 'geometric_mask', 'off_policy_mask')")
+        return ("ppo.correction='none' with rollout.mode='async' would train on rows an older policy sampled "
+                "as if the learner's had: async mode needs the weight pi_prox / pi_behav; set ppo.correction "
+                "to 'tis' (or 'mis', 'icepop', 'geometric_mask', 'off_policy_mask')")
     return None
 
 
@@ -43,12 +44,13 @@ def geometric_band_set_for_async(cfg: Any) -> str | None:
         return None
     if {"geometric_mask_low", "geometric_mask_high"} & set(cfg.ppo.changed_fields()):
         return None
-    return ("ppo.correction='geometric_mask' with rollout.mode='async' keeps its default band [0.999, 1.001], "
-            "which is for the engine-learner numeric difference of sync mode: in async mode a row's geometric-mean "
-            "ratio also holds one version's drift and leaves that band nearly always, so nearly every row is masked "
-            "(randomwalks, GRPO, 3 seeds: sampled optimality never reached 0.95 and ended at 0.665; 8.7 iterations "
-            "in sync mode). Set ppo.geometric_mask_low and ppo.geometric_mask_high to a band the drift stays inside "
-            "(each iteration logs rollout_stale_logprob_shift), or take ppo.correction 'off_policy_mask' or 'tis'")
+    return ("ppo.correction='geometric_mask' with rollout.mode='async' keeps its default band [0.999, "
+            "1.001], which is for the engine-learner numeric difference of sync mode: in async mode a row's "
+            "geometric-mean ratio also holds one version's drift and leaves that band nearly always, so "
+            "nearly every row is masked (randomwalks, GRPO, 3 seeds: sampled optimality never reached 0.95 "
+            "and ended at 0.665; 8.7 iterations in sync mode). Set ppo.geometric_mask_low and "
+            "ppo.geometric_mask_high to a band the drift stays inside (each iteration logs "
+            "rollout_stale_logprob_shift), or take ppo.correction 'off_policy_mask' or 'tis'")
 
 
 @rule("ppo.grpo_normalize", "kl.placement",
@@ -56,17 +58,17 @@ def geometric_band_set_for_async(cfg: Any) -> str | None:
                "kl": {"placement": "loss", "loss_form": "kl_to_go"}})
 def return_normalisation_needs_the_kl_in_the_return(cfg: Any) -> str | None:
     if cfg.ppo.grpo_normalize == "return" and cfg.kl.placement == "loss":
-        return ("ppo.grpo_normalize='return' normalises score - beta * KL_b, but kl.placement='loss' puts no KL in "
-                "the return; set ppo.grpo_normalize='score'")
+        return ("ppo.grpo_normalize='return' normalises score - beta * KL_b, but kl.placement='loss' puts no "
+                "KL in the return; set ppo.grpo_normalize='score'")
     return None
 
 
 @rule("rollout.dynamic_sampling", "ppo.advantage", example={"rollout": {"dynamic_sampling": True}})
 def dynamic_sampling_needs_a_group_estimator(cfg: Any) -> str | None:
     if cfg.rollout.dynamic_sampling and cfg.ppo.advantage not in GROUP_ESTIMATORS:
-        return (f"rollout.dynamic_sampling drops prompt groups whose scores tie, which carry no signal only for a "
-                f"group estimator ({', '.join(sorted(GROUP_ESTIMATORS))}); ppo.advantage={cfg.ppo.advantage!r} "
-                "learns from every row")
+        return ("rollout.dynamic_sampling drops prompt groups whose scores tie, which carry no signal only "
+                f"for a group estimator ({', '.join(sorted(GROUP_ESTIMATORS))}); "
+                f"ppo.advantage={cfg.ppo.advantage!r} learns from every row")
     return None
 
 
@@ -74,8 +76,8 @@ def dynamic_sampling_needs_a_group_estimator(cfg: Any) -> str | None:
       example={"reward": {"overlong_buffer": 4, "overlong_penalty": 1.0}})
 def overlong_buffer_needs_max_new_tokens(cfg: Any) -> str | None:
     if cfg.reward.overlong_buffer is not None and cfg.rollout.max_new_tokens is None:
-        return ("reward.overlong_buffer needs rollout.max_new_tokens: the penalty is measured back from it (Lmax), "
-                "so set it explicitly")
+        return ("reward.overlong_buffer needs rollout.max_new_tokens: the penalty is measured back from it "
+                "(Lmax), so set it explicitly")
     return None
 
 
@@ -84,8 +86,8 @@ def overlong_buffer_needs_max_new_tokens(cfg: Any) -> str | None:
 def overlong_buffer_within_max_new_tokens(cfg: Any) -> str | None:
     buffer, cap = cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens
     if buffer is not None and cap is not None and buffer >= cap:
-        return (f"reward.overlong_buffer={buffer} must be less than rollout.max_new_tokens={cap}: the penalty starts "
-                "max_new_tokens - overlong_buffer tokens in, so every response would pay it")
+        return (f"reward.overlong_buffer={buffer} must be less than rollout.max_new_tokens={cap}: the "
+                "penalty starts max_new_tokens - overlong_buffer tokens in, so every response would pay it")
     return None
 
 
@@ -104,26 +106,29 @@ def one_penalty_for_cut_responses(cfg: Any) -> str | None:
 def masked_rows_pay_no_penalty(cfg: Any) -> str | None:
     if cfg.ppo.mask_truncated and cfg.reward.missing_eos_penalty is not None:
         return ("ppo.mask_truncated leaves the responses cut at rollout.max_new_tokens out of the loss, so "
-                "reward.missing_eos_penalty, their score, would reach only their group's baseline; set one of them "
-                "off")
+                "reward.missing_eos_penalty, their score, would reach only their group's baseline; set one "
+                "of them off")
     return None
 
 
-@rule("ppo.mask_truncated", "kl.placement", example={"ppo": {"mask_truncated": True}, "kl": {"placement": "loss", "loss_form": "kl_to_go"}})
+@rule("ppo.mask_truncated", "kl.placement",
+      example={"ppo": {"mask_truncated": True}, "kl": {"placement": "loss", "loss_form": "kl_to_go"}})
 def loss_kl_over_every_row(cfg: Any) -> str | None:
     if cfg.ppo.mask_truncated and cfg.kl.placement == "loss":
-        return ("ppo.mask_truncated with kl.placement='loss' is refused: the KL term in the loss is the gradient of "
-                "the batch's mean response KL, the statistic the controller is fed, over every row; leaving the "
-                "truncated rows out of it would make the two differ. Use kl.placement='reward'")
+        return ("ppo.mask_truncated with kl.placement='loss' is refused: the KL term in the loss is the "
+                "gradient of the batch's mean response KL, the statistic the controller is fed, over every "
+                "row; leaving the truncated rows out of it would make the two differ. Use "
+                "kl.placement='reward'")
     return None
 
 
 @rule("learner.critic", "ppo.advantage",
-      example={"learner": {"critic": "separate"}, "ppo": {"advantage": "grpo"}, "rollout": {"samples_per_prompt": 4}})
+      example={"learner": {"critic": "separate"}, "ppo": {"advantage": "grpo"},
+               "rollout": {"samples_per_prompt": 4}})
 def separate_critic_needs_gae(cfg: Any) -> str | None:
     if cfg.learner.critic == "separate" and cfg.ppo.advantage != "gae":
-        return (f"learner.critic='separate' builds a critic, but ppo.advantage={cfg.ppo.advantage!r} uses none (only "
-                "'gae' does); set learner.critic='value_head' (ignored without GAE)")
+        return (f"learner.critic='separate' builds a critic, but ppo.advantage={cfg.ppo.advantage!r} uses "
+                "none (only 'gae' does); set learner.critic='value_head' (ignored without GAE)")
     return None
 
 
@@ -131,9 +136,9 @@ def separate_critic_needs_gae(cfg: Any) -> str | None:
 def batch_within_the_kl_horizon(cfg: Any) -> str | None:
     r, kl = cfg.rollout, cfg.kl
     if kl.controller == "adaptive" and r.batch_size > kl.horizon:
-        return (f"rollout.batch_size={r.batch_size} exceeds kl.horizon={kl.horizon}: the adaptive KL controller "
-                "updates once per batch with n_steps=batch_size and refuses more than its horizon (beta could flip "
-                "sign); raise kl.horizon or lower rollout.batch_size")
+        return (f"rollout.batch_size={r.batch_size} exceeds kl.horizon={kl.horizon}: the adaptive KL "
+                "controller updates once per batch with n_steps=batch_size and refuses more than its horizon "
+                "(beta could flip sign); raise kl.horizon or lower rollout.batch_size")
     return None
 
 
@@ -143,17 +148,19 @@ def reference_scores_at_the_sampling_temperature(cfg: Any) -> str | None:
     temperature = cfg.rollout.temperature
     # the reference actor refuses it too (actors/reference.py): vLLM's prompt_logprobs are at temperature 1
     if cfg.reference.backend == "vllm" and temperature != 1:
-        return (f"rollout.temperature={temperature} is refused with reference.backend='vllm': vLLM's prompt_logprobs "
-                "score at temperature 1, while the engines sample and the learner scores at "
-                f"{temperature}, so the KL would be taken to another distribution than the reference policy's; use "
-                "reference.backend='hf' (it scores at rollout.temperature) or rollout.temperature=1.0")
+        return (f"rollout.temperature={temperature} is refused with reference.backend='vllm': vLLM's "
+                "prompt_logprobs score at temperature 1, while the engines sample and the learner scores at "
+                f"{temperature}, so the KL would be taken to another distribution than the reference "
+                "policy's; use reference.backend='hf' (it scores at rollout.temperature) or "
+                "rollout.temperature=1.0")
     return None
 
 
 # --- how a batch divides into groups, chunks, minibatches and ranks ---
 
 @rule("rollout.batch_size", "rollout.samples_per_prompt",
-      example={"rollout": {"batch_size": 100, "samples_per_prompt": 8, "chunk_size": 8}, "ppo": {"minibatch_size": 4}})
+      example={"rollout": {"batch_size": 100, "samples_per_prompt": 8, "chunk_size": 8},
+               "ppo": {"minibatch_size": 4}})
 def batch_of_whole_groups(cfg: Any) -> str | None:
     r = cfg.rollout
     if r.batch_size % r.samples_per_prompt:
@@ -169,7 +176,8 @@ def chunk_of_whole_groups(cfg: Any) -> str | None:
     if r.chunk_size % r.samples_per_prompt:
         # chunks of whole groups, aligned, never split a prompt's group over chunks or learner ranks
         return (f"rollout.chunk_size={r.chunk_size} is not a multiple of rollout.samples_per_prompt="
-                f"{r.samples_per_prompt}: a prompt's group must stay in one chunk (and so on one learner rank)")
+                f"{r.samples_per_prompt}: a prompt's group must stay in one chunk (and so on one learner "
+                "rank)")
     return None
 
 
@@ -187,7 +195,8 @@ def chunks_split_over_ranks(cfg: Any) -> str | None:
     r, w = cfg.rollout, cfg.learner.world_size
     chunks = r.batch_size // r.chunk_size
     if chunks % w:
-        return f"rollout.batch_size/chunk_size = {chunks} chunks cannot be split over learner.world_size={w} ranks"
+        return (f"rollout.batch_size/chunk_size = {chunks} chunks cannot be split over "
+                f"learner.world_size={w} ranks")
     return None
 
 
@@ -219,29 +228,33 @@ def in_flight_updates_are_async(cfg: Any) -> str | None:
     r = cfg.rollout
     if r.in_flight_updates != "off" and (r.mode != "async" or r.max_staleness < 1):
         return (f"rollout.in_flight_updates={r.in_flight_updates!r} loads a new version into a batch being "
-                f"generated while the learner trains, which needs rollout.mode='async' with rollout.max_staleness >= 1 "
-                f"(got mode {r.mode!r}, max_staleness {r.max_staleness}): in sync mode nothing generates during an update")
+                "generated while the learner trains, which needs rollout.mode='async' with "
+                f"rollout.max_staleness >= 1 (got mode {r.mode!r}, max_staleness {r.max_staleness}): in sync "
+                "mode nothing generates during an update")
     return None
 
 
-@rule("rollout.in_flight_updates", "rollout.engine", example={"rollout": {**IN_FLIGHT["rollout"], "engine": "hf"}})
+@rule("rollout.in_flight_updates", "rollout.engine",
+      example={"rollout": {**IN_FLIGHT["rollout"], "engine": "hf"}})
 def in_flight_updates_need_vllm(cfg: Any) -> str | None:
     if cfg.rollout.in_flight_updates != "off" and cfg.rollout.engine != "vllm":
-        return (f"rollout.in_flight_updates={cfg.rollout.in_flight_updates!r} steps vLLM's engine between decoding "
-                "steps; transformers' generate (rollout.engine='hf') runs a whole batch in one call, so no version can "
-                "load inside it; use rollout.engine='vllm' or rollout.in_flight_updates='off'")
+        return (f"rollout.in_flight_updates={cfg.rollout.in_flight_updates!r} steps vLLM's engine between "
+                "decoding steps; transformers' generate (rollout.engine='hf') runs a whole batch in one "
+                "call, so no version can load inside it; use rollout.engine='vllm' or "
+                "rollout.in_flight_updates='off'")
     return None
 
 
 @rule("rollout.in_flight_updates", "learner.weight_sync",
       example={**IN_FLIGHT, "learner": {"weight_sync": "nccl"}, "rollout": {**IN_FLIGHT["rollout"],
-               "gpu_memory_utilization": 0.3}, "cluster": {"rollout": {"num_gpus": 1}, "learner": {"num_gpus": 1}}})
+               "gpu_memory_utilization": 0.3},
+               "cluster": {"rollout": {"num_gpus": 1}, "learner": {"num_gpus": 1}}})
 def in_flight_updates_through_the_object_store(cfg: Any) -> str | None:
     if cfg.rollout.in_flight_updates != "off" and cfg.learner.weight_sync != "object_store":
         return (f"rollout.in_flight_updates={cfg.rollout.in_flight_updates!r} with learner.weight_sync="
-                f"{cfg.learner.weight_sync!r}: vLLM's weight transfer is four calls the learner drives in step with "
-                "the engine, which the engine's decoding loop cannot interleave yet; in-flight loads take the weights "
-                "through 'object_store'")
+                f"{cfg.learner.weight_sync!r}: vLLM's weight transfer is four calls the learner drives in "
+                "step with the engine, which the engine's decoding loop cannot interleave yet; in-flight "
+                "loads take the weights through 'object_store'")
     return None
 
 
@@ -250,23 +263,24 @@ def in_flight_updates_through_the_object_store(cfg: Any) -> str | None:
 def in_flight_updates_load_merged_weights(cfg: Any) -> str | None:
     if cfg.rollout.in_flight_updates != "off" and cfg.adapter_sync:
         return (f"rollout.in_flight_updates={cfg.rollout.in_flight_updates!r} with LoRA's adapter-only sync "
-                f"(learner.lora.sync={cfg.learner.lora.sync!r}): vLLM fixes a request's adapter when the request is "
-                "added, so a request in flight would keep the old version's adapter after the load; set "
-                "learner.lora.sync='merged' (float32), or rollout.in_flight_updates='off'")
+                f"(learner.lora.sync={cfg.learner.lora.sync!r}): vLLM fixes a request's adapter when the "
+                "request is added, so a request in flight would keep the old version's adapter after the "
+                "load; set learner.lora.sync='merged' (float32), or rollout.in_flight_updates='off'")
     return None
 
 
 # --- LoRA and the reference ---
 
 @rule("learner.lora.rank", "learner.weight_sync",
-      example={"learner": {"lora": {"rank": 8}, "weight_sync": "nccl"}, "rollout": {"gpu_memory_utilization": 0.3},
+      example={"learner": {"lora": {"rank": 8}, "weight_sync": "nccl"},
+               "rollout": {"gpu_memory_utilization": 0.3},
                "cluster": {"rollout": {"num_gpus": 1}, "learner": {"num_gpus": 1}}})
 def lora_syncs_through_the_object_store(cfg: Any) -> str | None:
     lora, sync = cfg.learner.lora, cfg.learner.weight_sync
     if lora.rank and sync != "object_store":
-        return (f"learner.lora.rank={lora.rank} with learner.weight_sync={sync!r}: vLLM's weight transfer announces "
-                "the learner's parameters by name, and LoRA's are the adapters; LoRA's merged weights travel "
-                "through 'object_store'")
+        return (f"learner.lora.rank={lora.rank} with learner.weight_sync={sync!r}: vLLM's weight transfer "
+                "announces the learner's parameters by name, and LoRA's are the adapters; LoRA's merged "
+                "weights travel through 'object_store'")
     return None
 
 
@@ -275,10 +289,10 @@ def lora_syncs_through_the_object_store(cfg: Any) -> str | None:
 def merged_lora_needs_float32(cfg: Any) -> str | None:
     lora = cfg.learner.lora
     if lora.rank and lora.sync == "merged" and cfg.learner.dtype != "float32":
-        return (f"learner.lora.sync='merged' with learner.dtype={cfg.learner.dtype!r}: merged into bf16 weights, the "
-                "adapters' updates round away (W + BA rounds to W), so the engines would sample another policy than "
-                "the learner trains (measured on SmolLM2: the probe 1.39 > 1.0 at iteration 5); use "
-                "learner.lora.sync 'adapter' or 'auto', or float32")
+        return (f"learner.lora.sync='merged' with learner.dtype={cfg.learner.dtype!r}: merged into bf16 "
+                "weights, the adapters' updates round away (W + BA rounds to W), so the engines would sample "
+                "another policy than the learner trains (measured on SmolLM2: the probe 1.39 > 1.0 at "
+                "iteration 5); use learner.lora.sync 'adapter' or 'auto', or float32")
     return None
 
 
@@ -287,8 +301,9 @@ def merged_lora_needs_float32(cfg: Any) -> str | None:
 def lora_rank_within_vllms(cfg: Any) -> str | None:
     rank = cfg.learner.lora.rank
     if rank > VLLM_LORA_RANKS[-1] and cfg.rollout.engine == "vllm" and cfg.adapter_sync:
-        return (f"learner.lora.rank={rank} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}: an engine whose "
-                "model takes adapters could not load it; learner.lora.sync='merged' sends the merged weights instead")
+        return (f"learner.lora.rank={rank} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}: an "
+                "engine whose model takes adapters could not load it; learner.lora.sync='merged' sends the "
+                "merged weights instead")
     return None
 
 
@@ -298,9 +313,9 @@ def base_reference_starts_no_actor(cfg: Any) -> str | None:
     changed = cfg.reference.changed_fields()
     if cfg.learner.reference_in_learner and changed:
         return (f"reference.{changed[0]}={getattr(cfg.reference, changed[0])!r} is set, but with "
-                "learner.lora.reference='base' the learner scores the reference itself and no reference actor "
-                f"starts; set learner.lora.reference='actor' to keep them, or reference.{changed[0]} back to its "
-                "default")
+                "learner.lora.reference='base' the learner scores the reference itself and no reference "
+                f"actor starts; set learner.lora.reference='actor' to keep them, or reference.{changed[0]} "
+                "back to its default")
     return None
 
 
@@ -312,9 +327,9 @@ def reference_copy_in_learner_starts_no_actor(cfg: Any) -> str | None:
     changed = [f"reference.{k}" for k in cfg.reference.changed_fields() if k != "placement"]
     changed += [f"cluster.reference.{k}" for k in cfg.cluster.reference.changed_fields()]
     if changed:
-        return (f"{changed[0]} is set, but with reference.placement='learner' each learner rank scores with its own "
-                "transformers copy of the initial policy, on its own device, and no reference actor starts; set "
-                f"reference.placement='actor' to keep them, or {changed[0]} back to its default")
+        return (f"{changed[0]} is set, but with reference.placement='learner' each learner rank scores with "
+                "its own transformers copy of the initial policy, on its own device, and no reference actor "
+                f"starts; set reference.placement='actor' to keep them, or {changed[0]} back to its default")
     return None
 
 
@@ -325,13 +340,14 @@ def reward_in_learner_is_the_tasks_function(cfg: Any) -> str | None:
         return None
     if cfg.reward.kind != "function":
         return (f"reward.placement='learner' scores with the task's function in the learner ranks, but "
-                f"reward.kind={cfg.reward.kind!r} runs in reward actors of its own; set reward.placement='actor'")
+                f"reward.kind={cfg.reward.kind!r} runs in reward actors of its own; set "
+                "reward.placement='actor'")
     changed = ["reward.num_actors"] if "num_actors" in cfg.reward.changed_fields() else []
     changed += [f"cluster.reward.{k}" for k in cfg.cluster.reward.changed_fields()]
     if changed:
-        return (f"{changed[0]} is set, but with reward.placement='learner' the learner ranks score their own chunks "
-                f"and no reward actor starts; set reward.placement='actor' to keep them, or {changed[0]} back to its "
-                "default")
+        return (f"{changed[0]} is set, but with reward.placement='learner' the learner ranks score their own "
+                "chunks and no reward actor starts; set reward.placement='actor' to keep them, or "
+                f"{changed[0]} back to its default")
     return None
 
 
@@ -343,9 +359,9 @@ def gpu_weight_transfer_needs_gpus(cfg: Any) -> str | None:
     sync = cfg.learner.weight_sync
     if sync != "object_store" and (cfg.rollout.engine != "vllm" or not cfg.cluster.rollout.num_gpus
                                    or not cfg.cluster.learner.num_gpus):
-        return (f"learner.weight_sync={sync!r} is vLLM's GPU weight transfer: it needs rollout.engine='vllm' and GPUs "
-                "for the rollout engines and the learner (cluster.rollout.num_gpus, cluster.learner.num_gpus); on "
-                "CPU use 'object_store'")
+        return (f"learner.weight_sync={sync!r} is vLLM's GPU weight transfer: it needs rollout.engine='vllm' "
+                "and GPUs for the rollout engines and the learner (cluster.rollout.num_gpus, "
+                "cluster.learner.num_gpus); on CPU use 'object_store'")
     return None
 
 
@@ -354,7 +370,8 @@ def gpu_weight_transfer_needs_gpus(cfg: Any) -> str | None:
 def tensor_parallel_needs_its_gpus(cfg: Any) -> str | None:
     tp, engine_gpus = cfg.rollout.tensor_parallel_size, cfg.cluster.rollout.num_gpus
     if tp > 1 and engine_gpus < tp:
-        return f"rollout.tensor_parallel_size={tp} needs that many GPUs per engine: cluster.rollout.num_gpus={engine_gpus}"
+        return (f"rollout.tensor_parallel_size={tp} needs that many GPUs per engine: "
+                f"cluster.rollout.num_gpus={engine_gpus}")
     return None
 
 
@@ -362,8 +379,8 @@ def tensor_parallel_needs_its_gpus(cfg: Any) -> str | None:
       example={"rollout": {"tensor_parallel_size": 2}, "cluster": {"rollout": {"num_gpus": 3}}})
 def one_worker_per_engine_gpu(cfg: Any) -> str | None:
     tp, engine_gpus = cfg.rollout.tensor_parallel_size, cfg.cluster.rollout.num_gpus
-    # the engine's actor holds its bundle's GPUs and vLLM's mp executor runs a worker on each of the first tp it
-    # sees: any more would sit idle, a fraction would be shared with another actor
+    # the engine's actor holds its bundle's GPUs and vLLM's mp executor runs a worker on each of the first tp
+    # it sees: any more would sit idle, a fraction would be shared with another actor
     if tp > 1 and engine_gpus != tp:
         return (f"rollout.tensor_parallel_size={tp} runs one vLLM worker per GPU of the engine's bundle: "
                 f"cluster.rollout.num_gpus must be {tp}, got {engine_gpus}")
@@ -375,8 +392,8 @@ def one_worker_per_engine_gpu(cfg: Any) -> str | None:
 def reference_gpu_memory_needs_a_gpu(cfg: Any) -> str | None:
     memory = cfg.reference.gpu_memory_utilization
     if memory is not None and not cfg.cluster.reference.num_gpus:
-        return (f"reference.gpu_memory_utilization={memory} sizes vLLM on a GPU, but cluster.reference.num_gpus=0 "
-                "runs the reference on CPU; set it to null")
+        return (f"reference.gpu_memory_utilization={memory} sizes vLLM on a GPU, but "
+                "cluster.reference.num_gpus=0 runs the reference on CPU; set it to null")
     return None
 
 
@@ -398,8 +415,8 @@ def whole_gpus_per_rank(cfg: Any) -> str | None:
     # Ray may give two ranks' fractions of one GPU to both, and each rank computes on its first visible GPU:
     # NCCL cannot run two ranks of one group on one device
     if w > 1 and gpus and not float(gpus).is_integer():
-        return (f"cluster.learner.num_gpus={gpus} with learner.world_size={w}: a fraction of a GPU per rank lets Ray "
-                "place two ranks on one GPU, where NCCL cannot run them; give each rank whole GPUs "
+        return (f"cluster.learner.num_gpus={gpus} with learner.world_size={w}: a fraction of a GPU per rank "
+                "lets Ray place two ranks on one GPU, where NCCL cannot run them; give each rank whole GPUs "
                 "(cluster.learner.num_gpus=1) or use learner.world_size=1")
     return None
 
@@ -413,187 +430,5 @@ def resume_keeps_the_run_directory(cfg: Any) -> str | None:
     return None
 
 
-# --- rewards ---
-
-@rule("reward.kind", "reward.model_path", example={"reward": {"kind": "model"}})
-def reward_model_needs_its_path(cfg: Any) -> str | None:
-    if cfg.reward.kind == "model" and not cfg.reward.model_path:
-        return "reward.kind='model' needs reward.model_path"
-    return None
-
-
-JUDGE = {"model_path": "judge", "template": "Rate {response} 0-10:", "unparseable_score": 0.0}
-
-
-@rule("reward.judge.template", "task.reward_fields",
-      example={"reward": {"kind": "judge", "judge": {**JUDGE, "template": "Rate {response} against {answer}:"}}})
-def judge_template_fields_from_the_task(cfg: Any) -> str | None:
-    from services.judge_template import check_template_fields
-
-    if cfg.reward.judge is None:
-        return None
-    try:
-        check_template_fields(cfg.reward.judge.template, cfg.task.reward_fields,
-                              f"task {cfg.task.name!r} (task.reward_fields={cfg.task.reward_fields})")
-    except ValueError as err:
-        return str(err)
-    return None
-
-
-@rule("reward.judge.gpu_memory_utilization", "cluster.reward.num_gpus",
-      example={"reward": {"kind": "judge", "judge": {**JUDGE, "gpu_memory_utilization": 0.3}}})
-def judge_gpu_memory_needs_a_gpu(cfg: Any) -> str | None:
-    judge = cfg.reward.judge
-    if judge is not None and judge.gpu_memory_utilization is not None and not cfg.cluster.reward.num_gpus:
-        return (f"reward.judge.gpu_memory_utilization={judge.gpu_memory_utilization} sizes the judge on a GPU, but "
-                "cluster.reward.num_gpus=0 runs it on CPU; set it to null")
-    return None
-
-
-@rule("reward.judge.gpu_memory_utilization", "cluster.reward.num_gpus",
-      example={"reward": {"kind": "judge", "judge": {**JUDGE, "gpu_memory_utilization": 0.5}},
-               "cluster": {"reward": {"num_gpus": 0.25}}})
-def judge_gpu_memory_within_its_share(cfg: Any) -> str | None:
-    judge, share = cfg.reward.judge, cfg.cluster.reward.num_gpus
-    if judge is not None and judge.gpu_memory_utilization is not None and share and judge.gpu_memory_utilization > share:
-        return (f"reward.judge.gpu_memory_utilization={judge.gpu_memory_utilization} exceeds the GPU share of a "
-                f"reward actor, cluster.reward.num_gpus={share}")
-    return None
-
-
-@rule("task.name", "reward.kind", "task.reward_function",
-      example={"task": {"name": "dataset", "path": "prompts.jsonl"}, "model": {"path": "policy"}})
-def dataset_function_reward_needs_its_function(cfg: Any) -> str | None:
-    if cfg.task.name == "dataset" and cfg.reward.kind == "function" and not cfg.task.reward_function:
-        return ("task.name='dataset' with reward.kind='function' needs task.reward_function (package.module:function), "
-                "or another reward.kind")
-    return None
-
-
-@rule("task.reward_function", "reward.kind",
-      example={"task": {"name": "dataset", "path": "prompts.jsonl", "reward_function": "my_rewards:score"},
-               "model": {"path": "policy"}, "reward": {"kind": "model", "model_path": "scorer"}})
-def reward_function_needs_kind_function(cfg: Any) -> str | None:
-    if cfg.task.reward_function and cfg.reward.kind != "function":
-        return (f"task.reward_function is set but reward.kind={cfg.reward.kind!r} scores the responses; set "
-                "task.reward_function=null or reward.kind='function'")
-    return None
-
-
-@rule("reward.label", "reward.kind", example={"reward": {"label": "POSITIVE"}})
-def reward_label_needs_a_model(cfg: Any) -> str | None:
-    if cfg.reward.kind != "model" and cfg.reward.label is not None:
-        return (f"reward.label={cfg.reward.label!r} is set but reward.kind={cfg.reward.kind!r} has no labels; set "
-                "reward.label=null")
-    return None
-
-
-# --- tasks ---
-
-@rule("task.name", "model.path",
-      example={"task": {"name": "dataset", "path": "prompts.jsonl", "reward_function": "my_rewards:score"}})
-def dataset_needs_a_policy(cfg: Any) -> str | None:
-    if cfg.task.name == "dataset" and not cfg.model.path:
-        return "task.name='dataset' needs model.path: the policy to train on your prompts"
-    return None
-
-
-@rule("task.name", "rollout.agent", example={"task": {"name": "agent", "path": "rows.jsonl"}, "model": {"path": "p"}})
-def agent_task_needs_an_agent(cfg: Any) -> str | None:
-    if cfg.task.name == "agent" and cfg.rollout.agent is None:
-        return ("task.name='agent' and rollout.agent go together: the agent function (package.module:function) runs "
-                "one episode per row of task.path")
-    return None
-
-
-@rule("rollout.agent", "task.name", example={"rollout": {"agent": "my_agent:run"}})
-def agent_needs_the_agent_task(cfg: Any) -> str | None:
-    if cfg.rollout.agent is not None and cfg.task.name != "agent":
-        return (f"rollout.agent={cfg.rollout.agent!r} is set but task.name={cfg.task.name!r}; set task.name='agent' "
-                "(rows from task.path)")
-    return None
-
-
-@rule("rollout.agent", example={**AGENT, "rollout": {"agent": "my_agent.run"}})
-def agent_is_a_function_path(cfg: Any) -> str | None:
-    agent = cfg.rollout.agent
-    if agent is not None and ":" not in agent:
-        return f"rollout.agent={agent!r} is not of the form package.module:function"
-    return None
-
-
-@rule("rollout.agent", "model.path", example={**AGENT, "model": {"path": None}})
-def agent_needs_a_policy(cfg: Any) -> str | None:
-    if cfg.rollout.agent is not None and not cfg.model.path:
-        return "task.name='agent' needs model.path: the policy the agent's calls are served by"
-    return None
-
-
-@rule("task.name", "reward.kind", example={**AGENT, "reward": {"kind": "model", "model_path": "scorer"}})
-def episodes_are_their_own_reward(cfg: Any) -> str | None:
-    if cfg.task.name in EPISODIC_TASKS and cfg.reward.kind != "function":
-        return (f"task.name={cfg.task.name!r} is rewarded by its episodes (the environment's steps, the agent's "
-                f"return), but reward.kind={cfg.reward.kind!r}; set reward.kind='function'")
-    return None
-
-
-@rule("task.name", "reward.score_clip", "reward.missing_eos_penalty",
-      example={**AGENT, "reward": {"missing_eos_penalty": 1.0}})
-def episode_rewards_as_they_are(cfg: Any) -> str | None:
-    if cfg.task.name in EPISODIC_TASKS:
-        for field in ("score_clip", "missing_eos_penalty"):
-            if getattr(cfg.reward, field) is not None:
-                return (f"reward.{field} is set but task.name={cfg.task.name!r} takes its rewards from its episodes "
-                        f"as they are; set reward.{field}=null")
-    return None
-
-
-@rule("task.name", "reward.overlong_buffer",
-      example={**AGENT, "reward": {"overlong_buffer": 4, "overlong_penalty": 1.0}, "rollout": {
-          "agent": "my_agent:run", "max_new_tokens": 8}})
-def episodes_pay_no_overlong_penalty(cfg: Any) -> str | None:
-    if cfg.task.name in EPISODIC_TASKS and cfg.reward.overlong_buffer is not None:
-        return (f"reward.overlong_buffer is set but task.name={cfg.task.name!r} takes its rewards from its episodes as "
-                "they are, and a trajectory's length holds the environment's tokens; set reward.overlong_buffer=null")
-    return None
-
-
-@rule("task.name", "ppo.mask_truncated", "rollout.dynamic_sampling", example={**AGENT, "ppo": {"mask_truncated": True}})
-def episodes_are_not_single_responses(cfg: Any) -> str | None:
-    if cfg.task.name in EPISODIC_TASKS and (cfg.ppo.mask_truncated or cfg.rollout.dynamic_sampling):
-        field = "ppo.mask_truncated" if cfg.ppo.mask_truncated else "rollout.dynamic_sampling"
-        return (f"{field} is for single responses: task.name={cfg.task.name!r} gives trajectories cut by the turn "
-                "and token budgets and rewarded per turn; set it to false")
-    return None
-
-
-@rule("rollout.max_new_tokens", "rollout.max_trajectory_tokens",
-      example={**AGENT, "rollout": {"agent": "my_agent:run", "max_new_tokens": 64, "max_trajectory_tokens": 32}})
-def turn_within_the_trajectory(cfg: Any) -> str | None:
-    r = cfg.rollout
-    if cfg.task.name in EPISODIC_TASKS and r.max_new_tokens is not None and r.max_new_tokens > r.max_trajectory_tokens:
-        return (f"rollout.max_new_tokens={r.max_new_tokens} (one turn) exceeds rollout.max_trajectory_tokens="
-                f"{r.max_trajectory_tokens} (the whole episode)")
-    return None
-
-
-# --- distillation ---
-
-@rule("distill.*", "distill.teacher_path", example={"distill": {"coef": 0.5}})
-def distillation_needs_a_teacher(cfg: Any) -> str | None:
-    d = cfg.distill
-    unused = [k for k in d.changed_fields() if k != "teacher_path"] if d.teacher_path is None else []
-    if unused:
-        return (f"distill.{unused[0]} is set but distill.teacher_path is not: without a teacher there is no "
-                "distillation; set distill.teacher_path")
-    return None
-
-
-@rule("distill.task_reward", "rollout.dynamic_sampling",
-      example={"distill": {"teacher_path": "teacher", "task_reward": False}, "rollout": {"dynamic_sampling": True,
-               "samples_per_prompt": 4}, "ppo": {"advantage": "grpo"}})
-def teacher_alone_keeps_every_group(cfg: Any) -> str | None:
-    if cfg.distill.teacher_path is not None and not cfg.distill.task_reward and cfg.rollout.dynamic_sampling:
-        return ("rollout.dynamic_sampling drops the groups whose scores tie, and with distill.task_reward=false no "
-                "score is trained on: every group would be dropped")
-    return None
+# the rules on rewards and tasks, checked after these
+from services import task_rules  # noqa: F401

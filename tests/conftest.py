@@ -218,6 +218,32 @@ def follow_job(proc: subprocess.Popen, on_line, timeout_s: float = 600) -> str:
     return "".join(out)
 
 
+def chunk_refs(rollouts, references=None, scores=None, teachers=None) -> dict:
+    """{slot: ``ChunkRefs``} of fixed chunks: each argument a list (slot = position) or a dict by slot of refs (a
+    batch or a tensor is put in the object store first); None: the ranks score it, or no teacher."""
+    import ray
+
+    from learner.records import ChunkRefs
+
+    def by_slot(refs):
+        refs = dict(enumerate(refs)) if isinstance(refs, list | tuple) else refs
+        return {slot: ref if isinstance(ref, ray.ObjectRef) else ray.put(ref) for slot, ref in refs.items()}
+
+    rollouts = by_slot(rollouts)
+    parts = {name: by_slot(refs) for name, refs in (("reference", references), ("score", scores),
+                                                      ("teacher", teachers)) if refs is not None}
+    return {slot: ChunkRefs(rollout, **{name: refs[slot] for name, refs in parts.items()})
+            for slot, rollout in rollouts.items()}
+
+
+def train(group, rollouts, references, scores, kl_coef: float, iteration: int, teachers=None):
+    """``collect`` then ``update`` of a ``LearnerGroup`` on fixed chunks (``chunk_refs``' arguments); no chunk may
+    be lost."""
+    lost = group.collect(chunk_refs(rollouts, references, scores, teachers))
+    assert not lost, f"chunks {lost} were lost"
+    return group.update(kl_coef, iteration)
+
+
 def run_cli(args: list[str]) -> subprocess.CompletedProcess:
     """``python -m learner.main ARGS`` for a job that must fail before any actor starts: the same ``main()``, in
     this process (a new interpreter would import torch, transformers and Ray again, about 3 CPU s), with its

@@ -255,11 +255,15 @@ def test_randomwalks_default_seed_is_trlx_graph():
 # ------------------------------------------------------------------ section 5: stale chunks
 
 
-def test_stale_rows_flags_another_version_or_beta():
-    from services.experience import concat_batches, make_batch, stale_rows
+def test_admission_refuses_another_version_or_beta():
+    from learner.records import Admission
+    from services.experience import concat_batches, make_batch
 
     def chunk(version, beta):
         return make_batch([[1], [2]], [[3], [4, 5]], [[0.0], [0.0, 0.0]], [0, 0], [0, 1], 22, version, beta, 4)
+
+    def stale_rows(batch, version, beta):
+        return Admission(version, beta).refuses(batch.policy_version, batch.kl_coef)
 
     current = chunk(3, 0.05)
     assert not stale_rows(current, 3, 0.05).any()

@@ -39,16 +39,20 @@ def stamped_batch(versions: list[int], kl_coef: float = 0.05, behaviour_logprob:
     return batch
 
 
-def test_stale_rows_admit_at_most_max_staleness_versions_behind():
-    from services.experience import stale_rows
+def test_admission_takes_at_most_max_staleness_versions_behind():
+    from learner.records import Admission
 
     batch = stamped_batch([0, 1, 2, 3, 4])
+
+    def refused(admission):
+        return admission.refuses(batch.policy_version, batch.kl_coef).tolist()
+
     # async: versions 2 and 3 are at most one behind a learner at 3; 4 is a version it does not have
-    assert stale_rows(batch, 3, None, max_staleness=1).tolist() == [True, True, False, False, True]
-    assert stale_rows(batch, 3, None, max_staleness=0).tolist() == [True, True, True, False, True]
+    assert refused(Admission(3, None, max_staleness=1)) == [True, True, False, False, True]
+    assert refused(Admission(3, None, max_staleness=0)) == [True, True, True, False, True]
     # sync: exactly the version, and the beta too
-    assert stale_rows(batch, 3, 0.05).tolist() == [True, True, True, False, True]
-    assert stale_rows(batch, 3, 0.06).tolist() == [True] * 5
+    assert refused(Admission(3, 0.05)) == [True, True, True, False, True]
+    assert refused(Admission(3, 0.06)) == [True] * 5
 
 
 def test_truncated_importance_weights_and_the_weighted_surrogate():
@@ -82,7 +86,9 @@ def test_a_stale_row_is_never_trained_on(ray_client, tiny_model_dir):
     import ray
 
     from learner.group import LearnerGroup
+    from learner.records import Admission
     from services.config import load_config
+    from tests.conftest import chunk_refs
 
     cfg = load_config(None, {
         "rollout": {"batch_size": 16, "chunk_size": 8, "max_new_tokens": 6, "mode": "async", "max_staleness": 1},
@@ -92,15 +98,14 @@ def test_a_stale_row_is_never_trained_on(ray_client, tiny_model_dir):
     })
     refs = {i: ray.put(torch.full((8, 6), -2.0)) for i in range(2)}
     scores = {i: ray.put(torch.linspace(0, 1, 8)) for i in range(2)}
-    admitted = (3, None, 1)
+    admitted = Admission(3, None, 1)
     group = LearnerGroup(RankSpec.of(cfg, tiny_model_dir), None, tag="async-stale")
     try:
         too_stale = stamped_batch([2, 2, 2, 1, 2, 2, 2, 2])
-        assert group.collect({0: ray.put(too_stale), 1: ray.put(stamped_batch([3] * 8))}, refs, scores,
-                             admitted) == [0]
+        assert group.collect(chunk_refs({0: too_stale, 1: stamped_batch([3] * 8)}, refs, scores), admitted) == [0]
         # regenerated (version 2: within the bound), with behaviour log-probs far below the learner's
         regenerated = stamped_batch([2] * 8, behaviour_logprob=-20.0)
-        assert group.collect({0: ray.put(regenerated)}, {0: refs[0]}, {0: scores[0]}, admitted) == []
+        assert group.collect(chunk_refs({0: regenerated}, {0: refs[0]}, {0: scores[0]}), admitted) == []
         result = group.update(kl_coef=0.05, iteration=1)
     finally:
         for rank in group.ranks:

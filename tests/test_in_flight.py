@@ -122,13 +122,14 @@ def test_a_score_in_flight_at_a_load_is_one_versions(engine, weights):
 def test_a_row_is_stamped_with_its_oldest_token():
     """make_batch: a row's version is its oldest sampled token's (the environment's tokens, -1, do not count);
     the learner's staleness bound is then its oldest token's."""
-    from services.experience import make_batch, stale_rows
+    from learner.records import Admission
+    from services.experience import make_batch
 
     batch = make_batch([[1], [2], [3]], [[5, 6, 7], [5, 6], []], [[0.0] * 3, [0.0] * 2, []], [0, 0, 0], [0, 1, 2],
                        22, 4, 0.05, 4, token_versions=[[2, 3, -1], [3, 3], []])
     assert batch.policy_version.tolist() == [2, 3, 4]
     assert batch.token_version.tolist() == [[2, 3, -1, -1], [3, 3, -1, -1], [-1] * 4]
-    assert stale_rows(batch, 4, None, 1).tolist() == [True, False, False]
+    assert Admission(4, None, 1).refuses(batch.policy_version, batch.kl_coef).tolist() == [True, False, False]
 
 
 def test_a_request_the_engine_refuses_fails_its_caller_alone(engine):

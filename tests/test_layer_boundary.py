@@ -90,7 +90,8 @@ def test_the_scan_sees_a_call_an_attribute_call_and_an_aliased_import():
 
 
 def test_importing_the_layer_loads_no_distributed_framework():
-    code = ("import sys, learner.algorithm\n"
+    """The algorithm, the update that drives it and the engines' module (DeepSpeed's inside its set-up alone)."""
+    code = ("import sys, learner.algorithm, learner.update, learner.engine\n"
             "print(sorted(m for m in ('ray', 'deepspeed', 'vllm') if m in sys.modules or any("
             "k.startswith(m + '.') for k in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -23,6 +23,7 @@ from learner.ppo import (
     whiten_moments,
 )
 from services.experience import FINISH_LENGTH, FINISH_STOP
+from tests.conftest import train
 
 # ====================================================================== ppo.whiten_rewards
 
@@ -189,7 +190,7 @@ def test_rank_penalises_whitens_and_anneals_the_lr_across_a_resume(ray_client, t
     try:
         used = {}
         for iteration in (1, 2):
-            result = group.train(chunks, refs, scores, kl_coef=beta, iteration=iteration)
+            result = train(group, chunks, refs, scores, kl_coef=beta, iteration=iteration)
             used[iteration] = result.lr
         sums = result.sums
         assert sums["score_sum"] == pytest.approx(expected_score_sum, abs=1e-5)
@@ -198,7 +199,7 @@ def test_rank_penalises_whitens_and_anneals_the_lr_across_a_resume(ray_client, t
         assert sums["response_sum"] == pytest.approx(-(sums["reward_sum"] - sums["score_sum"]) / beta, rel=1e-4)
         ckpt = checkpoint.begin(run, 2)
         checkpoint.commit(run, ckpt, group.save(ckpt.url), {"iteration": 2, "config": {}}, keep=2)
-        result = group.train(chunks, refs, scores, kl_coef=beta, iteration=3)
+        result = train(group, chunks, refs, scores, kl_coef=beta, iteration=3)
         used[3] = result.lr
         kept_going = ray.get(group.policy_weights()).tensors()
     finally:
@@ -211,7 +212,7 @@ def test_rank_penalises_whitens_and_anneals_the_lr_across_a_resume(ray_client, t
     try:
         ckpt = checkpoint.resolve(run, "latest")
         resumed.load(ckpt.url, checkpoint.read_manifest(ckpt), saved_world_size=1)
-        result = resumed.train(chunks, refs, scores, kl_coef=beta, iteration=3)
+        result = train(resumed, chunks, refs, scores, kl_coef=beta, iteration=3)
         after = ray.get(resumed.policy_weights()).tensors()
     finally:
         for rank in resumed.ranks:

@@ -13,6 +13,7 @@ import torch
 
 from learner.ppo import overlong_penalty, truncated_loss_mask
 from services.experience import FINISH_LENGTH, FINISH_STOP
+from tests.conftest import train
 
 # ====================================================================== reward.overlong_buffer, overlong_penalty
 
@@ -144,7 +145,7 @@ def test_rank_adds_the_overlong_penalty_masks_the_truncated_rows_from_the_loss_a
     results = {}
     for name, overrides in (("plain", base), ("dapo", dapo)):
         group = rank_pool.group(load_config(None, overrides), tiny_model_dir, tag=f"overlong-{name}")
-        results[name] = group.train([ray.put(chunk)], refs, scores, kl_coef=0.0, iteration=1)
+        results[name] = train(group, [ray.put(chunk)], refs, scores, kl_coef=0.0, iteration=1)
     plain, dapo_result = results["plain"], results["dapo"]
 
     # by hand: past 6 - 2 = 4 tokens, half the penalty of 0.5 per token: 5 tokens pay 0.25, 6 pay 0.5

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from actors.specs import EngineSpec, ReferenceSpec, RewardSpec, RolloutSpec
+from tests.conftest import chunk_refs, train
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +81,7 @@ def test_one_iteration_syncs_weights_and_keeps_exact_kl_books(roles, tiny_model_
     ]
     ref_logprobs = [roles["reference"].score.remote(c) for c in chunks]
     scores = [roles["reward"].score.remote(c, i) for i, c in enumerate(chunks)]
-    result = roles["learner"].train(chunks, ref_logprobs, scores, kl_coef=0.1, iteration=1)
+    result = train(roles["learner"], chunks, ref_logprobs, scores, kl_coef=0.1, iteration=1)
 
     # chunks carry the state their actor had when it generated them
     batch = concat_batches(ray.get(chunks))
@@ -113,14 +114,14 @@ def test_one_iteration_syncs_weights_and_keeps_exact_kl_books(roles, tiny_model_
 
     # reference.placement learner (what the small config resolves on CPU): the rank's own copy scores as the
     # reference actor does, and it is the initial policy, not the weights the update moved
-    chunk_refs = dict(enumerate(chunks))
-    by_actor = roles["learner"].evaluation_kl(chunk_refs, {i: roles["reference"].score.remote(c) for i, c in enumerate(chunks)})
-    by_rank = roles["learner"].evaluation_kl(chunk_refs, None)
+    references = [roles["reference"].score.remote(c) for c in chunks]
+    by_actor = roles["learner"].evaluation_kl(chunk_refs(chunks, references))
+    by_rank = roles["learner"].evaluation_kl(chunk_refs(chunks))
     assert by_rank["response_mean"] == pytest.approx(by_actor["response_mean"], abs=1e-5)
     assert abs(by_rank["response_mean"]) > 1e-6  # the current weights against themselves would give 0
     # reward.placement learner (what the small config resolves on CPU too): the ranks' evaluation of the chunks, in
     # slot order, is the reward actor's, samples kept included
-    assert roles["learner"].evaluate_rewards(chunk_refs, 2) == ray.get(
+    assert roles["learner"].evaluate_rewards(dict(enumerate(chunks)), 2) == ray.get(
         [roles["reward"].evaluate.remote(c, i, 2) for i, c in enumerate(chunks)])
 
 
@@ -228,7 +229,7 @@ def test_zero_two_ranks_match_one_rank(rank_pool, tiny_model_dir, stage):
             rollout={"batch_size": 16, "chunk_size": 8, "max_new_tokens": 6},
         )
         group = rank_pool.group(cfg, tiny_model_dir, tag="zero")
-        result = group.train(chunks, refs, scores, kl_coef=0.05, iteration=1)
+        result = train(group, chunks, refs, scores, kl_coef=0.05, iteration=1)
         losses[world_size] = {k: sum(r.ppo[k] for r in result.ranks) / len(result.ranks)
                               for k in ("loss", "policy_loss", "value_loss")}
     for key in ("loss", "policy_loss", "value_loss"):
@@ -262,6 +263,7 @@ def test_chunk_from_an_engine_restarted_after_the_version_check_is_regenerated(r
     from actors.engines import SamplingSettings
     from actors.rollout import RolloutActor
     from learner.cluster import start_actor
+    from learner.records import Admission
 
     group, sampling = roles["learner"], SamplingSettings(1.0, 1.0, 9)
     prompts = [[i % 20 + 1] for i in range(8)]
@@ -270,8 +272,8 @@ def test_chunk_from_an_engine_restarted_after_the_version_check_is_regenerated(r
 
     def generate_and_collect():
         chunk = engine.generate.remote(prompts, list(range(8)), list(range(8)), sampling, 22)
-        lost = group.collect({0: chunk}, {0: roles["reference"].score.remote(chunk)},
-                             {0: roles["reward"].score.remote(chunk, 0)}, (3, 0.2))
+        lost = group.collect(chunk_refs([chunk], [roles["reference"].score.remote(chunk)],
+                                        [roles["reward"].score.remote(chunk, 0)]), Admission(3, 0.2))
         return ray.get(chunk), lost
 
     try:
@@ -384,7 +386,7 @@ def test_adapter_only_sync_on_a_llama_the_engine_generates_with_the_learners_ada
         chunks = [engine.generate.remote([[i % 20 + 1] for i in range(8)], list(range(8)), list(range(8)),
                                          SamplingSettings(1.0, 1.0, 9), 22)]
         scores = [ray.put(torch.linspace(0, 1, 8))]
-        result = group.train(chunks, None, scores, kl_coef=0.05, iteration=1)  # the base model as the reference
+        result = train(group, chunks, None, scores, kl_coef=0.05, iteration=1)  # the base model as the reference
         assert result.kl["response_mean"] == pytest.approx(0.0, abs=1e-6)  # the batch came from the base policy
         adapter = ray.get(group.policy_weights(adapter=True))
         # rank 8 on layers 64 wide: a fifth of this tiny model (SmolLM2-135M, all-linear at rank 16: 3.6%)
@@ -416,8 +418,8 @@ def test_lora_on_two_zero_ranks_matches_one_rank(rank_pool, tiny_model_dir, stag
                            learner={"world_size": world_size, "zero_stage": zero_stage, "lora": {"rank": 8}},
                            rollout={"batch_size": 16, "chunk_size": 8, "max_new_tokens": 6})
         group = rank_pool.group(cfg, tiny_model_dir, tag="lora-zero")
-        first = group.train(chunks, None, scores, kl_coef=0.05, iteration=1)
-        second = group.train(chunks, None, scores, kl_coef=0.05, iteration=2)  # after a step: a KL, a moved policy
+        first = train(group, chunks, None, scores, kl_coef=0.05, iteration=1)
+        second = train(group, chunks, None, scores, kl_coef=0.05, iteration=2)  # after a step: a KL, a moved policy
         results[world_size] = (first.kl["response_mean"], second.kl["response_mean"],
                                sum(r.ppo["loss"] for r in second.ranks) / len(second.ranks))
     assert results[1][0] == pytest.approx(0.0, abs=1e-6) and abs(results[1][1]) > 1e-4
@@ -425,7 +427,7 @@ def test_lora_on_two_zero_ranks_matches_one_rank(rank_pool, tiny_model_dir, stag
 
 
 def step_of(group, chunks, refs, scores, iteration: int = 1):
-    result = group.train(chunks, refs, scores, kl_coef=0.05, iteration=iteration)
+    result = train(group, chunks, refs, scores, kl_coef=0.05, iteration=iteration)
     weights = ray.get(group.policy_weights()).tensors()
     # the gradient's norm before clipping, each step: what the micro-batches accumulated
     losses = {k: sum(r.ppo[k] for r in result.ranks) / len(result.ranks)

@@ -12,6 +12,7 @@ import torch
 from actors.specs import EngineSpec, RolloutSpec
 from learner import checkpoint
 from services.storage import RunStorage
+from tests.conftest import train
 
 ray = pytest.importorskip("ray")
 
@@ -148,13 +149,13 @@ def test_checkpoint_of_two_ranks_resumes_on_one(rank_pool, tiny_model_dir, tmp_p
     chunks, refs, scores = _batch()
     run = RunStorage(f"file://{tmp_path}").child("run")
     two = rank_pool.group(_group_config(2, stage, dtype), tiny_model_dir, tag="ckpt")
-    two.train(chunks, refs, scores, kl_coef=0.05, iteration=1)
+    train(two, chunks, refs, scores, kl_coef=0.05, iteration=1)
     ckpt = checkpoint.begin(run, 1)
     files = two.save(ckpt.url)
     assert bool(files[1]) == (stage > 0), files  # rank 1 wrote its own shard; in ZeRO-0 rank 0 holds all
     checkpoint.commit(run, ckpt, files, {"iteration": 1, "config": {}}, keep=2)
     saved = _weights(two)
-    two.train(chunks, refs, scores, kl_coef=0.05, iteration=2)
+    train(two, chunks, refs, scores, kl_coef=0.05, iteration=2)
     expected = _weights(two)
 
     one = rank_pool.group(_group_config(1, stage, dtype), tiny_model_dir, tag="ckpt")
@@ -164,7 +165,7 @@ def test_checkpoint_of_two_ranks_resumes_on_one(rank_pool, tiny_model_dir, tmp_p
     resumed = _weights(one)
     for name, tensor in saved.items():
         assert torch.equal(resumed[name], tensor), name
-    one.train(chunks, refs, scores, kl_coef=0.05, iteration=2)
+    train(one, chunks, refs, scores, kl_coef=0.05, iteration=2)
     after = _weights(one)
     moved = max(float((expected[n] - saved[n]).abs().max()) for n in saved)
     assert moved > 1e-4  # the update changed the weights, so the comparison below means something
@@ -201,7 +202,7 @@ def test_hf_export_loads_in_transformers_and_vllm_with_the_learners_logprobs(ran
 
     cfg = _group_config(2, 3)
     group = rank_pool.group(cfg, tiny_model_dir, tag="export")
-    group.train(*_batch(), kl_coef=0.05, iteration=1)  # trained weights, not the initial ones
+    train(group, *_batch(), kl_coef=0.05, iteration=1)  # trained weights, not the initial ones
     export = RunStorage(f"file://{tmp_path}").child("run", "export")
     group.export_hf(export.url)
     sequences, prompt_lengths = _probe_set()

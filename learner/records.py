@@ -1,12 +1,57 @@
-"""What one PPO update returns: each rank's additive sums (``RankUpdate``) and the group's combination of
-them (``UpdateResult``), exact over the whole batch because every statistic is a sum or a max."""
+"""The records the driver and the learner ranks exchange around an update: a chunk's refs (``ChunkRefs``), which
+rows the learner may train on (``Admission``), each rank's additive sums (``RankUpdate``) and the group's
+combination of them (``UpdateResult``), exact over the whole batch because every statistic is a sum or a max."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
 
 from learner.kl import kl_stats_from_sums
 from learner.ppo import ppo_stats_from_sums
+
+
+@dataclass(frozen=True)
+class ChunkRefs:
+    """One chunk slot's object refs, built once by the fleet: the rollout, and where an actor scores them the
+    reference's log-probs, the reward's scores and the teacher's log-probs (None: the ranks score it, or no role)."""
+
+    rollout: Any
+    reference: Any = None
+    score: Any = None
+    teacher: Any = None
+
+    def scored(self) -> dict[str, Any]:
+        """{what: ref} of the refs beside the rollout that this chunk has."""
+        return {name: ref for name in ("reference", "score", "teacher") if (ref := getattr(self, name)) is not None}
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Which rows a learner at ``policy_version`` may train on. Sync: exactly that version, under ``kl_coef``, the
+    beta in force. Async (``kl_coef`` None): versions at most ``max_staleness`` behind, under any beta (the penalty
+    takes the controller's at the update). A row of a version the learner does not have yet (an engine that
+    restarted after the driver's version check) is refused too."""
+
+    policy_version: int
+    kl_coef: float | None = None
+    max_staleness: int = 0
+
+    def refused_versions(self, versions: Tensor) -> Tensor:
+        behind = self.policy_version - versions
+        return (behind < 0) | (behind > self.max_staleness)
+
+    def refused_betas(self, betas: Tensor) -> Tensor:
+        if self.kl_coef is None:
+            return torch.zeros_like(betas, dtype=torch.bool)
+        return (betas.double() - self.kl_coef).abs() > 1e-6 * max(abs(self.kl_coef), 1.0)
+
+    def refuses(self, versions: Tensor, betas: Tensor) -> Tensor:
+        """[B] bool: the rows of these stamps (``policy_version``, ``kl_coef``: [B] each) it refuses."""
+        return self.refused_versions(versions) | self.refused_betas(betas)
 
 
 @dataclass
