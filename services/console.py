@@ -31,9 +31,9 @@ HARMLESS_VLLM = {
         "libiomp is not found in LD_PRELOAD",
     ),
     # the engine runs in the actor's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the seed is ours; on CPU
-    # tether prefills whole prompts (actors/engines.py: a seeded request prefilled in parts fails there), which
-    # vLLM warns of for every model outside a short list; tests/test_agents.py checks the log-probs against
-    # transformers with it
+    # tether prefills whole prompts (actors/engines.py: a seeded request prefilled in parts fails there),
+    # which vLLM warns of for every model outside a short list; tests/test_agents.py checks the log-probs
+    # against transformers with it
     "vllm.engine.arg_utils": ("The global random seed is set to",
                               "This model does not officially support disabling chunked prefill"),
     # rollout.enforce_eager (tether's default, for fast starts) and the CPU build without triton
@@ -42,10 +42,11 @@ HARMLESS_VLLM = {
                          "Model Runner V2 requires Triton"),
     "vllm.platforms.cpu": ("Triton is not installed", "Reset SSM cache type to float32"),
     # a layer with a buffer and no weights (the rotary embedding's cos/sin cache, computed at start) counts as
-    # "not loaded" in vLLM's layerwise reload, which puts the buffer back; the engine checks at every sync that
-    # each of its parameters was loaded (actors/vllm_extension.py), so a real miss fails the sync instead
+    # "not loaded" in vLLM's layerwise reload, which puts the buffer back; the engine checks at every sync
+    # that each of its parameters was loaded (actors/vllm_extension.py), so a real miss fails the sync instead
     "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
-    # learner.lora's adapter-only sync: each version's adapter carries no tokenizer, so the base model's is the one
+    # learner.lora's adapter-only sync: each version's adapter carries no tokenizer, so the base model's is
+    # the one
     "vllm.v1.engine.input_processor": ("vLLM has deprecated support for supporting different tokenizers",),
 }
 HARMLESS_PYTHON_WARNINGS = (
@@ -55,7 +56,8 @@ HARMLESS_PYTHON_WARNINGS = (
 # torch without triton (the install removes it: vLLM on CPU needs none) says so once per engine; a process
 # without DS_ACCELERATOR that builds a transformers model (the driver training the SFT warm start) imports
 # DeepSpeed through transformers and accelerate, which says it picked the CPU
-HARMLESS_LOGGED = (("torch._library.triton", "Triton not available"), ("DeepSpeed", "Setting accelerator to CPU"))
+HARMLESS_LOGGED = (("torch._library.triton", "Triton not available"),
+                   ("DeepSpeed", "Setting accelerator to CPU"))
 
 
 def level_now() -> str:
@@ -121,8 +123,8 @@ def quiet_libraries(level: str | None = None) -> str:
 
 
 def quiet_judge_cast() -> None:
-    """A judge at dtype 'auto' (services/reward_service/judge.py): vLLM runs a float32 checkpoint in 16 bits, as asked, and
-    warns once per weight as it casts it; nothing at debug or info."""
+    """A judge at dtype 'auto' (services/reward_service/judge.py): vLLM runs a float32 checkpoint in 16 bits,
+    as asked, and warns once per weight as it casts it; nothing at debug or info."""
     if not verbose():
         _add_filter(logging.getLogger("vllm.model_executor.models.utils"), ("Attempted to load weight",))
 

@@ -15,7 +15,8 @@ def gpu_location() -> tuple[str, list[str]]:
     return context.get_node_id(), sorted(context.get_accelerator_ids().get("GPU", []))
 
 
-def vllm_device_args(device: str, max_model_len: int, kv_cache_mib: int, engine_args: dict | None = None) -> dict:
+def vllm_device_args(device: str, max_model_len: int, kv_cache_mib: int,
+                     engine_args: dict | None = None) -> dict:
     """The ``LLM(...)`` arguments of an engine on ``device``, from the config's ``engine_args``
     (``RolloutConfig.vllm_engine_args``, ``JobConfig.reference_vllm_engine_args``)."""
     args = {"enforce_eager": True, **(engine_args or {})}
@@ -35,8 +36,9 @@ def vllm_device_args(device: str, max_model_len: int, kv_cache_mib: int, engine_
 
 def build_llm(model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int, dtype: str, device: str,
               engine_args: dict | None = None, cpu_core: int | None = None, **llm_args):
-    """vLLM's ``LLM`` in this process (single-process mode: 2-5 s starts, tensors pass directly), on ``device``
-    with the config's ``engine_args`` (``vllm_device_args``) and any other ``LLM(...)`` arguments."""
+    """vLLM's ``LLM`` in this process (single-process mode: 2-5 s starts, tensors pass directly), on
+    ``device`` with the config's ``engine_args`` (``vllm_device_args``) and any other ``LLM(...)``
+    arguments."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if device == "cpu":
         # 'auto' pins every engine to core 0; pin each engine to its own core instead
@@ -50,6 +52,6 @@ def build_llm(model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int, 
     # modules just imported are not scanned by them (about 1 CPU s of a 7.5 s build here)
     gc.freeze()
     # the checkpoint-loading bar only at metrics.log_level debug or info
-    args = {"use_tqdm_on_load": verbose(), **vllm_device_args(device, max_model_len, kv_cache_mib, engine_args),
-            **llm_args}
+    args = {"use_tqdm_on_load": verbose(),
+            **vllm_device_args(device, max_model_len, kv_cache_mib, engine_args), **llm_args}
     return LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, **args)

@@ -15,8 +15,8 @@ def template_fields(template: str) -> list[str]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as err:
-        raise ValueError(f"reward.judge.template is not a valid format string: {err} (write a literal brace as "
-                         "{{ or }})") from None
+        raise ValueError(f"reward.judge.template is not a valid format string: {err} (write a literal brace "
+                         "as {{ or }})") from None
     names = []
     for _, name, spec, _ in parsed:
         if name is None:
@@ -28,7 +28,8 @@ def template_fields(template: str) -> list[str]:
             raise ValueError(f"reward.judge.template nests a field in the format of {{{name}}}")
         names.append(name)
     if "response" not in names:
-        raise ValueError("reward.judge.template has no {response} field: the judge would not see what it scores")
+        raise ValueError("reward.judge.template has no {response} field: the judge would not see what it "
+                         "scores")
     return names
 
 
@@ -38,5 +39,5 @@ def check_template_fields(template: str, row_fields: Sequence[str], where: str) 
     unknown = sorted(set(template_fields(template)) - set(TEMPLATE_FIELDS) - set(row_fields))
     if unknown:
         known = ", ".join(f"{{{f}}}" for f in (*TEMPLATE_FIELDS, *row_fields))
-        raise ValueError(f"reward.judge.template has unknown field(s) {', '.join(f'{{{f}}}' for f in unknown)}: "
-                         f"{where} gives only {known}")
+        raise ValueError("reward.judge.template has unknown field(s) "
+                         f"{', '.join(f'{{{f}}}' for f in unknown)}: {where} gives only {known}")

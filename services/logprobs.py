@@ -17,8 +17,8 @@ def token_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0, chunk_
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """log_softmax(x / t)[id] per row of ``x`` [N, V], chunk by chunk; backward (onehot(id) - softmax(x / t)) * g / t
-    straight into the [N, V] gradient."""
+    """log_softmax(x / t)[id] per row of ``x`` [N, V], chunk by chunk; backward (onehot(id) - softmax(x / t))
+    * g / t straight into the [N, V] gradient."""
 
     @staticmethod
     def forward(ctx, flat: Tensor, ids: Tensor, temperature: float, chunk_rows: int) -> Tensor:

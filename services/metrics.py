@@ -24,7 +24,8 @@ def run_name() -> str:
 DRIVER_GAUGES = {
     "kl_coef": ("kl_coef", "beta after this iteration's controller update"),
     "kl_response_mean": ("kl_response_mean", "mean response KL, nats (the controller's statistic)"),
-    "kl_response_mean_stderr": ("kl_response_mean_stderr", "standard error of the controller's statistic, nats"),
+    "kl_response_mean_stderr": ("kl_response_mean_stderr",
+                                "standard error of the controller's statistic, nats"),
     "kl_token_mean": ("kl_token_mean", "per-token mean KL, nats (diagnostic)"),
     "kl_target": ("kl_target", "the controller's target response KL, nats"),
     "reward_mean": ("reward_mean", "mean per-episode reward: score minus beta * KL"),
@@ -33,11 +34,11 @@ DRIVER_GAUGES = {
     "learner_step_seconds": ("learner_seconds", "seconds from generate to the end of the PPO update"),
     "weight_sync_seconds": ("weight_sync_seconds", "seconds to load new weights into the engines"),
     "rollout_learner_logprob_mismatch": ("rollout_learner_logprob_mismatch",
-                                         ("mean |engine - learner| sampled-token log-prob, rows of the learner's "
-                                          "version")),
+                                         ("mean |engine - learner| sampled-token log-prob, rows of the "
+                                          "learner's version")),
     "rollout_stale_logprob_shift": ("rollout_stale_logprob_shift",
-                                    ("mean |engine - learner| sampled-token log-prob on rows of an older version "
-                                     "(async): the policy's move since")),
+                                    ("mean |engine - learner| sampled-token log-prob on rows of an older "
+                                     "version (async): the policy's move since")),
     # multi-turn episodes (task.name environment); unset for single responses
     "turns_per_episode": ("turns_mean", "the model's turns per episode"),
     "tool_calls_per_episode": ("tool_calls_mean", "tool calls the environment executed per episode"),
@@ -52,7 +53,8 @@ DRIVER_GAUGES = {
                                  "mean response reverse KL to the teacher, nats (k1 of the sampled tokens)"),
     # reward.kind judge; unset for other rewards
     "reward_judge_unparseable": ("reward_judge_unparseable",
-                                 "judge answers this iteration that its rule could not read (scored unparseable_score)"),
+                                 ("judge answers this iteration that its rule could not read (scored "
+                                  "unparseable_score)")),
     "iteration": ("iteration", "last finished iteration"),
     "policy_version": ("policy_version", "the learner's policy version"),
 }
@@ -86,7 +88,8 @@ class ActorMetrics:
                              tag_keys=keys)
         self.kl_coef = Gauge("tether_actor_kl_coef", description="beta this actor holds", tag_keys=keys)
         self.tokens_per_second = Gauge("tether_rollout_tokens_per_second",
-                                       description="generated tokens per second of the last chunk", tag_keys=keys)
+                                       description="generated tokens per second of the last chunk",
+                                       tag_keys=keys)
 
     def record(self, policy_version: int, kl_coef: float, tokens_per_second: float | None = None) -> None:
         self.version.set(policy_version, tags=self.tags)
@@ -96,9 +99,9 @@ class ActorMetrics:
 
 
 def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coef_used: float,
-                     kl_target: float | None, kl: dict, sums: dict, ppo: dict, lr: float, prompt_rows: list[int],
-                     batch_policy_versions: list[int], batch_kl_coefs: list[float], sync: dict,
-                     seconds: dict, packed: bool = False) -> dict:
+                     kl_target: float | None, kl: dict, sums: dict, ppo: dict, lr: float,
+                     prompt_rows: list[int], batch_policy_versions: list[int], batch_kl_coefs: list[float],
+                     sync: dict, seconds: dict, packed: bool = False) -> dict:
     """One line of metrics.jsonl: what one iteration trained on and how it went.
 
     ``kl``: the batch's KL statistics (``kl_stats_from_sums``); ``sums``: the learner's additive sums over
@@ -113,18 +116,21 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
                     "environment_seconds": sums["environment_seconds_sum"],
                     "trajectory_model_tokens_mean": sums["length_sum"] / n,
                     "trajectory_environment_tokens_mean": sums["environment_tokens_sum"] / n,
-                    "environment_failures": sums["environment_failures"], "rows_per_episode": sums["rows"] / n}
+                    "environment_failures": sums["environment_failures"],
+                    "rows_per_episode": sums["rows"] / n}
     return {
         "iteration": iteration,
         "policy_version": policy_version,
         "kl_coef": kl_coef,
         "kl_coef_used": kl_coef_used,
         "kl_target": kl_target,
-        # the controller's statistic: an unbiased estimate of the response KL of the learner's policy, over every
-        # episode sampled (dynamic sampling's dropped groups too; async: prefix-weighted), and its standard error
+        # the controller's statistic: an unbiased estimate of the response KL of the learner's policy, over
+        # every episode sampled (dynamic sampling's dropped groups too; async: prefix-weighted), and its
+        # standard error
         "kl_response_mean": kl["response_mean"],
         "kl_response_mean_stderr": kl["response_stderr"],
-        # the unweighted response KL the reward penalised, over the trained episodes (sync: the statistic itself)
+        # the unweighted response KL the reward penalised, over the trained episodes (sync: the statistic
+        # itself)
         "kl_penalty_mean": kl.get("penalty_mean"),
         "kl_token_mean": kl["token_mean"],
         "kl_response_sqrt": kl["response_sqrt"],
@@ -143,14 +149,16 @@ def iteration_record(iteration: int, policy_version: int, kl_coef: float, kl_coe
         "truncated_fraction": sums["truncated"] / n,
         "missing_eos_penalized_fraction": sums["missing_eos_penalized"] / n,  # reward.missing_eos_penalty
         "lr": lr,
-        # the engine-learner numeric difference, on rows of the learner's own version (none: null); on stale rows
-        # (async) the difference is mostly the policy's move since, reported apart
+        # the engine-learner numeric difference, on rows of the learner's own version (none: null); on stale
+        # rows (async) the difference is mostly the policy's move since, reported apart
         "rollout_learner_logprob_mismatch": ((sums["mismatch_abs_sum"] - sums["stale_mismatch_abs_sum"])
-                                             / (tokens - sums["stale_tokens"]) if tokens > sums["stale_tokens"] else None),
+                                             / (tokens - sums["stale_tokens"])
+                                             if tokens > sums["stale_tokens"] else None),
         "rollout_learner_logprob_mismatch_max": sums["mismatch_max"],
         "rollout_stale_logprob_shift": sums["stale_mismatch_abs_sum"] / max(sums["stale_tokens"], 1),
-        # the rollout correction (ppo.correction): k3 of KL(engine || learner) per token on the rows of the learner's
-        # version, and the fractions of tokens whose weight pi_old / pi_behav it truncated (tis) or masked (mis)
+        # the rollout correction (ppo.correction): k3 of KL(engine || learner) per token on the rows of the
+        # learner's version, and the fractions of tokens whose weight pi_old / pi_behav it truncated (tis) or
+        # masked (mis)
         "rollout_correction_mismatch_k3": (sums["correction_mismatch_k3_sum"]
                                            / max(tokens - sums["stale_tokens"], 1)),
         "rollout_correction_truncated_fraction": sums["correction_truncated_tokens"] / max(tokens, 1),

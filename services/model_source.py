@@ -63,7 +63,8 @@ def content_hash(directory: Path) -> str:
 
 def read_files(directory: Path) -> dict[str, bytes]:
     """Every file of ``directory`` by relative path: what the driver puts in the object store."""
-    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -105,7 +106,8 @@ class ModelSource:
         """On this node: 'local' (a directory here), 'cached' (hub cache or an earlier shipment), or
         'ship' (driver-made files that must come through the object store). Raises ModelNotFoundError."""
         if self.shippable:
-            if _holds(Path(self.location), self.content_hash) or _holds(self._cache_path(), self.content_hash):
+            if (_holds(Path(self.location), self.content_hash)
+                    or _holds(self._cache_path(), self.content_hash)):
                 return "local"
             return "ship"
         self.resolve()
@@ -121,8 +123,8 @@ class ModelSource:
                     return str(candidate)
             if self.files is None:
                 raise ModelNotFoundError(
-                    f"{where}: the model the driver made at {self.location} (content {self.content_hash}) is not "
-                    f"on this node and was not shipped")
+                    f"{where}: the model the driver made at {self.location} (content {self.content_hash}) is "
+                    f"not on this node and was not shipped")
             return str(self._materialise())
         path = Path(self.location).expanduser()
         if path.is_dir():
@@ -133,8 +135,8 @@ class ModelSource:
         if looks_like_hub_id(self.location):
             return _hub_snapshot(self.location, where)
         raise ModelNotFoundError(
-            f"{where}: model.path {self.location!r} is not a directory on this node (it must be on every node: "
-            "baked into the image or on a shared volume) nor a Hugging Face Hub id")
+            f"{where}: model.path {self.location!r} is not a directory on this node (it must be on every "
+            "node: baked into the image or on a shared volume) nor a Hugging Face Hub id")
 
     def _cache_path(self) -> Path:
         return Path(self.cache_dir).expanduser() / "models" / str(self.content_hash)

@@ -72,11 +72,11 @@ def build_gpt2(tokenizer: PreTrainedTokenizerFast, model_config: dict, seed: int
 
 
 def with_fused_activations(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with each of transformers' ``NewGELUActivation`` modules (GPT-2's ``gelu_new``, written as seven
-    tensor ops) replaced by its ``GELUTanh``: the same tanh approximation as one torch op, equal up to float
-    rounding. Measured on the randomwalks GPT-2 (64 rows x 14 tokens, one thread): forward and backward 1.25x
-    faster, logits within 6e-7. Only the modules change: the config still says ``gelu_new``, so a saved or
-    exported model is what it was, and vLLM, which builds its own, computes what it did."""
+    """``model`` with each of transformers' ``NewGELUActivation`` modules (GPT-2's ``gelu_new``, written as
+    seven tensor ops) replaced by its ``GELUTanh``: the same tanh approximation as one torch op, equal up to
+    float rounding. Measured on the randomwalks GPT-2 (64 rows x 14 tokens, one thread): forward and backward
+    1.25x faster, logits within 6e-7. Only the modules change: the config still says ``gelu_new``, so a saved
+    or exported model is what it was, and vLLM, which builds its own, computes what it did."""
     from transformers.activations import GELUTanh, NewGELUActivation
 
     for parent in list(model.modules()):
@@ -98,7 +98,8 @@ def save_model_dir(model, tokenizer, path: Path) -> Path:
     return path
 
 
-def sft_warm_start(task: PolicyRecipe, tokenizer, seed: int, steps: int, batch_size: int, lr: float, log=print):
+def sft_warm_start(task: PolicyRecipe, tokenizer, seed: int, steps: int, batch_size: int, lr: float,
+                   log=print):
     """Train the task's GPT-2 from random init on its SFT corpus (text + eos), next-token loss."""
     model = build_gpt2(tokenizer, task.model_config or {}, seed)
     model.loss_type = "ForCausalLM"  # the loss GPT-2 uses; unset, transformers warns that it guesses it
@@ -117,7 +118,8 @@ def sft_warm_start(task: PolicyRecipe, tokenizer, seed: int, steps: int, batch_s
     start = time.perf_counter()
     for step in range(steps):
         rows = torch.as_tensor(rng.choice(len(corpus), size=min(batch_size, len(corpus)), replace=False))
-        loss = model(input_ids=ids[rows], attention_mask=(labels[rows] != -100).long(), labels=labels[rows]).loss
+        loss = model(input_ids=ids[rows], attention_mask=(labels[rows] != -100).long(),
+                     labels=labels[rows]).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -135,23 +137,25 @@ def sft_tokenizer(task: PolicyRecipe):
     return build_char_tokenizer(task.vocabulary)
 
 
-def policy_source(task: PolicyRecipe, model_path: str | None, cache_dir: str, seed: int, steps: int, batch_size: int,
-                  lr: float, log=print) -> ModelSource:
+def policy_source(task: PolicyRecipe, model_path: str | None, cache_dir: str, seed: int, steps: int,
+                  batch_size: int, lr: float, log=print) -> ModelSource:
     """The policy as every node can reach it: ``model_path`` (a directory every node has, or a hub id), or
     a model the driver makes here (the task's SFT warm start or conversion) and ships to the nodes."""
     if model_path:
         return ModelSource.configured(model_path)
-    return ModelSource.produced(policy_dir(task, None, cache_dir, seed, steps, batch_size, lr, log), cache_dir)
+    return ModelSource.produced(policy_dir(task, None, cache_dir, seed, steps, batch_size, lr, log),
+                                cache_dir)
 
 
-def policy_dir(task: PolicyRecipe, model_path: str | None, cache_dir: str, seed: int, steps: int, batch_size: int,
-               lr: float, log=print) -> Path:
+def policy_dir(task: PolicyRecipe, model_path: str | None, cache_dir: str, seed: int, steps: int,
+               batch_size: int, lr: float, log=print) -> Path:
     """The policy's HF model dir on this machine: ``model_path`` if given, else the task's own model (its
     conversion, or its SFT warm start cached by a hash of everything that determines it, built on a miss)."""
     if model_path:
         path = Path(model_path).expanduser()
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path {path} is not a Hugging Face model directory (no config.json)")
+            raise FileNotFoundError(f"model.path {path} is not a Hugging Face model directory (no "
+                                    "config.json)")
         return path
     if task.model_kind != "gpt2":
         return task.model_dir(cache_dir)
@@ -199,7 +203,8 @@ def load_tokenizer(path: str | Path):
     try:
         saved = json.loads((directory / "tokenizer_config.json").read_text())
         model_type = json.loads((directory / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):  # a hub id, or a directory without these files: AutoTokenizer says what is wrong
+    except (OSError, ValueError):
+        # a hub id, or a directory without these files: AutoTokenizer says what is wrong
         saved, model_type = {}, None
     if (saved.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in saved
             and model_type in OWN_MODEL_TYPES and (directory / "tokenizer.json").is_file()):

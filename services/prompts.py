@@ -18,16 +18,19 @@ def encode_prompts(texts: list[str], tokenizer, max_tokens: int, long_prompts: s
     encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     empty = [i for i, ids in enumerate(encoded) if not ids]
     if empty:
-        raise ValueError(f"{len(empty)} prompt(s) encode to zero tokens; first is {origin(empty[0])} ({texts[empty[0]]!r})")
+        raise ValueError(f"{len(empty)} prompt(s) encode to zero tokens; first is {origin(empty[0])} "
+                         f"({texts[empty[0]]!r})")
     long = [i for i, ids in enumerate(encoded) if len(ids) > max_tokens]
     if long and long_prompts == "reject":
         first = long[0]
         raise ValueError(
-            f"{len(long)} prompt(s) are longer than task.max_prompt_tokens={max_tokens}; first is {origin(first)} "
-            f"with {len(encoded[first])} tokens. Set task.long_prompts=truncate to keep their last tokens"
+            f"{len(long)} prompt(s) are longer than task.max_prompt_tokens={max_tokens}; first is "
+            f"{origin(first)} with {len(encoded[first])} tokens. Set task.long_prompts=truncate to keep "
+            "their last tokens"
         )
     if long:
-        log(f"prompts: truncated {len(long)} prompt(s) to their last {max_tokens} tokens (first: {origin(long[0])})")
+        log(f"prompts: truncated {len(long)} prompt(s) to their last {max_tokens} tokens (first: "
+            f"{origin(long[0])})")
         encoded = [ids[-max_tokens:] for ids in encoded]
     return encoded
 
@@ -54,9 +57,11 @@ class PromptSampler:
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "num_prompts": self.num_prompts, "seed": self.seed}
+        return {"epoch": self.epoch, "position": self.position, "num_prompts": self.num_prompts,
+                "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_prompts"] != self.num_prompts:
-            raise ValueError(f"prompt cursor is for {state['num_prompts']} prompts, this task has {self.num_prompts}")
+            raise ValueError(f"prompt cursor is for {state['num_prompts']} prompts, this task has "
+                             f"{self.num_prompts}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -24,12 +24,13 @@ def reward_label_index(label: int | str | None, id2label: dict, where: str) -> i
     if label is None:
         if len(labels) == 1:
             return next(iter(labels))
-        raise ValueError(f"{where} has {len(labels)} labels ({listed}): set reward.label to the index or the name "
-                         "of the one whose logit is the reward")
+        raise ValueError(f"{where} has {len(labels)} labels ({listed}): set reward.label to the index or the "
+                         "name of the one whose logit is the reward")
     by_name = [i for i, name in labels.items() if name == label]
     if by_name:
         return by_name[0]
-    index = label if isinstance(label, int) else int(label) if label.isdigit() else None  # CLI values are text
+    # CLI values are text
+    index = label if isinstance(label, int) else int(label) if label.isdigit() else None
     if index is not None and index in labels:
         return index
     raise ValueError(f"reward.label={label!r} is not a label of {where}; its labels are {listed}")
@@ -40,8 +41,9 @@ def check_classifier_config(config, where: str) -> None:
     transformers would load it with a randomly initialised head and score noise."""
     architectures = getattr(config, "architectures", None) or []
     if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
-        raise ValueError(f"{where} is a {', '.join(architectures)}, not a sequence classifier: a reward model needs "
-                         "a classification head (an architecture named *ForSequenceClassification)")
+        raise ValueError(f"{where} is a {', '.join(architectures)}, not a sequence classifier: a reward "
+                         "model needs a classification head (an architecture named "
+                         "*ForSequenceClassification)")
 
 
 class SequenceClassifierReward:
@@ -49,7 +51,8 @@ class SequenceClassifierReward:
 
     ``where`` names the model in errors (the setting it came from and the process)."""
 
-    def __init__(self, path: str | Path, label: int | str | None, device: str = "cpu", where: str = "") -> None:
+    def __init__(self, path: str | Path, label: int | str | None, device: str = "cpu",
+                 where: str = "") -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
         from services.models import load_tokenizer
@@ -57,10 +60,11 @@ class SequenceClassifierReward:
         where = where or f"reward model {path}"
         check_classifier_config(AutoConfig.from_pretrained(path), where)
         model, info = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
-        head = sorted(k for k in info["missing_keys"] if k.split(".")[0] in ("score", "classifier", "classification_head"))
+        head = sorted(k for k in info["missing_keys"]
+                      if k.split(".")[0] in ("score", "classifier", "classification_head"))
         if head:
-            raise ValueError(f"{where} has no trained classification head ({', '.join(head)} missing from its "
-                             "weights): transformers would score with a random head")
+            raise ValueError(f"{where} has no trained classification head ({', '.join(head)} missing from "
+                             "its weights): transformers would score with a random head")
         self.model = model.eval().to(device)
         self.device = device
         self.label_index = reward_label_index(label, self.model.config.id2label, where)
@@ -77,7 +81,8 @@ class SequenceClassifierReward:
     def count_tokens(self, prompt: str, completion: str) -> int:
         return len(self.tokenizer(prompt + completion)["input_ids"])
 
-    def score_batch(self, prompts: Sequence[str], completions: Sequence[str], fields: Sequence[dict]) -> list[float]:
+    def score_batch(self, prompts: Sequence[str], completions: Sequence[str],
+                    fields: Sequence[dict]) -> list[float]:
         """``ScoreBatcher``'s call: the samples' fields are not the model's business."""
         return self(prompts, completions)
 
@@ -113,7 +118,8 @@ class ScoreBatcher:
                  count_tokens: Callable[[str, str], int], max_batch_tokens: int) -> None:
         if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
-        self.score_batch, self.count_tokens, self.max_batch_tokens = score_batch, count_tokens, max_batch_tokens
+        self.score_batch, self.count_tokens, self.max_batch_tokens = (score_batch, count_tokens,
+                                                                      max_batch_tokens)
         self.forwards = 0
         self._waiting: list[tuple[_Request, int]] = []  # (request, index of its next unscored sample)
         self._wake = threading.Condition()
@@ -134,7 +140,8 @@ class ScoreBatcher:
         return request.scores
 
     def _take(self) -> list[tuple[_Request, int, int]]:
-        """(request, first, end) slices of the waiting samples for one call, oldest first, within the budget."""
+        """(request, first, end) slices of the waiting samples for one call, oldest first, within the
+        budget."""
         taken, budget = [], self.max_batch_tokens
         while self._waiting:
             request, start = self._waiting[0]
@@ -147,7 +154,8 @@ class ScoreBatcher:
                     self._waiting.pop(0)
                     continue
             end = start
-            while end < len(request.samples) and (request.tokens[end] <= budget or (not taken and end == start)):
+            while end < len(request.samples) and (request.tokens[end] <= budget
+                                                  or (not taken and end == start)):
                 budget -= request.tokens[end]
                 end += 1
             if end > start:

@@ -1,6 +1,6 @@
-"""Named settings rules: each one a name, the settings it reads, the refusal it gives and an example of settings
-it refuses. A section's rules (or JobConfig's, across sections) are one ``Rules`` book, enforced by the
-section's validator, so every refusal says which rule gave it; ``tests/test_rules.py`` loads each rule's
+"""Named settings rules: each one a name, the settings it reads, the refusal it gives and an example of
+settings it refuses. A section's rules (or JobConfig's, across sections) are one ``Rules`` book, enforced by
+the section's validator, so every refusal says which rule gave it; ``tests/test_rules.py`` loads each rule's
 example and checks that exactly that rule refuses it."""
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ from typing import Any
 Refusal = Callable[[Any], "str | None"]
 
 
-BOOKS: list[Rules] = []  # every book made, in import order: the settings reference and tests/test_rules.py list them
+# every book made, in import order: the settings reference and tests/test_rules.py list them
+BOOKS: list[Rules] = []
 
 
 @dataclass(frozen=True)
 class Rule:
-    """``refusal(settings)`` is the message when the settings break the rule, else None. ``reads`` are the dotted
-    settings it looks at; ``example`` is a nested dict of settings (a ``load_config`` override) it refuses."""
+    """``refusal(settings)`` is the message when the settings break the rule, else None. ``reads`` are the
+    dotted settings it looks at; ``example`` is a nested dict of settings (a ``load_config`` override) it
+    refuses."""
 
     name: str
     reads: tuple[str, ...]

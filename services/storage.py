@@ -31,7 +31,8 @@ def sha256_file(path: str | Path) -> str:
 
 
 class RunStorage:
-    """A directory in a filesystem that fsspec knows. Paths given to methods are relative to it ('/'-separated).
+    """A directory in a filesystem that fsspec knows. Paths given to methods are relative to it
+    ('/'-separated).
 
     Picklable through ``url``: actors rebuild it with ``RunStorage(url)``.
     """
@@ -60,7 +61,8 @@ class RunStorage:
 
     def child(self, *parts: str) -> RunStorage:
         """The storage of a subdirectory (same filesystem)."""
-        return RunStorage(self.display(*parts) if self.is_local else self.fs.unstrip_protocol(self.path(*parts)))
+        return RunStorage(self.display(*parts) if self.is_local
+                          else self.fs.unstrip_protocol(self.path(*parts)))
 
     def path(self, *parts: str) -> str:
         """The filesystem path (no protocol) of ``parts`` under this storage."""
@@ -171,7 +173,8 @@ class RunStorage:
         try:
             self.write_text(token, name)
             if self.read_text(name) != token:
-                raise StorageError(f"{who}storage {self.display()}: probe file {self.display(name)} read back wrong")
+                raise StorageError(f"{who}storage {self.display()}: probe file {self.display(name)} read "
+                                   "back wrong")
         except (OSError, StorageError) as err:
             raise StorageError(f"{who}storage {self.display()} is not writable: {err}") from err
         finally:
@@ -196,8 +199,8 @@ class RunStorage:
         try:
             content = self.read_text(name)
         except (OSError, FileNotFoundError) as err:
-            raise StorageError(f"{who}cannot see {self.display(name)}, written by the driver: the run storage "
-                               f"{self.display()} is not shared with this node ({err})") from err
+            raise StorageError(f"{who}cannot see {self.display(name)}, written by the driver: the run "
+                               f"storage {self.display()} is not shared with this node ({err})") from err
         if content != name.removeprefix(".probe-"):
             raise StorageError(f"{who}{self.display(name)} has other content than the driver wrote")
 

@@ -35,9 +35,10 @@ def flat_metrics(record: dict, prefix: str = "") -> dict[str, float]:
 class Tracker:
     """One wandb run per tether run; every method is a no-op when ``metrics.wandb.enabled`` is false."""
 
-    def __init__(self, settings: WandbConfig, run_path: RunStorage, run_name: str, resuming: bool, config: dict,
-                 log=print) -> None:
-        """``config``: the job's settings as JSON, the run's config in wandb; ``resuming``: run.resume is set."""
+    def __init__(self, settings: WandbConfig, run_path: RunStorage, run_name: str, resuming: bool,
+                 config: dict, log=print) -> None:
+        """``config``: the job's settings as JSON, the run's config in wandb; ``resuming``: run.resume is
+        set."""
         self.settings, self.run_path, self.run_name, self.resuming = settings, run_path, run_name, resuming
         self.config, self.say = config, log
         self.run = None

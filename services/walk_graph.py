@@ -105,5 +105,5 @@ def optimality(graph: WalkGraph, sample: str) -> float:
 
 # GPT-2 of trlX's size class with a head size vLLM's CPU attention accepts (128 / 4 = 32): the policy both
 # randomwalks settings train from random init
-GPT2_CONFIG = {"n_layer": 6, "n_embd": 128, "n_head": 4, "n_positions": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-               "attn_pdrop": 0.0}
+GPT2_CONFIG = {"n_layer": 6, "n_embd": 128, "n_head": 4, "n_positions": 32, "resid_pdrop": 0.0,
+               "embd_pdrop": 0.0, "attn_pdrop": 0.0}

@@ -19,9 +19,10 @@ import torch
 class HostWeights:
     """{HF parameter name: tensor} in ``dtype`` on the host, kept as raw bytes for the object store."""
 
-    def __init__(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype, adapter_config: dict | None = None) -> None:
-        """``adapter_config``: the weights are a LoRA adapter (PEFT's names and its adapter_config.json), not the
-        policy's parameters (``learner.lora``, adapter-only sync)."""
+    def __init__(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                 adapter_config: dict | None = None) -> None:
+        """``adapter_config``: the weights are a LoRA adapter (PEFT's names and its adapter_config.json), not
+        the policy's parameters (``learner.lora``, adapter-only sync)."""
         self.dtype = str(dtype).removeprefix("torch.")
         self.adapter_config = adapter_config
         self.shapes: dict[str, tuple[int, ...]] = {}

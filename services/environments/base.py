@@ -28,8 +28,8 @@ EVAL_SEEDS_START = 1_000_000
 
 
 def as_observation(text: str, chat: bool, system: str | None = None) -> str | list[dict]:
-    """``text`` as a user turn (after ``system`` as the system turn) for the model's chat template, or, without
-    ``chat``, as plain text (after ``system`` and a newline)."""
+    """``text`` as a user turn (after ``system`` as the system turn) for the model's chat template, or,
+    without ``chat``, as plain text (after ``system`` and a newline)."""
     if not chat:
         return f"{system}\n{text}" if system else text
     return [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": text}]

@@ -5,7 +5,8 @@ as the next user message; it ends the episode with ``<answer>11</answer>``: rewa
 answer, else 0.0. The system prompt shows the syntax with one worked example, since a model this small does
 not produce it unprompted. With ``examples=N`` the prompt is a few-shot conversation instead: a short system
 prompt, then N worked problems of the generator as earlier chat turns (question, call, result, answer), then
-the row's question. SmolLM2-135M-Instruct follows that much more often (deploy/configs/calculator-smollm2.yaml).
+the row's question. SmolLM2-135M-Instruct follows that much more often
+(deploy/configs/calculator-smollm2.yaml).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ Assistant: <answer>19</answer>"""
 
 # the system prompt of the few-shot conversation (``examples`` > 0): the worked examples follow as chat turns
 FEW_SHOT_SYSTEM_PROMPT = ("You solve math word problems with a calculator. To calculate, reply with only "
-                          "<calc>expression</calc>. The result comes back as <result>number</result>. Then reply "
-                          "with only <answer>number</answer>.")
+                          "<calc>expression</calc>. The result comes back as <result>number</result>. Then "
+                          "reply with only <answer>number</answer>.")
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -71,8 +72,8 @@ def worked_problem(seed: int, index: int, max_operand: int) -> tuple[str, str, i
 
 
 def few_shot_examples(seed: int, count: int, max_operand: int) -> list[tuple[str, str, int]]:
-    """``count`` worked problems (question, expression, answer) of distinct templates while there are any left,
-    the first such from problem EXAMPLE_START on: the same for every episode of a generator."""
+    """``count`` worked problems (question, expression, answer) of distinct templates while there are any
+    left, the first such from problem EXAMPLE_START on: the same for every episode of a generator."""
     examples, seen, index = [], set(), EXAMPLE_START
     while len(examples) < count:
         question, expression, answer, template = worked_problem(seed, index, max_operand)
@@ -135,8 +136,8 @@ class CalculatorEnvironment(Environment):
 
     def __init__(self, seed: int = 0, max_operand: int = 20, examples: int = 0):
         if not 0 <= examples <= 16:
-            raise ValueError(f"calculator examples={examples}: give 0 (the system prompt's one example) to 16 "
-                             "worked problems as earlier chat turns")
+            raise ValueError(f"calculator examples={examples}: give 0 (the system prompt's one example) to "
+                             "16 worked problems as earlier chat turns")
         self.seed = seed
         self.max_operand = max_operand
         self.examples = examples

@@ -54,19 +54,22 @@ class GymnasiumEnvironment(Environment):
         if self.rendered and getattr(env, "render_mode", None) != "ansi":
             raise ValueError(f"gymnasium env {env} has observation space {observations} and render_mode "
                              f"{getattr(env, 'render_mode', None)!r}; a tether environment needs text: "
-                             "gymnasium.spaces.Text observations, or render_mode: ansi (the rendering is read)")
+                             "gymnasium.spaces.Text observations, or render_mode: ansi (the rendering is "
+                             "read)")
         actions = getattr(env, "action_space", None)
         self.discrete = isinstance(actions, gymnasium.spaces.Discrete)
         if actions is not None and not (self.discrete or isinstance(actions, gymnasium.spaces.Text)):
-            raise ValueError(f"gymnasium env {env} has action space {actions}; a tether environment reads the "
-                             "model's turn as gymnasium.spaces.Text or as a choice of gymnasium.spaces.Discrete")
+            raise ValueError(f"gymnasium env {env} has action space {actions}; a tether environment reads "
+                             "the model's turn as gymnasium.spaces.Text or as a choice of "
+                             "gymnasium.spaces.Discrete")
         if action_names is not None:
             if not self.discrete:
                 raise ValueError(f"action_names {action_names} given for gymnasium env {env}, whose action "
                                  f"space {actions} is not Discrete")
             if len(action_names) != actions.n or len({n.lower() for n in action_names}) != actions.n:
-                raise ValueError(f"action_names {action_names}: gymnasium env {env} has {actions}, so it needs "
-                                 f"{actions.n} distinct names, one per action from {int(actions.start)}")
+                raise ValueError(f"action_names {action_names}: gymnasium env {env} has {actions}, so it "
+                                 f"needs {actions.n} distinct names, one per action from "
+                                 f"{int(actions.start)}")
         self.action_names = [n.lower() for n in action_names] if action_names else None
 
     def rows(self) -> list[dict]:

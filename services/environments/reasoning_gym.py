@@ -19,7 +19,8 @@ from services.environments.base import Environment, as_observation
 
 
 class ReasoningGymEnvironment(Environment):
-    """Rows ``{"index": i}`` of one generated dataset; ``reset`` asks its question, ``step`` scores the answer."""
+    """Rows ``{"index": i}`` of one generated dataset; ``reset`` asks its question, ``step`` scores the
+    answer."""
 
     def __init__(self, dataset, size: int, eval_size: int, system_prompt: str | None, chat: bool):
         self.dataset, self.size, self.eval_size = dataset, size, eval_size
@@ -37,8 +38,8 @@ class ReasoningGymEnvironment(Environment):
         self.entry = self.dataset[int(row["index"])]
         if not self.chat:  # the plain question: a model without a chat template has no system turn either
             return self.entry["question"]
-        return as_observation(self.entry["question"], True, SYSTEM_PROMPTS[self.system_prompt] if self.system_prompt
-                              else None)
+        return as_observation(self.entry["question"], True,
+                              SYSTEM_PROMPTS[self.system_prompt] if self.system_prompt else None)
 
     def step(self, action: str) -> tuple[None, float, bool, dict]:
         answer = extract_answer(action)
@@ -54,6 +55,7 @@ def reasoning_gym_environment(dataset: str, size: int = 512, eval_size: int = 64
     answer in ``<answer>`` tags and nothing else; none: no system turn); ``chat: false`` gives the question as
     plain text, for a model without a chat template."""
     if system_prompt is not None and system_prompt not in SYSTEM_PROMPTS:
-        raise ValueError(f"system_prompt {system_prompt!r} is not one of reasoning-gym's: {sorted(SYSTEM_PROMPTS)}")
+        raise ValueError(f"system_prompt {system_prompt!r} is not one of reasoning-gym's: "
+                         f"{sorted(SYSTEM_PROMPTS)}")
     generated = reasoning_gym.create_dataset(dataset, size=size + eval_size, seed=seed, **config)
     return ReasoningGymEnvironment(generated, size, eval_size, system_prompt, chat)

@@ -21,7 +21,8 @@ from services.environments.base import EVAL_SEEDS_START, Environment, as_observa
 
 
 def _without_observation_wrappers(env):
-    """``env``'s wrapper chain with each ``textarena.ObservationWrapper`` taken out, the others kept in order."""
+    """``env``'s wrapper chain with each ``textarena.ObservationWrapper`` taken out, the others kept in
+    order."""
     if not isinstance(env, textarena.Wrapper):
         return env
     inner = _without_observation_wrappers(env.env)
@@ -35,7 +36,8 @@ class TextArenaEnvironment(Environment):
     """One textarena game for one player, as reset/step; ``games`` and ``eval_games`` rows."""
 
     def __init__(self, env, id: str, games: int = 256, eval_games: int = 32, chat: bool = True):
-        self.env, self.id, self.games, self.eval_games = _without_observation_wrappers(env), id, games, eval_games
+        self.env, self.id, self.games, self.eval_games = (_without_observation_wrappers(env), id, games,
+                                                          eval_games)
         self.chat = chat
 
     def rows(self) -> list[dict]:
@@ -63,7 +65,8 @@ class TextArenaEnvironment(Environment):
             raise ValueError(f"textarena game {self.id!r} asks player {player} to move; a tether environment "
                              "plays single-player games (player 0)")
         # the model's own move is in the trajectory already: only what the game said
-        text = "\n".join(text for _, text, kind in messages if kind != textarena.ObservationType.PLAYER_ACTION)
+        text = "\n".join(text for _, text, kind in messages
+                         if kind != textarena.ObservationType.PLAYER_ACTION)
         return as_observation(text, self.chat)
 
 
@@ -75,6 +78,6 @@ def textarena_environment(id: str, games: int = 256, eval_games: int = 32, chat:
     try:  # a game for two or more players refuses one at reset: say so here, before any actor starts
         env.reset(num_players=1, seed=0)
     except (AssertionError, ValueError) as err:
-        raise ValueError(f"textarena game {id!r} cannot be played by one player ({err}); a tether environment "
-                         "plays single-player games") from err
+        raise ValueError(f"textarena game {id!r} cannot be played by one player ({err}); a tether "
+                         "environment plays single-player games") from err
     return TextArenaEnvironment(env, id, games, eval_games, chat)

@@ -22,5 +22,6 @@ from services.reward_service.server import (
            serve,
 )
 
-__all__ = ["MIN_TOKEN_CHARS", "RewardClient", "RewardServer", "RewardServiceError", "build_app", "build_reward",
-           "check_token", "is_loopback", "judged_reward", "main", "parse_args", "per_sample", "serve"]
+__all__ = ["MIN_TOKEN_CHARS", "RewardClient", "RewardServer", "RewardServiceError", "build_app",
+           "build_reward", "check_token", "is_loopback", "judged_reward", "main", "parse_args", "per_sample",
+           "serve"]

@@ -36,8 +36,8 @@ def _read_token(args: argparse.Namespace) -> str | None:
 
 
 def per_sample(function: Callable, name: str) -> RewardFn:
-    """``function(prompt=..., completion=..., **row fields) -> score`` (a dataset job's task.reward_function) as
-    the service's batch reward; a sample whose fields the function cannot take is a 400 naming them."""
+    """``function(prompt=..., completion=..., **row fields) -> score`` (a dataset job's task.reward_function)
+    as the service's batch reward; a sample whose fields the function cannot take is a 400 naming them."""
     try:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: called as it is
@@ -45,10 +45,11 @@ def per_sample(function: Callable, name: str) -> RewardFn:
     takes_any = parameters is None or any(p.kind is p.VAR_KEYWORD for p in parameters)
     named = {p.name for p in parameters or () if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     if parameters is not None and not ({"prompt", "completion"} <= named or takes_any):
-        raise ValueError(f"--function {name} cannot be called as {name}(prompt=..., completion=..., **fields): "
-                         f"it takes ({', '.join(sorted(named))})")
+        raise ValueError(f"--function {name} cannot be called as {name}(prompt=..., completion=..., "
+                         f"**fields): it takes ({', '.join(sorted(named))})")
     required = sorted(p.name for p in parameters or () if p.default is p.empty
-                      and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in ("prompt", "completion"))
+                      and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                      and p.name not in ("prompt", "completion"))
 
     def reward(prompts: list[str], completions: list[str], fields: list[dict]) -> list:
         for i, sample in enumerate(fields):
@@ -57,7 +58,8 @@ def per_sample(function: Callable, name: str) -> RewardFn:
             if missing or unknown:
                 problem = f"lacks {missing}" if missing else f"has field(s) {unknown} it does not take"
                 raise HTTPError(400, f"sample {i}: {name} needs the fields {required}; this sample {problem}")
-        return [function(prompt=p, completion=c, **f) for p, c, f in zip(prompts, completions, fields, strict=True)]
+        return [function(prompt=p, completion=c, **f)
+                for p, c, f in zip(prompts, completions, fields, strict=True)]
 
     return reward
 
@@ -91,9 +93,11 @@ def build_reward(args: argparse.Namespace) -> tuple[RewardFn, str]:
     if args.model:
         from services.reward_models import SequenceClassifierReward
 
-        model = SequenceClassifierReward(args.model, args.label, device, f"reward model {args.model} (--model)")
+        model = SequenceClassifierReward(args.model, args.label, device,
+                                         f"reward model {args.model} (--model)")
         batcher = ScoreBatcher(model.score_batch, model.count_tokens, args.max_batch_tokens)
-        return batcher, f"reward model {args.model} on {device} (batches of up to {args.max_batch_tokens} tokens)"
+        return batcher, (f"reward model {args.model} on {device} "
+                         f"(batches of up to {args.max_batch_tokens} tokens)")
     from services.reward_service.judge import Judge
 
     cfg = _judge_config(args.judge)
@@ -103,8 +107,8 @@ def build_reward(args: argparse.Namespace) -> tuple[RewardFn, str]:
 
 
 def judged_reward(judge, max_batch_tokens: int):
-    """A ``services.reward_service.judge.Judge`` as the service's reward, batched; a sample without a field its template
-    names is a 400, and each call's unparseable answers are logged."""
+    """A ``services.reward_service.judge.Judge`` as the service's reward, batched; a sample without a field
+    its template names is a 400, and each call's unparseable answers are logged."""
     from services.reward_models import ScoreBatcher
 
     def judged(prompts: list[str], completions: list[str], fields: list[dict]) -> list[float]:
@@ -126,14 +130,15 @@ def _cuda() -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.reward_service",
-                                     description="Serve a reward over HTTP (JSON): a task's, your function, a "
-                                                 "reward model or an LLM judge.")
+                                     description="Serve a reward over HTTP (JSON): a task's, your function, "
+                                                 "a reward model or an LLM judge.")
     served = parser.add_mutually_exclusive_group(required=True)
     served.add_argument("--task", help="a task's reward, e.g. randomwalks")
-    served.add_argument("--function", help="package.module:function called as function(prompt=..., completion=..., "
-                                           "**fields) per sample: a dataset job's task.reward_function")
-    served.add_argument("--model", help="a Hugging Face sequence-classification reward model (dir or hub id); "
-                                        "its logit of --label is the score")
+    served.add_argument("--function", help="package.module:function called as function(prompt=..., "
+                                           "completion=..., **fields) per sample: a dataset job's "
+                                           "task.reward_function")
+    served.add_argument("--model", help="a Hugging Face sequence-classification reward model (dir or hub "
+                                        "id); its logit of --label is the score")
     served.add_argument("--judge", help="a YAML file with an LLM judge's settings: the reward.judge section "
                                         "(or a job config that has one)")
     parser.add_argument("--task-seed", type=int, default=None, help="the task's seed (task.seed of the job)")
@@ -142,28 +147,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="--model, --judge: where the model runs (default: cuda when there is one)")
     parser.add_argument("--max-batch-tokens", type=int, default=16384,
-                        help="--model, --judge: requests that arrive together are scored in one forward of up "
-                             "to this many tokens")
+                        help="--model, --judge: requests that arrive together are scored in one forward of "
+                             "up to this many tokens")
     parser.add_argument("--host", default="127.0.0.1",
                         help="bind address (default 127.0.0.1; anything else needs a token)")
     parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
     parser.add_argument("--token-env", default="TETHER_REWARD_TOKEN",
                         help="environment variable holding the bearer token (default TETHER_REWARD_TOKEN)")
-    parser.add_argument("--token-file", default=None, help="file holding the bearer token (overrides --token-env)")
+    parser.add_argument("--token-file", default=None, help="file holding the bearer token "
+                        "(overrides --token-env)")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20)
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--timeout-s", type=float, default=30.0, help="overall deadline of one request")
     parser.add_argument("--max-concurrent", type=int, default=4, help="reward calls at once")
     parser.add_argument("--max-connections", type=int, default=64, help="open connections at once")
-    parser.add_argument("--max-connections-per-client", type=int, default=32, help="open connections per client "
-                        "address")
+    parser.add_argument("--max-connections-per-client", type=int, default=32, help="open connections per "
+                        "client address")
     parser.add_argument("--header-timeout-s", type=float, default=5.0,
                         help="close a connection that has not sent a request's whole headers in this long")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     for option, value in (("--label", args.label), ("--device", args.device)):
         if value is not None and not (args.model or (args.judge and option == "--device")):
-            parser.error(f"{option} applies to " + ("--model" if option == "--label" else "--model and --judge"))
+            parser.error(f"{option} applies to "
+                         + ("--model" if option == "--label" else "--model and --judge"))
     if args.task_seed is not None and not args.task:
         parser.error("--task-seed applies to --task")
     return args
@@ -171,8 +178,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.log_level.upper() != "DEBUG":  # uvicorn's start and stop lines say nothing the line below does not
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # uvicorn's start and stop lines say nothing the line below does not
+    if args.log_level.upper() != "DEBUG":
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     try:
         reward, served_name = build_reward(args)  # a bad option fails here, before the port opens
@@ -180,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before the URL is printed: whoever reads it may stop us at once
+    # before the URL is printed: whoever reads it may stop us at once
+    for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         server = serve(reward, host=args.host, port=args.port, token=_read_token(args),

@@ -47,7 +47,8 @@ def reject_constant(name: str) -> object:
 class RewardClient:
     """Scores (prompt, completion, fields) samples on a remote reward service."""
 
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0, max_retries: int = 0) -> None:
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0,
+                 max_retries: int = 0) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"reward service url must be http(s)://host:port, got {url!r}")
@@ -92,7 +93,8 @@ class RewardClient:
             decoded = None
         decoded = decoded if isinstance(decoded, dict) else None
         if response.status_code != 200:
-            message = decoded.get("error") if decoded and isinstance(decoded.get("error"), str) else text[:500]
+            message = (decoded.get("error") if decoded and isinstance(decoded.get("error"), str)
+                       else text[:500])
             raise RewardServiceError(response.status_code, message or "(empty body)", endpoint)
         if decoded is None:
             raise RewardServiceError(200, f"answer is not a JSON object: {text[:200]!r}", endpoint)
@@ -133,7 +135,8 @@ class RewardClient:
         endpoint = f"{self.url}/score"
         scores = answer.get("scores")
         if not isinstance(scores, list):
-            raise RewardServiceError(200, f"answer has no 'scores' list: {json.dumps(answer)[:200]!r}", endpoint)
+            raise RewardServiceError(200, f"answer has no 'scores' list: {json.dumps(answer)[:200]!r}",
+                                     endpoint)
         if len(scores) != len(prompts):
             raise RewardServiceError(200, f"got {len(scores)} scores for {len(prompts)} samples", endpoint)
         out = []

@@ -23,7 +23,8 @@ class ConnectionTable:
 
     def __init__(self) -> None:
         self.per_client: dict[str, int] = {}
-        self.waiting: dict[ConnectionProtocol, None] = {}  # a dict keeps insertion order: the oldest waiter first
+        # a dict keeps insertion order: the oldest waiter first
+        self.waiting: dict[ConnectionProtocol, None] = {}
         self._counts: dict[str, int] = {}
         self._last_warning = -math.inf
 
@@ -46,7 +47,8 @@ class ConnectionTable:
         self.waiting.pop(conn, None)
 
     def oldest_waiting(self, host: str | None = None) -> ConnectionProtocol | None:
-        """The connection that has waited longest for request headers (of client address ``host`` if given)."""
+        """The connection that has waited longest for request headers (of client address ``host`` if
+        given)."""
         return next((conn for conn in self.waiting if host is None or conn.client_host == host), None)
 
     def note(self, what: str, n: int, now: float) -> None:
@@ -107,8 +109,8 @@ class ConnectionProtocol(H11Protocol):
                 return
             oldest._evict()
             self.table.note(f"connection(s) evicted for a newer one of the same client address (at "
-                            f"max_connections_per_client={self.max_connections_per_client}): they had not sent "
-                            "their request headers", 1, self.loop.time())
+                            f"max_connections_per_client={self.max_connections_per_client}): they had not "
+                            "sent their request headers", 1, self.loop.time())
         self._counted = True
         self.table.add(self)
         self._wait_for_headers()
@@ -119,14 +121,16 @@ class ConnectionProtocol(H11Protocol):
             self._deadline = None
 
     def _wait_for_headers(self) -> None:
-        """The next request's headers are due within ``header_timeout_s``; meanwhile the connection may be evicted."""
+        """The next request's headers are due within ``header_timeout_s``; meanwhile the connection may be
+        evicted."""
         self._cancel_deadline()
         self._deadline = self.loop.call_later(self.header_timeout_s, self._deadline_passed)
         self.table.start_waiting(self)
 
     def _headers_complete(self) -> None:
-        """A request's headers are in: from here the app's deadline (timeout_s) bounds its body and its answer.
-        At the connection limit, the connections that have waited longest for their headers make room for it."""
+        """A request's headers are in: from here the app's deadline (timeout_s) bounds its body and its
+        answer. At the connection limit, the connections that have waited longest for their headers make room
+        for it."""
         self._cancel_deadline()
         self.table.stop_waiting(self)
         limit, evicted = self.limit_concurrency, 0
@@ -137,8 +141,9 @@ class ConnectionProtocol(H11Protocol):
             oldest._evict()
             evicted += 1
         if evicted:
-            self.table.note(f"connection(s) evicted to make room for whole requests (at max_connections={limit}): "
-                            "they had not sent their request headers", evicted, self.loop.time())
+            self.table.note("connection(s) evicted to make room for whole requests "
+                            f"(at max_connections={limit}): they had not sent their request headers",
+                            evicted, self.loop.time())
 
     def _evict(self) -> None:
         """Close this connection, which waits for request headers, and stop counting it at once: its
@@ -154,7 +159,8 @@ class ConnectionProtocol(H11Protocol):
             self.table.remove(self)
 
     def _deadline_passed(self) -> None:
-        self._deadline = None  # armed only while waiting for headers: a request being answered is never cut here
+        # armed only while waiting for headers: a request being answered is never cut here
+        self._deadline = None
         if not self.transport.is_closing():
             log.debug("reward service: closing a connection that sent no whole request headers in %.1fs",
                       self.header_timeout_s)
@@ -172,11 +178,12 @@ class ConnectionProtocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         body = json.dumps({"error": f"invalid HTTP request: {self._protocol_error or msg}"}).encode()
-        # a Content-Length: else h11, which never saw a valid request, ends the answer by closing the connection
+        # a Content-Length: else h11, which never saw a valid request, ends the answer by closing the
+        # connection
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
-                      h11.EndOfMessage()):
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                      h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self._close_after_draining()
 

@@ -42,7 +42,8 @@ class AnswerRule:
             self.pattern = re.compile(NUMBER)
         else:  # the first label, as a whole word; the longest wins where two start at the same place
             alternatives = sorted(self.labels, key=len, reverse=True)
-            self.pattern = re.compile(r"(?<!\w)(" + "|".join(map(re.escape, alternatives)) + r")(?!\w)", re.IGNORECASE)
+            self.pattern = re.compile(r"(?<!\w)(" + "|".join(map(re.escape, alternatives)) + r")(?!\w)",
+                                      re.IGNORECASE)
 
     def __call__(self, answer: str) -> float | None:
         match = self.pattern.search(answer)
@@ -68,7 +69,8 @@ class Judge:
     ``answers`` and ``unparseable`` count what it has judged; ``last_unparseable`` is the latest answer the
     rule could not read (for the log)."""
 
-    def __init__(self, cfg: JudgeConfig, model_dir: str, device: str = "cpu", engine_args: dict | None = None) -> None:
+    def __init__(self, cfg: JudgeConfig, model_dir: str, device: str = "cpu",
+                 engine_args: dict | None = None) -> None:
         from services.console import quiet_judge_cast
         from services.devices import build_llm
 
@@ -77,7 +79,8 @@ class Judge:
         self.cfg = cfg
         self.rule = AnswerRule(cfg.parse, cfg.pattern, cfg.score_range, cfg.labels)
         self.fields = template_fields(cfg.template)
-        self.llm = build_llm(model_dir, cfg.seed, cfg.max_model_len, cfg.kv_cache_mib, cfg.dtype, device, engine_args)
+        self.llm = build_llm(model_dir, cfg.seed, cfg.max_model_len, cfg.kv_cache_mib, cfg.dtype, device,
+                             engine_args)
         self.tokenizer = self.llm.get_tokenizer()
         self.chat = cfg.chat and bool(getattr(self.tokenizer, "chat_template", None))
         self.answers = self.unparseable = 0
@@ -88,8 +91,8 @@ class Judge:
         values = {**fields, "prompt": prompt, "response": response}
         missing = [f for f in self.fields if f not in values]
         if missing:
-            raise ValueError(f"reward.judge.template needs the row field(s) {missing}, which this sample lacks "
-                             f"(it has {sorted(fields)})")
+            raise ValueError(f"reward.judge.template needs the row field(s) {missing}, which this sample "
+                             f"lacks (it has {sorted(fields)})")
         text = self.cfg.template.format(**values)
         if self.chat:
             return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -114,8 +117,10 @@ class Judge:
             if len(ids) > room:
                 raise ValueError(f"the judge's prompt for sample {i} has {len(ids)} tokens, more than "
                                  f"reward.judge.max_model_len - max_new_tokens = {room}")
-        params = SamplingParams(temperature=self.cfg.temperature, max_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in encoded], params, use_tqdm=False)
+        params = SamplingParams(temperature=self.cfg.temperature, max_tokens=self.cfg.max_new_tokens,
+                                seed=self.cfg.seed)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in encoded], params,
+                                    use_tqdm=False)
         answers = [out.outputs[0].text for out in outputs]
         scores = []
         for answer in answers:
@@ -136,7 +141,8 @@ class Judge:
         """Answers and unparseable answers since the last call (then zero)."""
         counts = {"judge_answers": self.answers, "judge_unparseable": self.unparseable}
         if self.unparseable:
-            log.warning("reward judge: %d of %d answers unparseable, scored %s; the latest: %r", self.unparseable,
-                        self.answers, self.cfg.unparseable_score, (self.last_unparseable or "")[:200])
+            log.warning("reward judge: %d of %d answers unparseable, scored %s; the latest: %r",
+                        self.unparseable, self.answers, self.cfg.unparseable_score,
+                        (self.last_unparseable or "")[:200])
         self.answers = self.unparseable = 0
         return counts

@@ -101,7 +101,8 @@ def _validate_request(payload: object, max_batch: int) -> tuple[list[str], list[
         raise HTTPError(400, f"request body must be a JSON object, got {type(payload).__name__}")
     unknown = sorted(set(payload) - {"prompts", "completions", "fields"})
     if unknown:
-        raise HTTPError(400, f"unknown field(s) {unknown}; expected only 'prompts', 'completions' and 'fields'")
+        raise HTTPError(400, f"unknown field(s) {unknown}; expected only 'prompts', 'completions' "
+                             "and 'fields'")
     lists = {}
     for name in ("prompts", "completions"):
         if name not in payload:
@@ -116,7 +117,8 @@ def _validate_request(payload: object, max_batch: int) -> tuple[list[str], list[
     prompts, completions = lists["prompts"], lists["completions"]
     if len(prompts) != len(completions):
         raise HTTPError(
-            400, f"'prompts' and 'completions' differ in length: {len(prompts)} prompts, {len(completions)} completions"
+            400, f"'prompts' and 'completions' differ in length: {len(prompts)} prompts, {len(completions)} "
+                 "completions"
         )
     fields = payload.get("fields", [{} for _ in prompts])
     if not isinstance(fields, list) or len(fields) != len(prompts):
@@ -132,7 +134,8 @@ def _validate_request(payload: object, max_batch: int) -> tuple[list[str], list[
 def _validate_scores(scores: object, n: int) -> list[float]:
     """One finite float per sample, or a 500 naming the first bad sample index."""
     if isinstance(scores, (str, bytes, dict)) or not hasattr(scores, "__len__"):
-        raise HTTPError(500, f"reward function returned {type(scores).__name__}, not a sequence of {n} scores")
+        raise HTTPError(500, f"reward function returned {type(scores).__name__}, "
+                             f"not a sequence of {n} scores")
     try:
         values = list(scores)
     except TypeError:
@@ -150,7 +153,8 @@ def _validate_scores(scores: object, n: int) -> list[float]:
             number = float(value)
         except (TypeError, ValueError):
             raise HTTPError(
-                500, f"reward function returned {type(value).__name__} for sample index {i}; expected a number"
+                500, f"reward function returned {type(value).__name__} for sample index {i}; expected a "
+                     "number"
             ) from None
         if not math.isfinite(number):
             raise HTTPError(500, f"reward function returned non-finite score {number} for sample index {i}")
@@ -175,7 +179,8 @@ class _Limiter:
         else:
             named = sorted({k for f in fields for k in f})
             if named:
-                raise HTTPError(400, f"this service's reward function takes no fields; the request sent {named}")
+                raise HTTPError(400, "this service's reward function takes no fields; "
+                                     f"the request sent {named}")
             args = (prompts, completions)
         loop = asyncio.get_running_loop()
         if self.slots is None:
@@ -184,7 +189,8 @@ class _Limiter:
         try:
             await asyncio.wait_for(slots.acquire(), max(0.0, deadline - loop.time()))
         except TimeoutError:
-            raise HTTPError(503, f"reward service busy: no reward slot freed within timeout_s={self.timeout_s}") from None
+            raise HTTPError(503, "reward service busy: no reward slot freed within "
+                                 f"timeout_s={self.timeout_s}") from None
         future = loop.create_future()
 
         def settle(value: object, error: BaseException | None) -> None:
@@ -211,7 +217,8 @@ class _Limiter:
         try:
             return await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - loop.time()))
         except TimeoutError:
-            raise HTTPError(504, f"reward function did not return within timeout_s={self.timeout_s}") from None
+            raise HTTPError(504, "reward function did not return within "
+                                 f"timeout_s={self.timeout_s}") from None
         except HTTPError:  # the reward refused the request itself (a sample without a field it needs)
             raise
         except Exception as e:
@@ -236,7 +243,8 @@ def build_app(reward_fn: RewardFn, token: str | None = None, max_request_bytes: 
             if expected is not None:
                 header = request.headers.get("authorization")
                 if header is None:
-                    raise HTTPError(401, "missing Authorization header; expected 'Authorization: Bearer <token>'")
+                    raise HTTPError(401, "missing Authorization header; "
+                                         "expected 'Authorization: Bearer <token>'")
                 scheme, _, presented = header.partition(" ")
                 if scheme.lower() != "bearer" or not presented:
                     raise HTTPError(401, "Authorization header must be 'Bearer <token>'")
@@ -245,7 +253,8 @@ def build_app(reward_fn: RewardFn, token: str | None = None, max_request_bytes: 
             return await call_next(request)
         except HTTPError as e:
             if e.status >= 500:
-                log.warning("reward service %s %s -> %d: %s", request.method, request.url.path, e.status, e.message)
+                log.warning("reward service %s %s -> %d: %s", request.method, request.url.path, e.status,
+                            e.message)
             return _error(e.status, e.message)
         except Exception:
             incident = uuid.uuid4().hex[:12]
@@ -265,7 +274,8 @@ def build_app(reward_fn: RewardFn, token: str | None = None, max_request_bytes: 
     @app.exception_handler(HTTPError)
     async def service_error(request: Request, exc: HTTPError) -> JSONResponse:
         if exc.status >= 500:
-            log.warning("reward service %s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+            log.warning("reward service %s %s -> %d: %s", request.method, request.url.path, exc.status,
+                        exc.message)
         return _error(exc.status, exc.message)
 
     @app.get("/health")
@@ -284,7 +294,8 @@ def build_app(reward_fn: RewardFn, token: str | None = None, max_request_bytes: 
             raise HTTPError(411, "Content-Length header is required")
         length = int(lengths[0])  # h11 has checked it: digits only, all copies equal
         if length > max_request_bytes:
-            raise HTTPError(413, f"request body of {length} bytes exceeds max_request_bytes={max_request_bytes}")
+            raise HTTPError(413, f"request body of {length} bytes exceeds "
+                                 f"max_request_bytes={max_request_bytes}")
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
@@ -313,13 +324,15 @@ def build_app(reward_fn: RewardFn, token: str | None = None, max_request_bytes: 
         prompts, completions, fields = _validate_request(payload, max_batch)
         if not prompts:
             return {"scores": []}
-        return {"scores": _validate_scores(await limiter(prompts, completions, fields, deadline), len(prompts))}
+        return {"scores": _validate_scores(await limiter(prompts, completions, fields, deadline),
+                                           len(prompts))}
 
     return app
 
 
 class RewardServer:
-    """A running reward service: ``url``, ``host``, ``port``; ``close()`` stops it (also as a context manager)."""
+    """A running reward service: ``url``, ``host``, ``port``; ``close()`` stops it (also as a context
+    manager)."""
 
     def __init__(self, server: uvicorn.Server, sock: socket.socket, host: str) -> None:
         self._server, self._sock = server, sock
@@ -383,7 +396,8 @@ def serve(
     max_connections: int = 64,
     header_timeout_s: float = 5.0,
     # a job's reward actors each hold one keep-alive connection, and the actors of one node share its address:
-    # 32 is more than a node runs, yet one address (a slowloris) holds at most half of the default max_connections
+    # 32 is more than a node runs, yet one address (a slowloris) holds at most half of the default
+    # max_connections
     max_connections_per_client: int = 32,
 ) -> RewardServer:
     """Serve ``reward_fn(prompts, completions[, fields]) -> scores`` over HTTP in a background thread.
@@ -401,19 +415,20 @@ def serve(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     for name, value in (("timeout_s", timeout_s), ("header_timeout_s", header_timeout_s)):
-        if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)
+                                           and value > 0):
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     app = build_app(reward_fn, token, max_request_bytes, max_batch, float(timeout_s), max_concurrent)
     request_timeout_s = max(float(timeout_s), 1.0)
     # the header deadline never exceeds the request deadline: a client that sends nothing whole holds nothing
     # longer; a rejected request's rest is drained for at most the request deadline, and at most a whole
     # accepted request plus what socket buffers hold in flight
-    protocol = type("RewardProtocol", (ConnectionProtocol,), {"header_timeout_s": min(float(header_timeout_s),
-                                                                             request_timeout_s),
-                                                     "max_connections_per_client": max_connections_per_client,
-                                                     "table": ConnectionTable(),
-                                                     "drain_s": min(ConnectionProtocol.drain_s, request_timeout_s),
-                                                     "drain_max_bytes": max_request_bytes + (1 << 20)})
+    protocol = type("RewardProtocol", (ConnectionProtocol,),
+                    {"header_timeout_s": min(float(header_timeout_s), request_timeout_s),
+                     "max_connections_per_client": max_connections_per_client,
+                     "table": ConnectionTable(),
+                     "drain_s": min(ConnectionProtocol.drain_s, request_timeout_s),
+                     "drain_max_bytes": max_request_bytes + (1 << 20)})
     bind_host = host.strip("[]")
     sock = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -44,13 +44,14 @@ class Task:
     # Rows: the reward actor knows which prompt (index into ``prompts()``, split "train", or into
     # ``eval_prompts()``, split "eval") each sample answers. Tasks whose reward reads only the text ignore it.
 
-    def reward_rows(self, prompts: list[str], completions: list[str], rows: list[int], split: str) -> list[float]:
+    def reward_rows(self, prompts: list[str], completions: list[str], rows: list[int],
+                    split: str) -> list[float]:
         """One score per sample of prompt rows ``rows``; ``reward`` by default."""
         return self.reward(prompts, completions)
 
     def evaluate_rows(self, prompts: list[str], completions: list[str], rows: list[int], split: str) -> dict:
-        """Eval metrics of samples of prompt rows ``rows``; ``evaluate`` by default. An empty dict: the task has
-        no metric of its own and the job's reward (reward.kind) is its score."""
+        """Eval metrics of samples of prompt rows ``rows``; ``evaluate`` by default. An empty dict: the task
+        has no metric of its own and the job's reward (reward.kind) is its score."""
         return self.evaluate(prompts, completions)
 
     def row_fields(self, rows: list[int], split: str) -> list[dict]:

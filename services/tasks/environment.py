@@ -82,8 +82,8 @@ class EnvironmentTask(Task):
                              "(a file of rows), or a rows() method on the environment")
         rows = list(source())
         if not rows or not all(isinstance(r, dict) for r in rows):
-            raise ValueError(f"task.environment {self.environment!r}: {method}() must return a non-empty list of "
-                             f"dicts, got {rows[:2]!r:.120}")
+            raise ValueError(f"task.environment {self.environment!r}: {method}() must return a non-empty "
+                             f"list of dicts, got {rows[:2]!r:.120}")
         return rows
 
     def prompts(self) -> list[str]:
@@ -98,7 +98,8 @@ class EnvironmentTask(Task):
         return f"{source or 'the environment'}, {'row' if split == 'train' else 'eval row'} {index}"
 
     def reward(self, prompts: list[str], completions: list[str]) -> list[float]:
-        raise NotImplementedError("an environment's episodes are rewarded by its steps (RolloutBatch.turn_rewards)")
+        raise NotImplementedError("an environment's episodes are rewarded by its steps "
+                                  "(RolloutBatch.turn_rewards)")
 
 
 @dataclass

@@ -41,8 +41,8 @@ class RandomWalksTask(Task):
         left_out = [s for s in starts if s not in scorable]
         if left_out:
             warnings.warn(f"randomwalks task.seed={self.seed}: {len(left_out)} of {len(starts)} start nodes "
-                          f"({''.join(left_out)}) have no path to 'a' shorter than {MAX_LENGTH} nodes and are left "
-                          f"out of the prompts", stacklevel=2)
+                          f"({''.join(left_out)}) have no path to 'a' shorter than {MAX_LENGTH} nodes and "
+                          f"are left out of the prompts", stacklevel=2)
         return [s for s in starts if s in scorable]
 
     def eval_prompts(self) -> list[str]:
