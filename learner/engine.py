@@ -1,13 +1,15 @@
-"""The learner's training engines behind one small protocol (``TrainingEngine``), which ``learner.update`` drives:
+"""The learner's training engines behind one small protocol (``TrainingEngine``), which ``learner.update``
+drives:
 
 - ``DeepSpeedEngine``: a rank's DeepSpeed ZeRO engine (stages 0-3, fp32 or bf16, gloo or NCCL);
-- ``TorchEngine``: the same model and optimizer in plain torch, one process, no DeepSpeed (tests, the device check).
+- ``TorchEngine``: the same model and optimizer in plain torch, one process, no DeepSpeed (tests, the device
+  check).
 
-Both own the policy (``PolicyWithValueHead``), its forwards (padded, or packed by ``learner.max_tokens_per_microbatch``),
-the backward, the optimizer step with gradient clipping (it returns the gradient's norm) and the learning rate.
-``lockstep`` and ``agree`` are the one mechanism that keeps the ranks' collectives in step: under ZeRO-3 every
-forward gathers parameters from all ranks, so every rank must run as many; every gradient reduction pairs too.
-"""
+Both own the policy (``PolicyWithValueHead``), its forwards (padded, or packed by
+``learner.max_tokens_per_microbatch``), the backward, the optimizer step with gradient clipping (it returns
+the gradient's norm) and the learning rate. ``lockstep`` and ``agree`` are the one mechanism that keeps the
+ranks' collectives in step: under ZeRO-3 every forward gathers parameters from all ranks, so every rank must
+run as many; every gradient reduction pairs too. """
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from learner.ppo import DistributedReducer, Reducer
 from services.logprobs import token_logprobs
 
 if TYPE_CHECKING:
+    from learner.plan import RankSpec
     from services.config import LearnerConfig, PPOConfig
     from services.experience import RolloutBatch
 
@@ -86,9 +89,9 @@ class PolicyEngine:
     def forward(self, batch: RolloutBatch, grad: bool) -> Forward:
         """(log-probs [B, T], values [B, T] or None, logits [B, T, V]) of ``batch``'s rows; without ``grad``
         detached, log-probs and values on the CPU. Packed (``max_tokens_per_microbatch``), the rows run in
-        micro-batches of at most that many tokens (with gradients, those of the one step of ``single_step``, each
-        graph kept for its backward; the PPO loop's micro-batches already fit); under ZeRO-3 as one pack, so that
-        the ranks' forwards pair up."""
+        micro-batches of at most that many tokens (with gradients, those of the one step of ``single_step``,
+        each graph kept for its backward; the PPO loop's micro-batches already fit); under ZeRO-3 as one pack,
+        so that the ranks' forwards pair up."""
         from services.experience import plan_micro_batches, sequence_lengths
 
         if self.budget is not None and not self.one_pack:
@@ -106,19 +109,22 @@ class PolicyEngine:
         self.forwards_run += 1
         with torch.set_grad_enabled(grad):
             if self.budget is not None:
-                logits, values = self.module(None, None, None, 0, self.temperature, packed=pack(batch).to(self.device))
+                packed = pack(batch).to(self.device)
+                logits, values = self.module(None, None, None, 0, self.temperature, packed=packed)
             else:
                 input_ids, attention_mask, position_ids = (x.to(self.device) for x in model_inputs(batch))
-                logits, values = self.module(input_ids, attention_mask, position_ids, batch.prompt_ids.shape[1],
+                logits, values = self.module(input_ids, attention_mask, position_ids,
+                                             batch.prompt_ids.shape[1],
                                              self.temperature)
             logprobs = token_logprobs(logits, batch.response_ids.to(self.device))
         if not grad:
-            return logprobs.detach().cpu(), values.detach().cpu() if values is not None else None, logits.detach()
+            values = values.detach().cpu() if values is not None else None
+            return logprobs.detach().cpu(), values, logits.detach()
         return logprobs, values, logits
 
     def sequence_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
-        """The policy's log-probs (temperature 1) of each sequence's tokens after its first ``prompt_lengths``: what
-        the probe compares with the engines' after a sync."""
+        """The policy's log-probs (temperature 1) of each sequence's tokens after its first
+        ``prompt_lengths``: what the probe compares with the engines' after a sync."""
         from services.experience import make_batch
 
         prompts = [s[:p] for s, p in zip(sequences, prompt_lengths, strict=True)]
@@ -142,8 +148,9 @@ class PolicyEngine:
 
     @contextlib.contextmanager
     def lockstep(self, forwards: int) -> Iterator[None]:
-        """A round of ``forwards`` forwards without gradients on this rank (at most): where forwards pair up across
-        ranks, every rank runs as many as the rank with the most, the missing ones on a placeholder at the end."""
+        """A round of ``forwards`` forwards without gradients on this rank (at most): where forwards pair up
+        across ranks, every rank runs as many as the rank with the most, the missing ones on a placeholder at
+        the end."""
         if not self.pairs_forwards:
             yield
             return
@@ -156,15 +163,17 @@ class PolicyEngine:
             self._forward(placeholder_batch(), grad=False)
 
     def filler_backward(self, boundary: bool | None) -> None:
-        """A micro-batch this rank does not have, where another rank has one: a forward and backward of nothing
-        (a loss of 0 with the graph of every output), so that the ranks' gathers and reductions pair up."""
+        """A micro-batch this rank does not have, where another rank has one: a forward and backward of
+        nothing (a loss of 0 with the graph of every output), so that the ranks' gathers and reductions pair
+        up."""
         _, values, logits = self._forward(placeholder_batch(), grad=True)
         self.backward(0.0 * logits.sum() + (0.0 * values.sum() if values is not None else 0.0), boundary)
 
 
 def build_policy(model_dir: str, learner: LearnerConfig, has_critic: bool, seed: int) -> PolicyWithValueHead:
-    """The policy of ``model_dir`` in fp32 (the master weights; bf16 is the engine's), with LoRA's adapters where
-    ``learner.lora`` asks, and a value head (or a separate critic) with ``has_critic``, initialised from ``seed``."""
+    """The policy of ``model_dir`` in fp32 (the master weights; bf16 is the engine's), with LoRA's adapters
+    where ``learner.lora`` asks, and a value head (or a separate critic) with ``has_critic``, initialised from
+    ``seed``."""
     from services.models import load_causal_lm
 
     torch.manual_seed(seed)  # the same value-head init on every rank
@@ -179,8 +188,8 @@ def build_policy(model_dir: str, learner: LearnerConfig, has_critic: bool, seed:
 
 
 def build_optimizer(parameters: list[nn.Parameter], ppo: PPOConfig, on_gpu: bool) -> torch.optim.Optimizer:
-    """AdamW over the trained ``parameters``: on CPU fused (torch's default steps one tensor at a time, about 3x
-    slower there), on CUDA its default, foreach."""
+    """AdamW over the trained ``parameters``: on CPU fused (torch's default steps one tensor at a time, about
+    3x slower there), on CUDA its default, foreach."""
     from torch.optim import AdamW
 
     return AdamW(parameters, lr=ppo.lr, betas=tuple(ppo.adam_betas), weight_decay=ppo.weight_decay, eps=1e-8,
@@ -188,8 +197,9 @@ def build_optimizer(parameters: list[nn.Parameter], ppo: PPOConfig, on_gpu: bool
 
 
 class TorchEngine(PolicyEngine):
-    """The policy trained with plain torch in one process, built as a rank builds it (``build``), the gradients
-    clipped by ``ppo.max_grad_norm``: what tests and the device check drive ``learner.update`` with."""
+    """The policy trained with plain torch in one process, built as a rank builds it (``build``), the
+    gradients clipped by ``ppo.max_grad_norm``: what tests and the device check drive ``learner.update``
+    with."""
 
     def __init__(self, policy: PolicyWithValueHead, ppo: PPOConfig, device: torch.device | str = "cpu",
                  temperature: float = 1.0, max_tokens_per_microbatch: int | None = None) -> None:
@@ -198,13 +208,15 @@ class TorchEngine(PolicyEngine):
         self.trained_parameters = [p for p in policy.parameters() if p.requires_grad]
         optimizer = build_optimizer(self.trained_parameters, ppo, device.type == "cuda")
         super().__init__(policy, optimizer, device, Reducer())
-        self.temperature, self.budget, self.max_grad_norm = temperature, max_tokens_per_microbatch, ppo.max_grad_norm
+        self.temperature, self.budget = temperature, max_tokens_per_microbatch
+        self.max_grad_norm = ppo.max_grad_norm
 
     @classmethod
-    def build(cls, model_dir: str, learner: LearnerConfig, ppo: PPOConfig, has_critic: bool, seed: int,
-              device: torch.device | str = "cpu", temperature: float = 1.0) -> TorchEngine:
-        return cls(build_policy(model_dir, learner, has_critic, seed), ppo, device, temperature,
-                   learner.max_tokens_per_microbatch)
+    def build(cls, model_dir: str, spec: RankSpec, device: torch.device | str = "cpu") -> TorchEngine:
+        """The engine a rank of ``spec`` would build (``RankSpec.of``), in this process."""
+        policy = build_policy(model_dir, spec.learner, spec.algorithm.has_critic, spec.seed)
+        return cls(policy, spec.algorithm.ppo, device, spec.temperature,
+                   spec.learner.max_tokens_per_microbatch)
 
     def backward(self, loss: Tensor, boundary: bool | None = None) -> None:
         loss.backward()
@@ -235,11 +247,13 @@ class DeepSpeedEngine(PolicyEngine):
         self.max_grad_norm = ppo.max_grad_norm
 
     @classmethod
-    def build(cls, model_dir: str, learner: LearnerConfig, ppo: PPOConfig, has_critic: bool, rank: int,
-              world_size: int, device: torch.device, temperature: float, seed: int) -> DeepSpeedEngine:
-        """The engine of the policy in ``model_dir`` (and a value head or a separate critic with ``has_critic``),
-        once this process's rendezvous environment is set (MASTER_ADDR, RANK, ...)."""
+    def build(cls, model_dir: str, spec: RankSpec, rank: int, world_size: int,
+              device: torch.device) -> DeepSpeedEngine:
+        """The engine of rank ``rank`` of ``spec`` (``RankSpec.of``) over the policy in ``model_dir``, once
+        this process's rendezvous environment is set (MASTER_ADDR, RANK, ...)."""
         import deepspeed
+
+        learner, ppo = spec.learner, spec.algorithm.ppo
 
         on_gpu = device.type == "cuda"
         if not on_gpu:
@@ -249,7 +263,7 @@ class DeepSpeedEngine(PolicyEngine):
         # rendezvous and every later collective give up after this, instead of hanging
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False,
                                    timeout=timedelta(seconds=learner.collective_timeout_s))
-        model = build_policy(model_dir, learner, has_critic, seed)
+        model = build_policy(model_dir, learner, spec.algorithm.has_critic, spec.seed)
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(trained, ppo, on_gpu)
         micro = ppo.minibatch_size // world_size
@@ -273,7 +287,7 @@ class DeepSpeedEngine(PolicyEngine):
 
             check_packing_isolation(model.lm, model.lm.config.vocab_size, f"learner-rank-{rank}")
         built = cls(engine, learner, ppo, rank, world_size, device)
-        built.temperature = temperature
+        built.temperature = spec.temperature
         return built
 
     def backward(self, loss: Tensor, boundary: bool | None = None) -> None:
@@ -282,8 +296,9 @@ class DeepSpeedEngine(PolicyEngine):
         self.engine.backward(loss)
 
     def step(self) -> float | None:
-        """The optimizer step; the gradient's norm before clipping (``ppo.max_grad_norm``): DeepSpeed's optimizers
-        under ZeRO and in bf16 report it; an fp32 step without ZeRO clips the (reduced) gradients here."""
+        """The optimizer step; the gradient's norm before clipping (``ppo.max_grad_norm``): DeepSpeed's
+        optimizers under ZeRO and in bf16 report it; an fp32 step without ZeRO clips the (reduced) gradients
+        here."""
         norm = None
         if self.clips_itself:  # a parameter without a gradient (unused this step) is left out by torch
             norm = torch.nn.utils.clip_grad_norm_(self.trained_parameters, self.max_grad_norm)
@@ -311,9 +326,10 @@ class DeepSpeedEngine(PolicyEngine):
                                                  enabled=self.zero3)
 
     def policy_weights(self, dtype: str, adapter: bool, merged: bool):
-        """Inside ``gathered()``: the full policy weights (HF names) as ``HostWeights`` in ``dtype`` on rank 0 (views
-        of the live parameters where the dtype matches: copy them before the context ends), None elsewhere.
-        ``adapter``: the LoRA adapter alone, with its config; ``merged``: LoRA merged into the base weights."""
+        """Inside ``gathered()``: the full policy weights (HF names) as ``HostWeights`` in ``dtype`` on rank 0
+        (views of the live parameters where the dtype matches: copy them before the context ends), None
+        elsewhere. ``adapter``: the LoRA adapter alone, with its config; ``merged``: LoRA merged into the base
+        weights."""
         from learner.lora import adapter_state, merged_state_dict
         from services.weights import HostWeights
 
@@ -322,4 +338,5 @@ class DeepSpeedEngine(PolicyEngine):
         if adapter:
             state, adapter_config = adapter_state(self.lm)
             return HostWeights(state, getattr(torch, dtype), adapter_config)
-        return HostWeights(merged_state_dict(self.lm) if merged else self.lm.state_dict(), getattr(torch, dtype))
+        state = merged_state_dict(self.lm) if merged else self.lm.state_dict()
+        return HostWeights(state, getattr(torch, dtype))

@@ -1,7 +1,7 @@
-"""One learner rank as a Ray actor: a thin shell over its training engine (``learner.engine.DeepSpeedEngine``) and
-the update (``learner.update``). It joins its peers' process group (without the ``deepspeed`` launcher), fetches
-its chunks by their refs as they arrive, runs the update on what it collected, and hands out weights, probes and
-checkpoints. Every statistic it returns is a sum, so the driver's are exact over all ranks."""
+"""One learner rank as a Ray actor: a thin shell over its training engine (``learner.engine.DeepSpeedEngine``)
+and the update (``learner.update``). It joins its peers' process group (without the ``deepspeed`` launcher),
+fetches its chunks by their refs as they arrive, runs the update on what it collected, and hands out weights,
+probes and checkpoints. Every statistic it returns is a sum, so the driver's are exact over all ranks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from actors.base import lost_to_dead_actor, starting_up, yield_cpu_to_engines
 from learner import rank_checkpoint
 from learner.plan import RankSpec
-from learner.policy_model import join_rendezvous
+from learner.policy_model import join_rendezvous, rendezvous_address
 from learner.records import Admission, ChunkRefs, RankUpdate
 from learner.update import RankScoring, collect_chunk, evaluation_kl_sums, update
 
@@ -23,23 +23,16 @@ if TYPE_CHECKING:  # the batch's module loads in the rank, not in the driver (se
 
 class LearnerRank:
     def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
-        self.engine = None
+        self.rank, self.world_size, self.engine = rank, world_size, None
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port, for rank 0 to serve as the rendezvous."""
-        import socket
-
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        return rendezvous_address()
 
     @starting_up()
     def setup(self, master_addr: str, master_port: int, spec: RankSpec) -> int:
-        """The engine of ``spec`` (``RankSpec.of``), joined to rank 0's rendezvous at ``master_addr:master_port``.
-        Called again on a live rank, it sets the rank up for another job: the process group (and its timeout) stay."""
+        """The engine of ``spec`` joined to rank 0's rendezvous at ``master_addr:master_port``. On a live rank
+        it sets the rank up for another job: the process group (and its timeout) stay."""
         from actors.reference import ReferenceModel
         from actors.reward import RewardScorer
         from learner.engine import DeepSpeedEngine
@@ -54,7 +47,7 @@ class LearnerRank:
             import gc
 
             self.engine = None
-            gc.unfreeze()  # the last set-up froze the engine (starting_up): its reference cycles can go now
+            gc.unfreeze()  # the last set-up froze the engine (starting_up): its cycles can go now
         self.learner, self.algorithm, self.settings = learner, spec.algorithm, spec.update
         device = join_rendezvous(self.rank, self.world_size, master_addr, master_port, spec.device, where)
         yield_cpu_to_engines(device.type)
@@ -62,30 +55,27 @@ class LearnerRank:
             torch.set_num_threads(spec.torch_threads)
         # the model's files on this rank's node: a shared path, the HF cache, or shipped by the driver
         self.model_dir = as_source(spec.model).resolve(where)
-        self.engine = DeepSpeedEngine.build(self.model_dir, learner, spec.algorithm.ppo, spec.algorithm.has_critic,
-                                            self.rank, self.world_size, device, spec.temperature, spec.seed)
+        self.engine = DeepSpeedEngine.build(self.model_dir, spec, self.rank, self.world_size, device)
         self.single_step = self.settings.single_step(spec.algorithm.off_policy)
-        # what this rank scores itself: its copy of the initial policy (a resume loads the engine alone), the reward
-        self.scoring = RankScoring(self.engine, spec.reference and ReferenceModel(spec.reference, str(device), where),
-                                   spec.reward and RewardScorer(spec.reward, "cpu", where))
+        # what it scores itself: its copy of the initial policy (a resume loads the engine alone), the reward
+        reference = spec.reference and ReferenceModel(spec.reference, str(device), where)
+        rewarder = spec.reward and RewardScorer(spec.reward, "cpu", where)
+        self.scoring = RankScoring(self.engine, reference, rewarder)
         self.collected: dict[int, RolloutBatch] = {}  # slot -> chunk, filled by ``collect_chunk``
         self.version: int | None = None  # the learner's version at the last collect, when the driver said
         self.timings: dict[str, float] = {}
         return self.rank
 
-    # ------------------------------------------------------------------ one update on this rank's chunks
-
     def collect(self, slots: list[int], chunks: list[ChunkRefs], admission: Admission | None = None) -> dict:
-        """Fetch this rank's chunks, in order, and run ``collect_chunk`` on each as it arrives (its forward overlaps
-        the generation of later ones). Reported in ``failed`` for the driver to regenerate: a chunk lost to a dead
-        actor, or with rows ``admission`` refuses (an engine that restarted after the driver's version check, or
-        too stale). Any other error (a reward function that raised, NaN) ends the job."""
+        """Fetch this rank's chunks in order and run ``collect_chunk`` on each as it arrives (overlapping the
+        generation of later ones). ``failed``: the slots to regenerate, lost to a dead actor or with rows
+        ``admission`` refuses. Any other error (a reward function that raised, NaN) ends the job."""
         import ray
 
         failed, wait, start = [], 0.0, time.perf_counter()
         self.version = admission.policy_version if admission is not None else None
-        per_chunk = self.scoring.engine_forwards(all(c.reference is not None for c in chunks), self.single_step)
-        with self.engine.lockstep(len(slots) * per_chunk):
+        given = all(c.reference is not None for c in chunks)
+        with self.engine.lockstep(len(slots) * self.scoring.engine_forwards(given, self.single_step)):
             for slot, refs in zip(slots, chunks, strict=True):
                 t0 = time.perf_counter()
                 try:
@@ -97,15 +87,16 @@ class LearnerRank:
                     continue
                 finally:
                     wait += time.perf_counter() - t0
-                if admission is not None and bool(admission.refuses(chunk.policy_version, chunk.kl_coef).any()):
+                if admission is not None and admission.refuses(chunk.policy_version, chunk.kl_coef).any():
                     failed.append(slot)
                     continue
                 scored = dict(zip(refs.scored(), values, strict=True))
                 collect_chunk(self.engine, self.scoring, chunk, slot, self.single_step, scored.get("score"),
                               scored.get("reference"), scored.get("teacher"))
                 self.collected[slot] = chunk
+        forward = time.perf_counter() - start - wait
         self.timings["wait_seconds"] = self.timings.get("wait_seconds", 0.0) + wait
-        self.timings["forward_seconds"] = self.timings.get("forward_seconds", 0.0) + time.perf_counter() - start - wait
+        self.timings["forward_seconds"] = self.timings.get("forward_seconds", 0.0) + forward
         return {"failed": failed, "collected": len(self.collected)}
 
     def update(self, kl_coef: float, iteration: int) -> RankUpdate:
@@ -117,7 +108,7 @@ class LearnerRank:
         return result
 
     def differing_groups(self) -> int:
-        """Dynamic sampling: how many whole groups with scores that differ (penalties applied) this rank holds."""
+        """Dynamic sampling: the whole groups this rank holds whose scores differ (penalties applied)."""
         return self.algorithm.differing_groups(self._collected_batch()) if self.collected else 0
 
     def _collected_batch(self) -> RolloutBatch:
@@ -126,8 +117,7 @@ class LearnerRank:
         return concat_batches([self.collected[slot] for slot in sorted(self.collected)])
 
     def evaluation_kl(self, chunks: list[ChunkRefs]) -> dict:
-        """``kl_sums`` (k1, per episode) of the current policy against the reference on evaluation chunks
-        (``learner.update.evaluation_kl_sums``): on-policy in every mode."""
+        """``learner.update.evaluation_kl_sums`` over evaluation chunks: on-policy in every mode."""
         import ray
 
         sums: dict[str, float] = {}
@@ -139,27 +129,25 @@ class LearnerRank:
                 sums = {k: sums.get(k, 0.0) + v for k, v in part.items()}
         return sums
 
-    def evaluate_rewards(self, chunk_refs: list, slots: list[int], keep_samples: int) -> list[tuple[int, dict]]:
-        """reward.placement learner: (slot, the task's eval metrics and first samples) of each evaluation chunk."""
+    def evaluate_rewards(self, chunk_refs: list, slots: list[int], keep: int) -> list[tuple[int, dict]]:
+        """reward.placement learner: (slot, eval metrics and first samples) of each evaluation chunk."""
         import ray
 
-        return [(slot, self.scoring.rewarder.evaluate(ray.get(ref), slot, keep_samples))
+        return [(slot, self.scoring.rewarder.evaluate(ray.get(ref), slot, keep))
                 for ref, slot in zip(chunk_refs, slots, strict=True)]
 
-    # ------------------------------------------------------------------ weights, probes, checkpoints
-
     def policy_state_dict(self, dtype: str | None = None, adapter: bool = False) -> list | None:
-        """[ObjectRef of the full policy weights as ``HostWeights`` in ``dtype`` (default: the learner's), their
-        bytes] on rank 0, None elsewhere: put once, read in place by every engine on the node. ``adapter``
-        (learner.lora): the adapter alone, for engines that take adapters. Collective under ZeRO-3."""
+        """[ObjectRef of the full policy weights as ``HostWeights`` in ``dtype`` (default: the learner's),
+        their bytes] on rank 0, None elsewhere; ``adapter``: LoRA's adapter alone. Collective under ZeRO-3."""
         import ray
 
-        with self.engine.gathered():  # ray.put copies the bytes inside: the live parameters move on after
-            weights = self.engine.policy_weights(dtype or self.learner.dtype, adapter, self.learner.lora.rank > 0)
+        with self.engine.gathered():  # ray.put copies the bytes inside: the parameters move on after
+            lora = self.learner.lora.rank > 0
+            weights = self.engine.policy_weights(dtype or self.learner.dtype, adapter, lora)
             return None if weights is None else [ray.put(weights), weights.nbytes]
 
     def weight_metadata(self) -> list[tuple[str, str, list[int]]]:
-        """``[(name, dtype, full HF shape)]`` of what the engines receive (ZeRO-3's ``ds_shape``; no collective)."""
+        """``[(name, dtype, full HF shape)]`` of what the engines receive (no collective)."""
         from learner.weight_transfer import announced_parameters
 
         return announced_parameters(self.engine.lm)
@@ -175,26 +163,28 @@ class LearnerRank:
         from learner.weight_transfer import trainer_engine
 
         self.weight_transfer = trainer_engine(self.engine.lm, self.engine.zero3, backend, self.rank, rollouts,
-                                              workers_per_engine, master_addr, master_port, buffer_bytes, timeout_s)
+                                              workers_per_engine, master_addr, master_port, buffer_bytes,
+                                              timeout_s)
 
     def send_weights(self) -> None:
-        """Full weights to every engine; every rank calls it (under ZeRO-3 each parameter is gathered from all)."""
+        """Full weights to every engine; every rank calls it (ZeRO-3 gathers each parameter from all)."""
         self.weight_transfer.send_weights()
 
-    def probe_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]] | None:
+    def probe_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list | None:
         """Rank 0's log-probs of given sequences at temperature 1, None elsewhere. Collective under ZeRO-3."""
         logprobs = self.engine.sequence_logprobs(sequences, prompt_lengths)
         return logprobs if self.rank == 0 else None
 
     def save_checkpoint(self, storage_url: str) -> dict:
-        """This rank's DeepSpeed files uploaded under ``learner/`` of ``storage_url``: {path: {sha256, bytes}}."""
+        """This rank's DeepSpeed files under ``learner/`` of ``storage_url``: {path: {sha256, bytes}}."""
         return rank_checkpoint.save(self.engine.engine, self.rank, storage_url)
 
     def load_checkpoint(self, storage_url: str, manifest: dict, saved_world_size: int) -> None:
         """This rank's DeepSpeed state from ``storage_url``, each file checked against ``manifest``."""
-        rank_checkpoint.load(self.engine.engine, self.rank, self.world_size, storage_url, manifest, saved_world_size)
+        rank_checkpoint.load(self.engine.engine, self.rank, self.world_size, storage_url, manifest,
+                             saved_world_size)
 
     def export_hf(self, storage_url: str) -> None:
-        """The policy as a Hugging Face model directory at ``storage_url`` (rank 0). Collective under ZeRO-3."""
+        """The policy as a Hugging Face model directory at ``storage_url`` (collective under ZeRO-3)."""
         rank_checkpoint.export_hf(self.engine.lm, self.rank, self.engine.zero3, self.learner.lora.rank > 0,
                                   self.model_dir, storage_url)

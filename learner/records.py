@@ -1,6 +1,7 @@
-"""The records the driver and the learner ranks exchange around an update: a chunk's refs (``ChunkRefs``), which
-rows the learner may train on (``Admission``), each rank's additive sums (``RankUpdate``) and the group's
-combination of them (``UpdateResult``), exact over the whole batch because every statistic is a sum or a max."""
+"""The records the driver and the learner ranks exchange around an update: a chunk's refs (``ChunkRefs``),
+which rows the learner may train on (``Admission``), each rank's additive sums (``RankUpdate``) and the
+group's combination of them (``UpdateResult``), exact over the whole batch because every statistic is a sum or
+a max."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from learner.ppo import ppo_stats_from_sums
 @dataclass(frozen=True)
 class ChunkRefs:
     """One chunk slot's object refs, built once by the fleet: the rollout, and where an actor scores them the
-    reference's log-probs, the reward's scores and the teacher's log-probs (None: the ranks score it, or no role)."""
+    reference's log-probs, the reward's scores and the teacher's log-probs (None: the ranks score it, or no
+    role)."""
 
     rollout: Any
     reference: Any = None
@@ -26,15 +28,16 @@ class ChunkRefs:
 
     def scored(self) -> dict[str, Any]:
         """{what: ref} of the refs beside the rollout that this chunk has."""
-        return {name: ref for name in ("reference", "score", "teacher") if (ref := getattr(self, name)) is not None}
+        return {name: ref for name in ("reference", "score", "teacher")
+                if (ref := getattr(self, name)) is not None}
 
 
 @dataclass(frozen=True)
 class Admission:
-    """Which rows a learner at ``policy_version`` may train on. Sync: exactly that version, under ``kl_coef``, the
-    beta in force. Async (``kl_coef`` None): versions at most ``max_staleness`` behind, under any beta (the penalty
-    takes the controller's at the update). A row of a version the learner does not have yet (an engine that
-    restarted after the driver's version check) is refused too."""
+    """Which rows a learner at ``policy_version`` may train on. Sync: exactly that version, under ``kl_coef``,
+    the beta in force. Async (``kl_coef`` None): versions at most ``max_staleness`` behind, under any beta
+    (the penalty takes the controller's at the update). A row of a version the learner does not have yet (an
+    engine that restarted after the driver's version check) is refused too."""
 
     policy_version: int
     kl_coef: float | None = None
@@ -104,5 +107,6 @@ class UpdateResult:
 
     @property
     def trained_episodes(self) -> int:
-        """The episodes the update trained on (the controller's statistic also counts dynamic sampling's dropped)."""
+        """The episodes the update trained on (the controller's statistic also counts dynamic sampling's
+        dropped)."""
         return int(self.sums["trained_episodes"])

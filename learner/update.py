@@ -2,11 +2,11 @@
 old log-probs, the controller's sums, the advantages, the learning rate, then epochs x minibatches x
 micro-batches (forward, loss, backward, step), and the sums the driver's metrics are made of.
 
-The math is ``learner.algorithm``'s (one layer over the batch, with the registered entries it calls); the model
-and the optimizer are a ``learner.engine.TrainingEngine``'s: DeepSpeed's in a rank, plain torch in a test. No Ray
-and no DeepSpeed here. ``collect_chunk`` is what a rank runs on each chunk as it arrives (the no-grad forward,
-the reference and the reward it scores itself), so that an update needs nothing but the collected rows.
-"""
+The math is ``learner.algorithm``'s (one layer over the batch, with the registered entries it calls); the
+model and the optimizer are a ``learner.engine.TrainingEngine``'s: DeepSpeed's in a rank, plain torch in a
+test. No Ray and no DeepSpeed here. ``collect_chunk`` is what a rank runs on each chunk as it arrives (the
+no-grad forward, the reference and the reward it scores itself), so that an update needs nothing but the
+collected rows. """
 
 from __future__ import annotations
 
@@ -46,11 +46,11 @@ class UpdateSettings:
         return (self.rollout_batch_size or self.ppo.minibatch_size) // self.ppo.minibatch_size
 
     def single_step(self, off_policy: bool) -> bool:
-        """One optimizer step per batch (one epoch, one minibatch): the policy that generated the rows is the one
-        that takes the step, so the step's own forward gives the old log-probs and values exactly, and collection
-        runs none (TRL's GRPO at num_iterations=1). Packed, the step's forward runs its micro-batches one after
-        another and keeps their graphs for the one backward; not under ZeRO-3, whose parameter gathers expect a
-        backward after each forward."""
+        """One optimizer step per batch (one epoch, one minibatch): the policy that generated the rows is the
+        one that takes the step, so the step's own forward gives the old log-probs and values exactly, and
+        collection runs none (TRL's GRPO at num_iterations=1). Packed, the step's forward runs its
+        micro-batches one after another and keeps their graphs for the one backward; not under ZeRO-3, whose
+        parameter gathers expect a backward after each forward."""
         return (self.rollout_batch_size is not None and not off_policy and self.ppo.epochs == 1
                 and self.ppo.minibatch_size == self.rollout_batch_size and not self.rows_per_episode_vary
                 and not (self.max_tokens_per_microbatch and self.zero3))
@@ -60,11 +60,13 @@ class RankScoring:
     """What a rank scores itself where no actor of that role starts: the reference (its own frozen copy of the
     initial policy, or LoRA's base: the policy with its adapters off) and the reward (the task's function)."""
 
-    def __init__(self, engine: TrainingEngine, reference: ReferenceModel | None, rewarder: RewardScorer | None):
+    def __init__(self, engine: TrainingEngine, reference: ReferenceModel | None,
+                 rewarder: RewardScorer | None) -> None:
         self.engine, self.reference, self.rewarder = engine, reference, rewarder
 
     def reference_logprobs(self, chunk: RolloutBatch) -> Tensor:
-        """[B, T] the reference's log-probs of the sampled tokens, at the rollout temperature, 0 off the mask."""
+        """[B, T] the reference's log-probs of the sampled tokens, at the rollout temperature, 0 off the
+        mask."""
         if self.reference is not None:
             return self.reference.score(chunk)
         with self.engine.lm.disable_adapter():
@@ -72,14 +74,17 @@ class RankScoring:
         return logprobs * chunk.action_mask
 
     def engine_forwards(self, references_given: bool, single_step: bool) -> int:
-        """The engine's forwards per chunk: the old log-probs' (none in one step) and LoRA's base reference's."""
+        """The engine's forwards per chunk: the old log-probs' (none in one step) and LoRA's base
+        reference's."""
         return (0 if single_step else 1) + (not references_given and self.reference is None)
 
 
-def collect_chunk(engine: TrainingEngine, scoring: RankScoring, chunk: RolloutBatch, slot: int, single_step: bool,
-                  scores: Tensor | None, ref_logprobs: Tensor | None, teacher_logprobs: Tensor | None) -> None:
-    """Fills ``chunk`` for the update: scores (given, or the rank's reward function's), the old log-probs and values
-    (no-grad forward; in one step the step's own forward gives them), the reference's and the teacher's log-probs."""
+def collect_chunk(engine: TrainingEngine, scoring: RankScoring, chunk: RolloutBatch, slot: int,
+                  single_step: bool, scores: Tensor | None, ref_logprobs: Tensor | None,
+                  teacher_logprobs: Tensor | None) -> None:
+    """Fills ``chunk`` for the update: scores (given, or the rank's reward function's), the old log-probs and
+    values (no-grad forward; in one step the step's own forward gives them), the reference's and the teacher's
+    log-probs."""
     chunk_scores = scores if scores is not None else scoring.rewarder.score(chunk, slot)
     if not single_step:
         chunk.old_logprobs, chunk.old_values, _ = engine.forward(chunk, grad=False)
@@ -89,8 +94,8 @@ def collect_chunk(engine: TrainingEngine, scoring: RankScoring, chunk: RolloutBa
 
 def evaluation_kl_sums(engine: TrainingEngine, scoring: RankScoring, chunk: RolloutBatch,
                        ref_logprobs: Tensor | None) -> dict[str, float]:
-    """``kl_sums`` (k1, per episode) of the engine's policy against the reference on an evaluation chunk that the
-    engines sampled with the same weights (``ref_logprobs`` None: ``scoring`` scores the reference)."""
+    """``kl_sums`` (k1, per episode) of the engine's policy against the reference on an evaluation chunk that
+    the engines sampled with the same weights (``ref_logprobs`` None: ``scoring`` scores the reference)."""
     from learner.kl import kl_sums
 
     logprobs, _, _ = engine.forward(chunk, grad=False)
@@ -101,16 +106,18 @@ def evaluation_kl_sums(engine: TrainingEngine, scoring: RankScoring, chunk: Roll
 
 def update(engine: TrainingEngine, algorithm: Algorithm, settings: UpdateSettings, batch: RolloutBatch,
            kl_coef: float, iteration: int, version: int | None = None) -> RankUpdate:
-    """The update on ``batch``, this rank's collected rows (``collect_chunk``), at ``kl_coef``; ``version``: the
-    learner's, which the rows' staleness is counted from (None: unknown). Returns additive sums, so that the
-    driver's statistics are exact over all ranks."""
+    """The update on ``batch``, this rank's collected rows (``collect_chunk``), at ``kl_coef``; ``version``:
+    the learner's, which the rows' staleness is counted from (None: unknown). Returns additive sums, so that
+    the driver's statistics are exact over all ranks."""
     t0 = time.perf_counter()
     single_step = settings.single_step(algorithm.off_policy)
-    # the rows to train on: with DAPO's dynamic sampling this rank's share, in whole groups whose scores differ
+    # the rows to train on: with DAPO's dynamic sampling this rank's share, in whole groups whose scores
+    # differ
     group_counts, dropped = {}, None
     if algorithm.dynamic_sampling:
         if settings.rollout_batch_size is None:
-            raise ValueError("dynamic sampling needs rollout_batch_size: each rank keeps its share of the batch")
+            raise ValueError("dynamic sampling needs rollout_batch_size: each rank keeps its share of the "
+                             "batch")
         share = settings.rollout_batch_size // (engine.world_size * algorithm.samples_per_prompt)
         keep, group_counts = algorithm.select(batch, share)
         dropped, batch = batch[(~keep).nonzero().squeeze(-1)], batch[keep.nonzero().squeeze(-1)]
@@ -118,13 +125,15 @@ def update(engine: TrainingEngine, algorithm: Algorithm, settings: UpdateSetting
             with engine.lockstep(1 if dropped.shape[0] else 0):
                 if dropped.shape[0]:
                     dropped.old_logprobs, _, _ = engine.forward(dropped, grad=False)
-    # old log-probs and values: collected with each chunk, or in one step the step's own forward, before any update
+    # old log-probs and values: collected with each chunk, or in one step the step's own forward, before any
+    # update
     step_forward = None
     if single_step:
         step_forward = engine.forward(batch, grad=True)
         batch.old_logprobs = step_forward[0].detach().cpu()
         batch.old_values = step_forward[1].detach().cpu() if step_forward[1] is not None else None
-    # the controller's statistic over every episode sampled, the dropped groups' too: not a selection on scores
+    # the controller's statistic over every episode sampled, the dropped groups' too: not a selection on
+    # scores
     sums = algorithm.controller_sums(batch, dropped)
     mask = batch.action_mask  # the model's tokens; prepare may take the truncated rows out of the loss's
     # the advantages (KL-penalised rewards at kl_coef, then the estimator), and what the episodes were given
@@ -132,8 +141,8 @@ def update(engine: TrainingEngine, algorithm: Algorithm, settings: UpdateSetting
     engine.set_lr(scheduled_lr(settings.ppo.lr, settings.ppo.lr_schedule, iteration, settings.run_iterations))
     ppo_sums = ppo_epochs(engine, algorithm, settings, batch, kl_coef, iteration, step_forward)
     if algorithm.has_critic:  # values before the update against their targets, as CleanRL logs it
-        ppo_sums["explained_variance_moments"] = explained_variance_moments(batch.old_values * mask, batch.returns,
-                                                                            mask).tolist()
+        moments = explained_variance_moments(batch.old_values * mask, batch.returns, mask)
+        ppo_sums["explained_variance_moments"] = moments.tolist()
     update_seconds = time.perf_counter() - t0
     sums |= batch_sums(algorithm, batch, mask, version, group_counts)
     return RankUpdate(
@@ -158,8 +167,8 @@ def ppo_epochs(engine: TrainingEngine, algorithm: Algorithm, settings: UpdateSet
     micro = ppo.minibatch_size // engine.world_size
     n = batch.shape[0]
     if step_forward is not None and n > micro:
-        raise ValueError(f"rank {engine.rank}: {n} rows for one optimizer step of {micro} (ppo.minibatch_size "
-                         f"{ppo.minibatch_size} over {engine.world_size} ranks)")
+        raise ValueError(f"rank {engine.rank}: {n} rows for one optimizer step of {micro} "
+                         f"(ppo.minibatch_size {ppo.minibatch_size} over {engine.world_size} ranks)")
     generator = torch.Generator().manual_seed(settings.seed * 100_003 + iteration)
     totals: dict[str, list] = {}  # name -> [sum, count] (tensors until the end)
     steps = 0
@@ -167,8 +176,8 @@ def ppo_epochs(engine: TrainingEngine, algorithm: Algorithm, settings: UpdateSet
         order = torch.arange(n) if step_forward is not None else torch.randperm(n, generator=generator)
         # ppo.minibatch_size episodes a step: micro rows on this rank, or, where an episode's rows vary
         # (rollout.agent), this rank's share of its episodes, each whole, so every rank takes as many steps
-        minibatches = (episode_minibatches(batch, settings.minibatches, generator) if settings.rows_per_episode_vary
-                       else order.split(micro))
+        minibatches = (episode_minibatches(batch, settings.minibatches, generator)
+                       if settings.rows_per_episode_vary else order.split(micro))
         for rows in minibatches:
             mb = batch[rows]
             # global token (or episode) counts over all ranks: W ranks compute what one would
@@ -196,7 +205,8 @@ def ppo_epochs(engine: TrainingEngine, algorithm: Algorithm, settings: UpdateSet
             norm = engine.step()  # the gradient's norm before clipping
             if norm is not None:
                 losses["grad_norm"] = torch.as_tensor(norm)
-            for key, value in losses.items():  # losses are this rank's share of the minibatch's: one count a step
+            # losses are this rank's share of the minibatch's: one count a step
+            for key, value in losses.items():
                 acc = totals.setdefault(key, [0.0, 0.0])
                 acc[0] = acc[0] + value.detach().double()
                 acc[1] = acc[1] + 1.0
@@ -206,8 +216,8 @@ def ppo_epochs(engine: TrainingEngine, algorithm: Algorithm, settings: UpdateSet
 
 
 def episode_minibatches(batch: RolloutBatch, minibatches: int, generator: torch.Generator) -> list[Tensor]:
-    """The rows of each of an epoch's ``minibatches``: this rank's episodes shuffled and split as evenly as they
-    go, each episode's rows together (the loss lays them end to end)."""
+    """The rows of each of an epoch's ``minibatches``: this rank's episodes shuffled and split as evenly as
+    they go, each episode's rows together (the loss lays them end to end)."""
     view = episode_view(batch)
     episodes = torch.randperm(view.episodes, generator=generator).tensor_split(minibatches)
     return [torch.isin(view.episode, part).nonzero().squeeze(-1) for part in episodes]
@@ -215,14 +225,15 @@ def episode_minibatches(batch: RolloutBatch, minibatches: int, generator: torch.
 
 def micro_batches(mb: RolloutBatch, budget: int | None) -> list[Tensor | None]:
     """The micro-batches of one optimizer step: the whole minibatch ([None]), or with
-    ``learner.max_tokens_per_microbatch`` its rows packed by that budget, whole episodes each (an episode's rows
-    share its sequence-level terms)."""
+    ``learner.max_tokens_per_microbatch`` its rows packed by that budget, whole episodes each (an episode's
+    rows share its sequence-level terms)."""
     if budget is None:
         return [None]
     from services.experience import plan_micro_batches, sequence_lengths
 
     view = episode_view(mb)
-    episode_lengths = torch.zeros(view.episodes, dtype=torch.long).index_add(0, view.episode, sequence_lengths(mb))
+    episode_lengths = torch.zeros(view.episodes, dtype=torch.long).index_add(0, view.episode,
+                                                                             sequence_lengths(mb))
     return [torch.isin(view.episode, episodes).nonzero().squeeze(-1)
             for episodes in plan_micro_batches(episode_lengths, budget)]
 
@@ -230,8 +241,8 @@ def micro_batches(mb: RolloutBatch, budget: int | None) -> list[Tensor | None]:
 def batch_sums(algorithm: Algorithm, batch: RolloutBatch, mask: Tensor, version: int | None,
                group_counts: dict[str, int]) -> dict[str, float]:
     """The update's sums over the rows besides the algorithm's own: lengths, the forward's tokens, the
-    engine-learner mismatch (rows of an older version apart), the rollout correction's, values and returns, dynamic
-    sampling's groups, the in-flight rows' and the environment's."""
+    engine-learner mismatch (rows of an older version apart), the rollout correction's, values and returns,
+    dynamic sampling's groups, the in-flight rows' and the environment's."""
     from services.experience import in_flight_sums, sequence_lengths, stale_tokens
 
     old_logprobs, behaviour = batch.old_logprobs * mask, batch.rollout_logprobs * mask
@@ -243,7 +254,8 @@ def batch_sums(algorithm: Algorithm, batch: RolloutBatch, mask: Tensor, version:
         "length_sum": float(mask.sum()),
         # the tokens a forward of these rows runs: the real ones, and in the padded [B, P + T] layout
         "forward_tokens_real": float(sequence_lengths(batch).sum()),
-        "forward_tokens_padded": float(batch.shape[0] * (batch.prompt_ids.shape[1] + batch.response_ids.shape[1])),
+        "forward_tokens_padded": float(batch.shape[0]
+                                       * (batch.prompt_ids.shape[1] + batch.response_ids.shape[1])),
         "mismatch_abs_sum": float(mismatch.sum()),  # all rows: the stale rows' share is apart below
         "mismatch_max": float((mismatch * (1 - stale)).max()) if mask.any() else 0.0,  # same-version rows
         "stale_tokens": float(stale.sum()),

@@ -40,15 +40,16 @@ def sampled_batch(engine, n: int = 16, seed: int = 0):
 
 
 def test_the_update_moves_the_policy_toward_the_better_responses_of_each_group(tiny_model_dir):
-    from learner.algorithm import Algorithm
     from learner.engine import TorchEngine
-    from learner.update import UpdateSettings, update
+    from learner.plan import RankSpec
+    from learner.update import update
 
     cfg = config()
-    engine = TorchEngine.build(tiny_model_dir, cfg.learner, cfg.ppo, has_critic=False, seed=1)
+    engine = TorchEngine.build(tiny_model_dir, RankSpec.of(cfg, tiny_model_dir))
     batch = sampled_batch(engine)
     before = batch.old_logprobs.sum(-1)
-    result = update(engine, Algorithm.from_config(cfg), UpdateSettings(cfg.ppo, 1, 1, 16), batch, 0.05, 1)
+    spec = RankSpec.of(cfg, tiny_model_dir)
+    result = update(engine, spec.algorithm, spec.update, batch, 0.05, 1)
     assert result.ppo["optimizer_steps"] == 2 * 2  # epochs x minibatches of 8
     assert result.sums["trained_episodes"] == 16 and result.lr == pytest.approx(3e-3)
     moved = engine.forward(batch, grad=False)[0].mul(batch.action_mask).sum(-1) - before
@@ -63,23 +64,21 @@ def test_the_update_moves_the_policy_toward_the_better_responses_of_each_group(t
 
 DEEPSPEED_STEP = """
 import os, socket, torch
-from learner.algorithm import Algorithm
 from learner.engine import DeepSpeedEngine, TorchEngine
-from learner.update import UpdateSettings, update
+from learner.plan import RankSpec
+from learner.update import update
 from tests.test_update import config, sampled_batch
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-cfg = config()
-engines = {"deepspeed": DeepSpeedEngine.build(MODEL, cfg.learner, cfg.ppo, False, 0, 1, torch.device("cpu"), 1.0,
-                                              1),
-           "torch": TorchEngine.build(MODEL, cfg.learner, cfg.ppo, False, 1)}
+spec = RankSpec.of(config(), MODEL)
+engines = {"deepspeed": DeepSpeedEngine.build(MODEL, spec, 0, 1, torch.device("cpu")),
+           "torch": TorchEngine.build(MODEL, spec)}
 results = {}
 for name, engine in engines.items():
-    batch = sampled_batch(engine)
-    results[name] = update(engine, Algorithm.from_config(cfg), UpdateSettings(cfg.ppo, 1, 1, 16), batch, 0.05, 1)
+    results[name] = update(engine, spec.algorithm, spec.update, sampled_batch(engine), 0.05, 1)
 gap = max(float((a - b).abs().max()) for a, b in zip(engines["deepspeed"].policy.parameters(),
                                                       engines["torch"].policy.parameters(), strict=True))
 print("parameter gap", gap)
