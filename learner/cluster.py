@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import socket
 import time
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from services.config import JobConfig, RoleResources
 from services.errors import TetherError
+from services.private_api import RAY_JOB_CONFIG_ENV_VAR, stop_local_autoscaler_monitor
+from services.private_api import raylet_wait_by_polling as _raylet_wait_by_polling  # the name tests import
 
 # Defaults for every Ray process of tether: stay on loopback and send nothing home. Only
 # where the environment does not set them: a cluster with token auth or several nodes sets its own.
@@ -119,9 +120,7 @@ _started_here = False  # connect() started a local Ray: one node, this machine
 def in_submitted_job() -> bool:
     """True inside `ray job submit`: the job's runtime env (env_vars, working_dir, ...) is already the
     driver's, and ray.init must not bring one of its own (Ray refuses to merge the two)."""
-    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
-
-    return RAY_JOB_CONFIG_JSON_ENV_VAR in os.environ
+    return RAY_JOB_CONFIG_ENV_VAR in os.environ
 
 
 def actor_env(run_name: str, log_level: str) -> dict[str, str]:
@@ -182,58 +181,16 @@ def connect(spec: ClusterSpec, log=print) -> None:
         log("ray: started a local Ray (no cluster.address and no RAY_ADDRESS)")
 
 
-@contextmanager
-def _raylet_wait_by_polling():
-    """``ray.init``'s wait for the raylet it starts, checked every 50 ms. Ray waits in C++
-    (``GlobalStateAccessor::GetNode``), which asks the GCS once a second: the raylet registers 0.6-1.6 s after it
-    starts here, so Ray's start ended 0.3-0.4 s after it was up (ray.init 2.1 or 3.1 s, against 1.7-1.8 or 2.6 s
-    polled). Ray's own call then follows and returns at once. It replaces Ray's private ``services.get_node`` for
-    this call alone; where Ray has no such function, or the GCS does not answer the poll, Ray waits as it would."""
-    from ray._private import services
-    from ray._raylet import GcsClient
-
-    ray_get_node = getattr(services, "get_node", None)
-
-    def get_node(gcs_address: str, node_id: str):
-        with suppress(Exception):  # Ray's own wait below reports what is wrong
-            gcs, deadline = GcsClient(address=gcs_address), time.monotonic() + 30
-            while (time.monotonic() < deadline
-                   and not any(found.hex() == node_id for found in gcs.get_all_node_info(timeout=5))):
-                time.sleep(0.05)
-        return ray_get_node(gcs_address, node_id)
-
-    if ray_get_node is None:  # a Ray without it: its own wait
-        yield
-        return
-    services.get_node = get_node
-    try:
-        yield
-    finally:
-        services.get_node = ray_get_node
-
-
 def disconnect() -> None:
     """Leave the Ray that ``connect`` joined or started (a local one stops with it) now, at the end of the job:
     at the interpreter's exit Ray first sleeps 0.5 s for the actors' last log lines. A connection the job found
     already open is left as it was."""
     global _joined, _started_here
     if _joined:
-        if _started_here:
-            _stop_autoscaler_monitor()
+        if _started_here:  # its monitor first: ray.shutdown would wait a second on it (services.private_api)
+            stop_local_autoscaler_monitor()
         _joined = _started_here = False
         ray.shutdown()
-
-
-def _stop_autoscaler_monitor() -> None:
-    """Ends the local Ray's autoscaler monitor at once. ``ray.shutdown`` stops the GCS before it, and the monitor's
-    SIGTERM handler then blocks on its report to that GCS until Ray kills it a second later: 1 s of every job's
-    exit. On one node the monitor holds nothing the job needs."""
-    from ray._private import ray_constants
-    from ray._private.worker import _global_node
-
-    for info in (_global_node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []) if _global_node else []):
-        info.process.kill()
-        info.process.wait()
 
 
 def check_role_resources(spec: ClusterSpec) -> None:

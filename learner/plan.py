@@ -1,9 +1,9 @@
-"""The job's settings resolved once, before any actor starts: ``plan(cfg)`` checks what can be checked without a
-cluster (the config's rules have run when it was built; here the files, models and their context length, the reward
-service, the agent or environment, LoRA's targets, the teacher, a resume's checkpoint) and returns a ``Plan``: one
-frozen spec per role. Actors, ranks, the fleet, the learner group and the weight sync are built from their spec and
-nothing else; none of them sees the whole ``JobConfig``. The per-node checks come once the cluster is up
-(``learner.cluster.preflight``)."""
+"""The job's settings resolved once, before any actor starts: ``plan(cfg)`` checks what can be checked without
+a cluster (the config's rules have run when it was built; here the files, models and their context length, the
+reward service, the agent or environment, LoRA's targets, the teacher, a resume's checkpoint) and returns a
+``Plan``: one frozen spec per role. Actors, ranks, the fleet, the learner group and the weight sync are built
+from their spec and nothing else; none of them sees the whole ``JobConfig``. The per-node checks come once the
+cluster is up (``learner.cluster.preflight``)."""
 
 from __future__ import annotations
 
@@ -17,17 +17,44 @@ from actors.episodes import EpisodeLimits
 from actors.specs import EngineSpec, EnvironmentSpec, ReferenceSpec, RewardSpec, RolloutSpec
 from learner.algorithm import Algorithm
 from learner.cluster import ClusterSpec, role_counts
-from learner.update import UpdateSettings
-from services.config import JobConfig, LearnerConfig, RoleResources
+from services.config import JobConfig, LearnerConfig, PPOConfig, RoleResources
 from services.model_source import ModelSource
 from services.shipment import Shipment
 from services.storage import RunStorage
 
 
 @dataclass(frozen=True)
+class UpdateSettings:
+    """What the update reads besides the algorithm's settings: the optimizer steps and their schedule."""
+
+    ppo: PPOConfig
+    seed: int = 0  # run.seed: the minibatches' shuffle
+    run_iterations: int = 1  # run.iterations: ppo.lr_schedule's length
+    rollout_batch_size: int | None = None  # episodes per batch: the optimizer steps per epoch
+    rows_per_episode_vary: bool = False  # rollout.agent: an episode gives a row per trajectory of its calls
+    max_tokens_per_microbatch: int | None = None  # learner.max_tokens_per_microbatch: packed micro-batches
+    zero3: bool = False  # learner.zero_stage 3: every forward gathers the parameters from all ranks
+
+    @property
+    def minibatches(self) -> int:
+        return (self.rollout_batch_size or self.ppo.minibatch_size) // self.ppo.minibatch_size
+
+    def single_step(self, off_policy: bool) -> bool:
+        """One optimizer step per batch (one epoch, one minibatch): the policy that generated the rows is the
+        one that takes the step, so the step's own forward gives the old log-probs and values exactly, and
+        collection runs none (TRL's GRPO at num_iterations=1). Packed, the step's forward runs its
+        micro-batches one after another and keeps their graphs for the one backward; not under ZeRO-3, whose
+        parameter gathers expect a backward after each forward."""
+        return (self.rollout_batch_size is not None and not off_policy and self.ppo.epochs == 1
+                and self.ppo.minibatch_size == self.rollout_batch_size and not self.rows_per_episode_vary
+                and not (self.max_tokens_per_microbatch and self.zero3))
+
+
+@dataclass(frozen=True)
 class RankSpec:
     """What a learner rank is built from, and nothing else: the policy's files, the learner's settings, the
-    algorithm layer (``learner.algorithm``, with the settings it reads) and the update's (``learner.update``)."""
+    algorithm layer (``learner.algorithm``, with the settings it reads) and the update's
+    (``learner.update``)."""
 
     model: ModelSource | str
     learner: LearnerConfig
@@ -37,16 +64,19 @@ class RankSpec:
     seed: int = 0  # run.seed: the value head's init, the same on every rank
     device: str = "cpu"  # the device the learner role reserved
     resources: RoleResources = field(default_factory=RoleResources)  # cluster.learner: each rank's actor
-    reference: ReferenceSpec | None = None  # reference.placement learner: the rank's own copy of the initial policy
+    # reference.placement learner: the rank's own copy of the initial policy
+    reference: ReferenceSpec | None = None
     reward: RewardSpec | None = None  # reward.placement learner: the task whose function the rank scores with
-    torch_threads: int | None = None  # learner.torch_threads as resolved (``RankSpec.of``); none: Ray's default
+    # learner.torch_threads as resolved (``RankSpec.of``); none: Ray's default
+    torch_threads: int | None = None
 
     @classmethod
     def of(cls, cfg: JobConfig, model: ModelSource | str, task_options: dict | None = None,
            machine_cpus: int | None = None) -> RankSpec:
-        """``task_options``: what the reward is built from (``reward_spec``). ``machine_cpus``: the CPUs of the one
-        machine a local Ray gives the job alone; there an unset learner.torch_threads shares them among the ranks
-        of a synchronous job on CPU, whose engines and reference idle while the ranks update."""
+        """``task_options``: what the reward is built from (``reward_spec``). ``machine_cpus``: the CPUs of
+        the one machine a local Ray gives the job alone; there an unset learner.torch_threads shares them
+        among the ranks of a synchronous job on CPU, whose engines and reference idle while the ranks
+        update."""
         reference = ReferenceSpec(model, "hf", cfg.learner.dtype, temperature=cfg.rollout.temperature,
                                   device=cfg.device("learner"),
                                   max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch) \
@@ -138,15 +168,16 @@ class Plan:
     models: Models
     prompts: list
     eval_prompts: list
-    probe_set: tuple[list[list[int]], list[int]]  # token ids the engines and the learner score after each sync
+    # token ids the engines and the learner score after each sync
+    probe_set: tuple[list[list[int]], list[int]]
     fleet: FleetSpec
     rank: RankSpec
     sync: SyncSpec
     cluster: ClusterSpec
     resume_from: RunStorage | None = None
     resume_state: dict | None = None
-    # what actors read that the driver holds (a dataset's rows): shipped once Ray is up, never by the plan, which
-    # runs before or beside Ray's start and must not start a Ray of its own by a side effect
+    # what actors read that the driver holds (a dataset's rows): shipped once Ray is up, never by the plan,
+    # which runs before or beside Ray's start and must not start a Ray of its own by a side effect
     shipments: tuple[Shipment, ...] = ()
 
 
@@ -166,10 +197,11 @@ def reward_spec(cfg: JobConfig, models: Models, task_options: dict | None = None
 def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_id: int, max_model_len: int,
                task_options: dict | None = None) -> FleetSpec:
     """Each non-learner actor's spec: engines and the reference compute in the learner's dtype, on the device
-    their role reserved. ``task_options``: what the reward actors build the task from (``Task.reward_actor_options``;
-    none: the task's settings)."""
+    their role reserved. ``task_options``: what the reward actors build the task from
+    (``Task.reward_actor_options``; none: the task's settings)."""
     c, dtype, model = cfg.cluster, cfg.learner.dtype, models.policy
-    sync, counts = SyncSpec.of(cfg), role_counts(cfg)  # actors per role: the cluster reserves a bundle for each
+    # actors per role: the cluster reserves a bundle for each
+    sync, counts = SyncSpec.of(cfg), role_counts(cfg)
     rollouts = tuple(
         RolloutSpec(model, EngineSpec(cfg.rollout.engine, cfg.run.seed + i, max_model_len, cfg.rollout.kv_cache_mib,
                                       dtype, i, cfg.device("rollout"), cfg.rollout.vllm_engine_args(), sync.transfer,
@@ -182,7 +214,8 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
                       cfg.learner.max_tokens_per_microbatch)
         for _ in range(counts["reference"]))
     reward = reward_spec(cfg, models, task_options)
-    # on-policy distillation (distill.teacher_path): the teacher scores the student's samples as the reference does
+    # on-policy distillation (distill.teacher_path): the teacher scores the student's samples as the reference
+    # does
     teachers = tuple(
         ReferenceSpec(models.teacher, "hf", dtype, max_model_len, 128, cfg.rollout.temperature, cfg.device("teacher"),
                       max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch)
@@ -208,7 +241,8 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
 
 def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = False) -> Plan:
     """Everything that can be wrong with the input fails here, before any actor starts. ``local_ray``: the job
-    starts a Ray of its own on this machine (``cluster.starts_local_ray``), which then runs nothing but the job."""
+    starts a Ray of its own on this machine (``cluster.starts_local_ray``), which then runs nothing but the
+    job."""
     from actors.reference import check_teacher
     from actors.reward import check_reward_label, check_reward_service
     from learner import checkpoint, rundir
@@ -229,7 +263,8 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
     resume_from, resume_state = None, None
     if cfg.run.resume:
         resume_from = checkpoint.resolve(run_path, cfg.run.resume)
-        resume_state = checkpoint.verify(resume_from)  # presence and sizes; the ranks check sha256 on download
+        # presence and sizes; the ranks check sha256 on download
+        resume_state = checkpoint.verify(resume_from)
         checkpoint.keep_followed_defaults(resume_state["config"], cfg)
         checkpoint.check_compatible(resume_state["config"], cfg, resume_from)
     if followed := cfg.followed_defaults():
@@ -247,7 +282,8 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
             for split, texts in (("train", task.prompts()), ("eval", task.eval_prompts())))
 
     if not cfg.model.path and (early := sft_tokenizer(task)) is not None:
-        encoded_prompts(early, log=lambda _: None)  # bad prompts fail before an SFT warm start trains for them
+        # bad prompts fail before an SFT warm start trains for them
+        encoded_prompts(early, log=lambda _: None)
     if cfg.model.path == SMOLLM2:  # the SmolLM2-135M-Instruct that installs with the project, converted once
         model = ModelSource.produced(smollm2_dir(cfg.model.cache_dir, log), cfg.model.cache_dir)
     else:
@@ -255,12 +291,14 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
                               cfg.model.sft_batch_size, cfg.model.sft_lr, log=log)
     reward_model = ModelSource.configured(cfg.reward.model_path) if cfg.reward.kind == "model" else None
     if reward_model is not None:
-        check_reward_label(cfg.reward.model_path, cfg.reward.label)  # a local dir: its labels, before any actor
+        # a local dir: its labels, before any actor
+        check_reward_label(cfg.reward.model_path, cfg.reward.label)
     if cfg.reward.kind == "judge":  # the judge's model reaches the reward actors as the policy's does
         reward_model = ModelSource.configured(cfg.reward.judge.model_path)
     tokenizer = load_tokenizer(model.resolve("driver"))
     teacher = None
-    if cfg.distill.teacher_path is not None:  # on-policy distillation: the teacher reaches its actors as the policy
+    # on-policy distillation: the teacher reaches its actors as the policy
+    if cfg.distill.teacher_path is not None:
         check_teacher(cfg.distill.teacher_path, tokenizer)
         teacher = ModelSource.configured(cfg.distill.teacher_path)
     models = Models(model, reward_model, teacher)

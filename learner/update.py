@@ -11,7 +11,6 @@ collected rows. """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,40 +19,13 @@ from torch import Tensor
 from learner.algorithm import Algorithm, episode_view
 from learner.ppo import explained_variance_moments, ppo_stats_from_sums, scheduled_lr
 from learner.records import RankUpdate
-from services.config import PPOConfig
 
 if TYPE_CHECKING:  # the batch's module loads in the rank, not in the driver (services/experience.py)
     from actors.reference import ReferenceModel
     from actors.reward import RewardScorer
     from learner.engine import Forward, TrainingEngine
+    from learner.plan import UpdateSettings
     from services.experience import RolloutBatch
-
-
-@dataclass(frozen=True)
-class UpdateSettings:
-    """What the update reads besides the algorithm's settings: the optimizer steps and their schedule."""
-
-    ppo: PPOConfig
-    seed: int = 0  # run.seed: the minibatches' shuffle
-    run_iterations: int = 1  # run.iterations: ppo.lr_schedule's length
-    rollout_batch_size: int | None = None  # episodes per batch: the optimizer steps per epoch
-    rows_per_episode_vary: bool = False  # rollout.agent: an episode gives a row per trajectory of its calls
-    max_tokens_per_microbatch: int | None = None  # learner.max_tokens_per_microbatch: packed micro-batches
-    zero3: bool = False  # learner.zero_stage 3: every forward gathers the parameters from all ranks
-
-    @property
-    def minibatches(self) -> int:
-        return (self.rollout_batch_size or self.ppo.minibatch_size) // self.ppo.minibatch_size
-
-    def single_step(self, off_policy: bool) -> bool:
-        """One optimizer step per batch (one epoch, one minibatch): the policy that generated the rows is the
-        one that takes the step, so the step's own forward gives the old log-probs and values exactly, and
-        collection runs none (TRL's GRPO at num_iterations=1). Packed, the step's forward runs its
-        micro-batches one after another and keeps their graphs for the one backward; not under ZeRO-3, whose
-        parameter gathers expect a backward after each forward."""
-        return (self.rollout_batch_size is not None and not off_policy and self.ppo.epochs == 1
-                and self.ppo.minibatch_size == self.rollout_batch_size and not self.rows_per_episode_vary
-                and not (self.max_tokens_per_microbatch and self.zero3))
 
 
 class RankScoring:

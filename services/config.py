@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services import task_rules  # noqa: F401 (its rules join JOB_RULES, after job_rules' own)
 from services.job_rules import JOB_RULES
 from services.settings_sampling import (
     PROBE_TOLERANCE,

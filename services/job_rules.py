@@ -429,6 +429,3 @@ def resume_keeps_the_run_directory(cfg: Any) -> str | None:
         return "run.resume and run.overwrite exclude each other: resuming keeps the run directory"
     return None
 
-
-# the rules on rewards and tasks, checked after these
-from services import task_rules  # noqa: F401
