@@ -20,11 +20,13 @@ from services.storage import RunStorage
 
 # settings a resumed run may change; anything else must match the checkpoint's config
 # run.output_dir: a run directory moved elsewhere (another mount point, another bucket) resumes there
-# learner.lora.reference: the base model's log-probs from the learner's forward or from a reference actor, the same KL
+# learner.lora.reference: the base model's log-probs from the learner's forward or from a reference actor,
+#   the same KL
 # reference.placement, reward.placement: the same scoring in an actor of its own or in the learner ranks
-RESUMABLE_CHANGES = ("run.iterations", "run.resume", "run.overwrite", "run.eval_every", "run.eval_before_training",
-                     "run.output_dir", "cluster", "metrics", "checkpoint", "run.probe_every", "learner.torch_threads",
-                     "learner.world_size", "learner.lora.reference", "reference.placement", "reward.placement")
+RESUMABLE_CHANGES = ("run.iterations", "run.resume", "run.overwrite", "run.eval_every",
+                     "run.eval_before_training", "run.output_dir", "cluster", "metrics", "checkpoint",
+                     "run.probe_every", "learner.torch_threads", "learner.world_size",
+                     "learner.lora.reference", "reference.placement", "reward.placement")
 
 
 class CheckpointError(TetherError, RuntimeError):
@@ -42,7 +44,8 @@ def begin(run: RunStorage, iteration: int) -> RunStorage:
     return ckpt
 
 
-def commit(run: RunStorage, ckpt: RunStorage, rank_files: list[dict], driver_state: dict, keep: int) -> RunStorage:
+def commit(run: RunStorage, ckpt: RunStorage, rank_files: list[dict], driver_state: dict,
+           keep: int) -> RunStorage:
     """Seal ``ckpt``: check every file the ranks reported ({relative path: {sha256, bytes}}) is there with
     its size, write driver.json and then the manifest, move ``latest``, prune old checkpoints."""
     manifest: dict[str, dict] = {}
@@ -79,7 +82,8 @@ def resolve(run: RunStorage, resume: str) -> RunStorage:
     """``latest`` (through the pointer) or an explicit checkpoint directory (a path or a URI)."""
     if resume == "latest":
         if not run.isfile("checkpoints", "latest"):
-            raise CheckpointError(f"--run.resume latest: no checkpoint pointer at {run.display('checkpoints', 'latest')}")
+            raise CheckpointError("--run.resume latest: no checkpoint pointer at "
+                                  f"{run.display('checkpoints', 'latest')}")
         ckpt = run.child("checkpoints", run.read_text("checkpoints", "latest").strip())
     else:
         ckpt = RunStorage(resume)
@@ -93,9 +97,11 @@ def read_manifest(ckpt: RunStorage) -> dict:
     try:
         return json.loads(ckpt.read_text("manifest.json"))
     except FileNotFoundError as err:
-        raise CheckpointError(f"checkpoint {ckpt} is incomplete: {ckpt.display('manifest.json')} is missing") from err
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete: {ckpt.display('manifest.json')} "
+                              "is missing") from err
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"checkpoint manifest {ckpt.display('manifest.json')} is corrupt: {err}") from err
+        raise CheckpointError(f"checkpoint manifest {ckpt.display('manifest.json')} is corrupt: "
+                              f"{err}") from err
 
 
 def verify(ckpt: RunStorage) -> dict:
@@ -107,14 +113,15 @@ def verify(ckpt: RunStorage) -> dict:
         if size is None:
             raise CheckpointError(f"checkpoint file {ckpt.display(name)} is missing")
         if size != entry["bytes"]:
-            raise CheckpointError(f"checkpoint file {ckpt.display(name)} is truncated or changed: {size} bytes, "
-                                  f"expected {entry['bytes']}")
+            raise CheckpointError(f"checkpoint file {ckpt.display(name)} is truncated or changed: "
+                                  f"{size} bytes, expected {entry['bytes']}")
     if "driver.json" not in manifest:
-        raise CheckpointError(f"checkpoint manifest {ckpt.display('manifest.json')} does not list driver.json")
+        raise CheckpointError(f"checkpoint manifest {ckpt.display('manifest.json')} does not list "
+                              "driver.json")
     state = ckpt.read_bytes("driver.json")
     if hashlib.sha256(state).hexdigest() != manifest["driver.json"]["sha256"]:
-        raise CheckpointError(f"checkpoint file {ckpt.display('driver.json')} is corrupt: its sha256 does not "
-                              f"match the manifest")
+        raise CheckpointError(f"checkpoint file {ckpt.display('driver.json')} is corrupt: its sha256 "
+                              "does not match the manifest")
     try:
         return json.loads(state)
     except json.JSONDecodeError as err:
@@ -134,8 +141,8 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 def keep_followed_defaults(saved: dict, cfg: JobConfig) -> None:
     """A resume keeps what the run's followed defaults were (``JobConfig.followed_defaults``): an unset
-    ``ppo.lr``, ``ppo.epochs``, ``ppo.minibatch_size`` or ``rollout.chunk_size`` takes the checkpoint's value, which a
-    version of tether with other defaults may have resolved differently."""
+    ``ppo.lr``, ``ppo.epochs``, ``ppo.minibatch_size`` or ``rollout.chunk_size`` takes the checkpoint's value,
+    which a version of tether with other defaults may have resolved differently."""
     for section, name, _ in FOLLOWED_DEFAULTS:
         holder, value = getattr(cfg, section), saved.get(section, {}).get(name)
         if value is not None and name not in holder.model_fields_set and getattr(holder, name) != value:
@@ -153,4 +160,5 @@ def check_compatible(saved: dict, cfg: JobConfig, ckpt: RunStorage) -> None:
                        if not allowed(k) and not new_at_default(k) and old.get(k) != new.get(k))
     if differing:
         details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differing[:8])
-        raise CheckpointError(f"checkpoint {ckpt.display('driver.json')} was written by an incompatible config ({details})")
+        raise CheckpointError(f"checkpoint {ckpt.display('driver.json')} was written by an incompatible "
+                              f"config ({details})")

@@ -56,14 +56,16 @@ def _check_reachable(address: str, timeout_s: float) -> None:
                 return
         except OSError as err:
             if time.monotonic() >= deadline:
-                raise ClusterError(f"cannot reach the Ray cluster at {address!r} within {timeout_s:.0f}s: {err}") from err
+                raise ClusterError(f"cannot reach the Ray cluster at {address!r} within {timeout_s:.0f}s: "
+                                   f"{err}") from err
             time.sleep(0.5)
 
 
 def role_counts(cfg: JobConfig) -> dict[str, int]:
     """Actors per role, in bundle order; each role's resources are ``cfg.cluster.<role>``."""
     # LoRA with the base model as the reference, or reference.placement learner: the learner ranks score it
-    references = 0 if cfg.learner.reference_in_learner or cfg.reference_copy_in_learner else cfg.reference.num_actors
+    references = (0 if cfg.learner.reference_in_learner or cfg.reference_copy_in_learner
+                  else cfg.reference.num_actors)
     return {"rollout": cfg.rollout.num_engines, "reference": references,
             "reward": 0 if cfg.reward_in_learner else cfg.reward.num_actors,  # reward.placement learner: none
             "teacher": cfg.distill.num_actors if cfg.distill.teacher_path else 0,
@@ -72,8 +74,8 @@ def role_counts(cfg: JobConfig) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """What joining the cluster, reserving a bundle per actor and the pre-flight read (``ClusterSpec.of``, from the
-    job's settings)."""
+    """What joining the cluster, reserving a bundle per actor and the pre-flight read (``ClusterSpec.of``,
+    from the job's settings)."""
 
     run_name: str  # run.name: the namespace and the placement group are named for it
     counts: dict[str, int]  # actors per role, in bundle order (``role_counts``)
@@ -91,9 +93,9 @@ class ClusterSpec:
         """From the settings alone, before the plan: the driver starts Ray while the plan checks the input."""
         c = cfg.cluster
         counts = role_counts(cfg)
-        return cls(cfg.run.name, counts, {role: getattr(c, role) for role in counts}, c.address, c.connect_timeout_s,
-                   c.placement_timeout_s, c.num_cpus, c.object_store_mib, cfg.metrics.log_level,
-                   cfg.learner.weight_sync == "nccl")
+        return cls(cfg.run.name, counts, {role: getattr(c, role) for role in counts}, c.address,
+                   c.connect_timeout_s, c.placement_timeout_s, c.num_cpus, c.object_store_mib,
+                   cfg.metrics.log_level, cfg.learner.weight_sync == "nccl")
 
     @property
     def local_cpus(self) -> int:
@@ -140,7 +142,8 @@ def actor_env(run_name: str, log_level: str) -> dict[str, str]:
 
 
 def starts_local_ray(spec: ClusterSpec) -> bool:
-    """``connect`` will start a local Ray: none is connected, and neither cluster.address nor RAY_ADDRESS names one."""
+    """``connect`` will start a local Ray: none is connected, and neither cluster.address nor RAY_ADDRESS
+    names one."""
     return not (ray.is_initialized() or spec.address or os.environ.get("RAY_ADDRESS"))
 
 
@@ -160,7 +163,8 @@ def connect(spec: ClusterSpec, log=print) -> None:
         _check_reachable(address, spec.connect_timeout_s)
         # outside a job the driver's runtime env reaches every worker; inside one the job's stays as it is
         runtime_env = None if in_submitted_job() else {"env_vars": ACTOR_ENV}
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, namespace=spec.namespace, **quiet)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, namespace=spec.namespace,
+                 **quiet)
         _joined = True
         log(f"ray: joined {address}")
     else:
@@ -172,8 +176,9 @@ def connect(spec: ClusterSpec, log=print) -> None:
                 runtime_env={"env_vars": ACTOR_ENV},
                 _node_ip_address="127.0.0.1",
                 namespace=spec.namespace,
-                # no idle workers started ahead: every actor brings its own environment variables (``_options``), so
-                # none would take one, and on a small machine their start (about 1.3 CPU s each) delays Ray's own
+                # no idle workers started ahead: every actor brings its own environment variables
+                # (``_options``), so none would take one, and on a small machine their start
+                # (about 1.3 CPU s each) delays Ray's own
                 _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
                 **quiet,
             )
@@ -182,9 +187,9 @@ def connect(spec: ClusterSpec, log=print) -> None:
 
 
 def disconnect() -> None:
-    """Leave the Ray that ``connect`` joined or started (a local one stops with it) now, at the end of the job:
-    at the interpreter's exit Ray first sleeps 0.5 s for the actors' last log lines. A connection the job found
-    already open is left as it was."""
+    """Leave the Ray that ``connect`` joined or started (a local one stops with it) now, at the end of the
+    job: at the interpreter's exit Ray first sleeps 0.5 s for the actors' last log lines. A connection the job
+    found already open is left as it was."""
     global _joined, _started_here
     if _joined:
         if _started_here:  # its monitor first: ray.shutdown would wait a second on it (services.private_api)
@@ -287,8 +292,9 @@ PREFLIGHT_CONNECT_TIMEOUT_S = 10.0
 
 
 class RendezvousStandIn:
-    """Listens on learner rank 0's node, where rank 0 will serve the ranks' rendezvous and (learner.weight_sync
-    nccl) vLLM's weight-transfer store, each on a free port it picks then; pre-flight tries to reach this one."""
+    """Listens on learner rank 0's node, where rank 0 will serve the ranks' rendezvous and
+    (learner.weight_sync nccl) vLLM's weight-transfer store, each on a free port it picks then; pre-flight
+    tries to reach this one."""
 
     def __init__(self) -> None:
         import threading
@@ -309,10 +315,10 @@ class RendezvousStandIn:
 
 def _check_node(models: list, storage, probe: str, rendezvous: tuple[str, int] | None = None,
                 weight_transfer: tuple[str, int] | None = None) -> dict:
-    """Runs on the node of one role's bundle (in the driver, on the local Ray it started): do the models resolve
-    here, is the run storage the driver's (the probe file the driver wrote is visible) and writable from here, and
-    can it reach rank 0's node: for the ranks' rendezvous (a learner rank) and for vLLM's weight transfer (a
-    rollout engine)?"""
+    """Runs on the node of one role's bundle (in the driver, on the local Ray it started): do the models
+    resolve here, is the run storage the driver's (the probe file the driver wrote is visible) and writable
+    from here, and can it reach rank 0's node: for the ranks' rendezvous (a learner rank) and for vLLM's
+    weight transfer (a rollout engine)?"""
     from services.model_source import ModelNotFoundError, node_name
     from services.storage import StorageError
 
@@ -324,8 +330,8 @@ def _check_node(models: list, storage, probe: str, rendezvous: tuple[str, int] |
         try:
             socket.create_connection(address, timeout=PREFLIGHT_CONNECT_TIMEOUT_S).close()
         except OSError as err:
-            found["problems"].append(f"cannot reach learner rank 0's node at {address[0]} port {address[1]} (opened "
-                                     f"by pre-flight) for {purpose}: {err}")
+            found["problems"].append(f"cannot reach learner rank 0's node at {address[0]} port {address[1]} "
+                                     f"(opened by pre-flight) for {purpose}: {err}")
     for model in models:
         try:
             found["ship"] |= model.check() == "ship"
@@ -335,8 +341,8 @@ def _check_node(models: list, storage, probe: str, rendezvous: tuple[str, int] |
         storage.read_probe(probe)
         storage.check_writable()
     except StorageError as err:
-        found["problems"].append(f"{err}. Every node must see one storage: a shared volume mounted at the same "
-                                 "path, or an s3:// or gs:// URI (run.output_dir)")
+        found["problems"].append(f"{err}. Every node must see one storage: a shared volume mounted at the "
+                                 "same path, or an s3:// or gs:// URI (run.output_dir)")
     return found
 
 
@@ -344,22 +350,24 @@ def rank0_reach(weight_transfer: bool, actors_on: dict[str, list[tuple[str, int]
                 rank0_node: str) -> dict[str, set[str]]:
     """What each node (``actors_on``: node -> its (role, index)) must reach on learner rank 0's node:
     'rendezvous' where learner ranks run away from it (ranks on its node meet it on loopback), and
-    'weight_transfer' where rollout engines run with learner.weight_sync nccl (``weight_transfer``): every engine
-    worker joins vLLM's store at rank 0's node address, from rank 0's node too (ipc stays within a GPU; the object
-    store is Ray's)."""
+    'weight_transfer' where rollout engines run with learner.weight_sync nccl (``weight_transfer``): every
+    engine worker joins vLLM's store at rank 0's node address, from rank 0's node too (ipc stays within a GPU;
+    the object store is Ray's)."""
     return {node: {purpose for purpose, needed in (
                 ("rendezvous", node != rank0_node and any(role == "learner" for role, _ in actors)),
-                ("weight_transfer", weight_transfer and any(role == "rollout" for role, _ in actors))) if needed}
+                ("weight_transfer", weight_transfer and any(role == "rollout" for role, _ in actors)))
+                   if needed}
             for node, actors in actors_on.items()}
 
 
 def preflight(spec: ClusterSpec, placement: Placement, models: list, storage, log=print) -> None:
-    """Before any model loads, check every node that holds a role: the models resolve there, the run
-    storage (a ``RunStorage``) is shared and writable from there, and a node reaches learner rank 0's node
-    where it must (``rank0_reach``). One check per node, not per actor: what is checked belongs to the node
-    (its files, its mounts, its network), and each check costs a fresh worker process; on the local Ray this driver
-    started, whose one node is this machine, the driver checks it itself. Driver-made model files go to the object
-    store only when some node lacks them. Raises ClusterError naming each actor, node and what is missing."""
+    """Before any model loads, check every node that holds a role: the models resolve there, the run storage
+    (a ``RunStorage``) is shared and writable from there, and a node reaches learner rank 0's node where it
+    must (``rank0_reach``). One check per node, not per actor: what is checked belongs to the node (its files,
+    its mounts, its network), and each check costs a fresh worker process; on the local Ray this driver
+    started, whose one node is this machine, the driver checks it itself. Driver-made model files go to the
+    object store only when some node lacks them. Raises ClusterError naming each actor, node and what is
+    missing."""
     node_of = placement.bundle_nodes()
     actors_on: dict[str, list[tuple[str, int]]] = {}
     for role, i in spec.roles:
@@ -396,17 +404,19 @@ def _check_on_nodes(spec: ClusterSpec, placement: Placement, actors_on: dict, na
         stand_in = ray.remote(RendezvousStandIn).options(
             num_cpus=0, scheduling_strategy=placement.strategy("learner", 0)).remote()
     try:
-        rendezvous = ray.get(stand_in.address.remote(), timeout=spec.placement_timeout_s) if stand_in else None
+        rendezvous = (ray.get(stand_in.address.remote(), timeout=spec.placement_timeout_s)
+                      if stand_in else None)
         calls = {node: check.options(scheduling_strategy=placement.strategy(*actors[0])).remote(
                      models, storage, probe, rendezvous if "rendezvous" in reach[node] else None,
                      rendezvous if "weight_transfer" in reach[node] else None)
                  for node, actors in actors_on.items()}
         try:
-            return dict(zip(calls, ray.get(list(calls.values()), timeout=spec.placement_timeout_s), strict=True))
+            return dict(zip(calls, ray.get(list(calls.values()), timeout=spec.placement_timeout_s),
+                            strict=True))
         except ray.exceptions.GetTimeoutError as err:
             late = [names[node] for node, ref in calls.items() if not ray.wait([ref], timeout=0)[0]]
-            raise ClusterError(f"pre-flight: node checks did not answer within {spec.placement_timeout_s:.0f}s "
-                               f"for the nodes of {late}") from err
+            raise ClusterError("pre-flight: node checks did not answer within "
+                               f"{spec.placement_timeout_s:.0f}s for the nodes of {late}") from err
     finally:
         if stand_in is not None:
             ray.kill(stand_in)

@@ -21,7 +21,8 @@ from learner.plan import FleetSpec
 from learner.records import ChunkRefs
 from services.errors import TetherError
 
-IN_FLIGHT_THREADS = 16  # a rollout actor's concurrent calls with in-flight updates (its chunks, a load, the probe)
+# a rollout actor's concurrent calls with in-flight updates (its chunks, a load, the probe)
+IN_FLIGHT_THREADS = 16
 
 
 class ProbeError(TetherError, RuntimeError):
@@ -33,7 +34,8 @@ def seed_for(run_seed: int, iteration: int, row: int) -> int:
     return (run_seed * 1_000_003 + iteration * 100_003 + row) % (2**31 - 1)
 
 
-def chunk_layout(prompt_rows: list[int], samples_per_prompt: int, chunk_size: int) -> list[tuple[list[int], list[int]]]:
+def chunk_layout(prompt_rows: list[int], samples_per_prompt: int,
+                 chunk_size: int) -> list[tuple[list[int], list[int]]]:
     """Per chunk slot: (the prompt row of each episode, its group id). Each prompt is sampled
     ``samples_per_prompt`` (n) times in a row: episode e samples ``prompt_rows[e // n]``, in group e // n,
     and slot i holds episodes [i*chunk_size, (i+1)*chunk_size). A chunk size that is a multiple of n keeps
@@ -76,7 +78,8 @@ class Fleet:
     # ------------------------------------------------------------------ streaming work
 
     def generate(self, prompt_rows: list[int], prompt_set: list[list[int]], iteration: int,
-                 slots: list[int] | None = None, samples_per_prompt: int | None = None) -> dict[int, ray.ObjectRef]:
+                 slots: list[int] | None = None,
+                 samples_per_prompt: int | None = None) -> dict[int, ray.ObjectRef]:
         """Chunk refs by slot (``chunk_layout``: each prompt sampled ``samples_per_prompt`` times, default
         ``rollout.samples_per_prompt``); slot i goes to engine i % R, every episode with its own seed."""
         spec = self.spec
@@ -89,24 +92,25 @@ class Fleet:
             seeds = [seed_for(spec.run_seed, iteration, i * size + j) for j in range(len(rows))]
             engine = self.rollouts[i % len(self.rollouts)]
             if self.environment_workers:  # multi-turn episodes: the prompt set holds the rows to reset from
-                refs[i] = engine.run_episodes.remote([prompt_set[r] for r in rows], rows, seeds, spec.sampling,
-                                                     spec.pad_id, groups, self.environment_workers,
-                                                     spec.episode_limits, first_worker=i * size)
+                refs[i] = engine.run_episodes.remote([prompt_set[r] for r in rows], rows, seeds,
+                                                     spec.sampling, spec.pad_id, groups,
+                                                     self.environment_workers, spec.episode_limits,
+                                                     first_worker=i * size)
                 continue
             if spec.agent_settings is not None:  # agent programs: the prompt set holds the rows they get
                 refs[i] = engine.run_agents.remote([prompt_set[r] for r in rows], rows, seeds, spec.sampling,
                                                    spec.pad_id, groups, spec.agent_settings)
                 continue
-            refs[i] = engine.generate.remote([prompt_set[r] for r in rows], rows, seeds, spec.sampling, spec.pad_id,
-                                             groups)
+            refs[i] = engine.generate.remote([prompt_set[r] for r in rows], rows, seeds, spec.sampling,
+                                             spec.pad_id, groups)
         return refs
 
-    def score(self, rollout_refs: dict[int, ray.ObjectRef], roles: tuple[str, ...] = ("reference", "score", "teacher")
-              ) -> dict[int, ChunkRefs]:
-        """Each chunk's refs (``ChunkRefs``): the reference's log-probs, the reward's scores and (distillation) the
-        teacher's log-probs, all started on the rollout refs at once, for the ``roles`` that have actors: none
-        where the learner ranks score it (reference.placement and reward.placement learner, LoRA's base reference),
-        or without a teacher."""
+    def score(self, rollout_refs: dict[int, ray.ObjectRef],
+              roles: tuple[str, ...] = ("reference", "score", "teacher")) -> dict[int, ChunkRefs]:
+        """Each chunk's refs (``ChunkRefs``): the reference's log-probs, the reward's scores and
+        (distillation) the teacher's log-probs, all started on the rollout refs at once, for the ``roles``
+        that have actors: none where the learner ranks score it (reference.placement and reward.placement
+        learner, LoRA's base reference), or without a teacher."""
         held = {"reference": self.references, "score": self.rewards, "teacher": self.teachers}
         chunks = {}
         for i, rollout in rollout_refs.items():
@@ -114,27 +118,32 @@ class Fleet:
             for role in roles:
                 if actors := held[role]:
                     actor = actors[i % len(actors)]  # a reward actor takes the slot too (its samples' rows)
-                    refs[role] = actor.score.remote(rollout, i) if role == "score" else actor.score.remote(rollout)
+                    refs[role] = (actor.score.remote(rollout, i) if role == "score"
+                                  else actor.score.remote(rollout))
             chunks[i] = ChunkRefs(rollout, **refs)
         return chunks
 
-    def evaluate(self, eval_prompts: list[list[int]], iteration: int, resync: Callable[[], object] | None = None,
-                 learner=None, with_kl: bool = True) -> tuple[dict, list, dict | None]:
+    def evaluate(self, eval_prompts: list[list[int]], iteration: int,
+                 resync: Callable[[], object] | None = None, learner=None,
+                 with_kl: bool = True) -> tuple[dict, list, dict | None]:
         """The task's eval metrics on sampled responses to the eval prompts, the first
         ``metrics.eval_samples_saved`` of those samples as text, and with ``learner`` (a ``LearnerGroup``) and
-        ``with_kl`` the KL of the current policy to the reference on these fresh samples (``kl_stats_from_sums``: per
-        episode, the learner's log-probs against the reference's; on-policy in every mode). With reward.placement
-        learner the ranks of ``learner`` evaluate the chunks. An actor that dies is re-synced with ``resync``
-        (``WeightSync.bring_up_to_date``) and the evaluation retried; without it, it fails."""
+        ``with_kl`` the KL of the current policy to the reference on these fresh samples
+        (``kl_stats_from_sums``: per episode, the learner's log-probs against the reference's; on-policy in
+        every mode). With reward.placement learner the ranks of ``learner`` evaluate the chunks. An actor that
+        dies is re-synced with ``resync`` (``WeightSync.bring_up_to_date``) and the evaluation retried;
+        without it, it fails."""
         keep, retries = self.spec.eval_samples_saved, self.spec.max_chunk_retries
         rows = [r for r in range(len(eval_prompts)) for _ in range(self.spec.eval_samples_per_prompt)]
         for attempt in range(retries + 1):
             chunks = self.generate(rows, eval_prompts, -1 - iteration, samples_per_prompt=1)
             try:
-                calls = ([self.rewards[i % len(self.rewards)].evaluate.remote(ch, i, keep) for i, ch in chunks.items()]
+                calls = ([self.rewards[i % len(self.rewards)].evaluate.remote(ch, i, keep)
+                          for i, ch in chunks.items()]
                          if self.rewards else None)  # none with reward.placement learner: the ranks evaluate
                 kl = None
-                if learner is not None and with_kl:  # no reference actors: the ranks score the reference themselves
+                # no reference actors: the ranks score the reference themselves
+                if learner is not None and with_kl:
                     kl = learner.evaluation_kl(self.score(chunks, roles=("reference",)))
                 parts = ray.get(calls) if calls is not None else learner.evaluate_rewards(chunks, keep)
                 break
@@ -152,9 +161,10 @@ class Fleet:
         """New weights (if any) to every engine, and (version, beta) to every actor. Returns the
         slowest engine's load seconds. An actor that is down is skipped here: it comes back at version 0
         and ``WeightSync.bring_up_to_date`` re-syncs it."""
-        calls = {i: r.update_weights.remote(weights, policy_version, kl_coef) for i, r in enumerate(self.rollouts)} \
-            if weights is not None else {}
-        calls |= {i: a.set_state.remote(policy_version, kl_coef) for i, a in enumerate(self.all) if i not in calls}
+        calls = {i: r.update_weights.remote(weights, policy_version, kl_coef)
+                 for i, r in enumerate(self.rollouts)} if weights is not None else {}
+        calls |= {i: a.set_state.remote(policy_version, kl_coef) for i, a in enumerate(self.all)
+                  if i not in calls}
         seconds = [0.0]
         for i, call in calls.items():
             try:
@@ -190,7 +200,8 @@ class Fleet:
                 if named:
                     raise
                 continue  # down now; it is re-synced and probed when it is back
-            error = max(abs(a - b) for e, g in zip(expected, got, strict=True) for a, b in zip(e, g, strict=True))
+            error = max(abs(a - b) for e, g in zip(expected, got, strict=True)
+                        for a, b in zip(e, g, strict=True))
             if error > self.spec.probe_tolerance:
                 raise ProbeError(f"weight sync probe failed: engine log-probs differ from the learner's by "
                                  f"{error:.2e} > the probe tolerance {self.spec.probe_tolerance} "
@@ -199,11 +210,11 @@ class Fleet:
         return worst
 
     def take_counts(self) -> dict[str, float]:
-        """Per role since the last call: busy seconds (generate_seconds, reference_seconds, reward_seconds) and a
-        judge's answers (reward_judge_answers, reward_judge_unparseable)."""
+        """Per role since the last call: busy seconds (generate_seconds, reference_seconds, reward_seconds)
+        and a judge's answers (reward_judge_answers, reward_judge_unparseable)."""
         totals: dict[str, float] = {}
-        roles = (["generate"] * len(self.rollouts) + ["reference"] * len(self.references) + ["reward"] * len(self.rewards)
-                 + ["teacher"] * len(self.teachers))
+        roles = (["generate"] * len(self.rollouts) + ["reference"] * len(self.references)
+                 + ["reward"] * len(self.rewards) + ["teacher"] * len(self.teachers))
         for role, call in zip(roles, [a.take_counts.remote() for a in self.all], strict=True):
             try:
                 counts = ray.get(call)

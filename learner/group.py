@@ -20,7 +20,8 @@ def rank_slots(slots, world_size: int) -> list[list[int]]:
 
 
 class LearnerGroup:
-    def __init__(self, spec: RankSpec, placement: Placement | None, tag: str = "", ranks: list | None = None) -> None:
+    def __init__(self, spec: RankSpec, placement: Placement | None, tag: str = "",
+                 ranks: list | None = None) -> None:
         """``ranks``: the live ranks of an earlier group of this world size, to set up again with ``spec``
         instead of starting new ones (tests share them: a rank's start, its imports, costs several times its
         set-up). A job starts its own."""
@@ -58,14 +59,14 @@ class LearnerGroup:
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as err:
-                    raise ClusterError(f"learner rank {rank_of[ref]} (actor learner-rank-{rank_of[ref]}) died "
-                                       f"during {what}: {err}") from err
+                    raise ClusterError(f"learner rank {rank_of[ref]} (actor learner-rank-{rank_of[ref]}) "
+                                       f"died during {what}: {err}") from err
         return ray.get(refs)
 
     def collect(self, chunks: dict[int, ChunkRefs], admission: Admission | None = None) -> list[int]:
-        """Chunk slot i goes to rank i % W, which fetches it and runs its forward. Returns the slots lost to dead
-        actors, or with rows ``admission`` refuses (another version or beta; async: too stale), to regenerate and
-        collect again, with only those slots."""
+        """Chunk slot i goes to rank i % W, which fetches it and runs its forward. Returns the slots lost to
+        dead actors, or with rows ``admission`` refuses (another version or beta; async: too stale), to
+        regenerate and collect again, with only those slots."""
         by_rank = rank_slots(chunks, self.world_size)
         calls = [rank.collect.remote(slots, [chunks[s] for s in slots], admission)
                  for rank, slots in zip(self.ranks, by_rank, strict=True)]
@@ -81,8 +82,8 @@ class LearnerGroup:
         return kl_stats_from_sums({k: sum(part[k] for part in parts) for k in parts[0]})
 
     def evaluate_rewards(self, chunk_refs: dict[int, object], keep_samples: int) -> list[dict]:
-        """reward.placement learner: each evaluation chunk's metrics from the rank it goes to (slot i to rank i % W),
-        in slot order, as the reward actors' ``evaluate`` gives them."""
+        """reward.placement learner: each evaluation chunk's metrics from the rank it goes to (slot i to rank
+        i % W), in slot order, as the reward actors' ``evaluate`` gives them."""
         by_rank = rank_slots(chunk_refs, self.world_size)
         calls = [rank.evaluate_rewards.remote([chunk_refs[s] for s in slots], slots, keep_samples)
                  for rank, slots in zip(self.ranks, by_rank, strict=True)]
@@ -90,7 +91,8 @@ class LearnerGroup:
         return [part for _, part in sorted(parts, key=lambda p: p[0])]
 
     def differing_groups(self) -> list[int]:
-        """Dynamic sampling: per rank, the whole groups it has collected whose scores differ (penalties applied)."""
+        """Dynamic sampling: per rank, the whole groups it has collected whose scores differ (penalties
+        applied)."""
         return self._get([rank.differing_groups.remote() for rank in self.ranks], "the count of groups")
 
     def update(self, kl_coef: float, iteration: int) -> UpdateResult:
@@ -99,11 +101,11 @@ class LearnerGroup:
                                               "update"))
 
     def policy_weights(self, adapter: bool = False) -> ray.ObjectRef:
-        """Rank 0's full weights (``adapter``: its LoRA adapter alone) as an ObjectRef: the driver passes it on
-        without materialising it."""
+        """Rank 0's full weights (``adapter``: its LoRA adapter alone) as an ObjectRef: the driver passes it
+        on without materialising it."""
         # rank 0 puts the weights in the object store and returns only [ref, bytes]: small enough to get here
-        ref, self.weights_bytes = self._get([rank.policy_state_dict.remote(adapter=adapter) for rank in self.ranks],
-                                            "weight gather")[0]
+        ref, self.weights_bytes = self._get([rank.policy_state_dict.remote(adapter=adapter)
+                                             for rank in self.ranks], "weight gather")[0]
         return ref
 
     def probe(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
@@ -133,10 +135,12 @@ class LearnerGroup:
         self._get([r.export_hf.remote(storage_url) for r in self.ranks], "Hugging Face export")
 
     def weight_metadata(self) -> list[tuple[str, str, list[int]]]:
-        """``[(name, dtype, full HF shape)]`` of what the engines receive (rank 0's announcement, no collective)."""
+        """``[(name, dtype, full HF shape)]`` of what the engines receive (rank 0's announcement, no
+        collective)."""
         return self._get([self.ranks[0].weight_metadata.remote()], "weight metadata")[0]
 
-    def connect_engines(self, rollouts: list, backend: str, buffer_bytes: int, workers_per_engine: int = 1) -> None:
+    def connect_engines(self, rollouts: list, backend: str, buffer_bytes: int,
+                        workers_per_engine: int = 1) -> None:
         """GPU weight transfer through vLLM's API (``learner.weight_transfer``): every rank builds its
         trainer engine; rank 0 also sets up the engines' side (``nccl``: one group of rank 0 and every
         engine worker; ``ipc``: engines on the learner's GPUs)."""
@@ -146,8 +150,8 @@ class LearnerGroup:
             check_ipc_colocation(ray.get([r.gpu_location.remote() for r in rollouts]),
                                  self._get([rank.gpu_location.remote() for rank in self.ranks], "GPU lookup"))
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
-        self._get([rank.init_weight_transfer.remote(backend, rollouts, workers_per_engine, master_addr, master_port,
-                                                    buffer_bytes, self.collective_timeout_s)
+        self._get([rank.init_weight_transfer.remote(backend, rollouts, workers_per_engine, master_addr,
+                                                    master_port, buffer_bytes, self.collective_timeout_s)
                    for rank in self.ranks], "weight-transfer setup")
 
     def send_weights(self, rollouts: list, policy_version: int, kl_coef: float) -> float:

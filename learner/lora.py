@@ -1,10 +1,10 @@
-"""LoRA on the learner (``learner.lora``), through ``peft``: the policy's adapters, their merged weights for the
-engines, and the base model as the reference.
+"""LoRA on the learner (``learner.lora``), through ``peft``: the policy's adapters, their merged weights for
+the engines, and the base model as the reference.
 
 With LoRA on, the policy is ``W + (alpha / r) * B @ A`` on each target module, B starting at 0, so the policy
-starts as the base model, and the base model (the adapters disabled) stays the initial policy for the whole run:
-the reference's log-probs come from the learner's own forward without adapters, and the KL is the same quantity
-as against a reference actor holding the initial weights.
+starts as the base model, and the base model (the adapters disabled) stays the initial policy for the whole
+run: the reference's log-probs come from the learner's own forward without adapters, and the KL is the same
+quantity as against a reference actor holding the initial weights.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def add_adapters(lm: nn.Module, cfg: LoraConfig) -> nn.Module:
     check_target_modules(lm, cfg.target_modules)
     from transformers.pytorch_utils import Conv1D
 
-    # GPT-2's Conv1D stores its weight as [in, out]: peft needs to know (it would set it itself, with a warning)
+    # GPT-2's Conv1D stores its weight as [in, out]: peft needs to know
+    # (it would set it itself, with a warning)
     fan_in_fan_out = any(isinstance(module, Conv1D) for module in lm.modules())
     peft_config = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=targets, lora_dropout=0.0,
                                  bias="none", task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out)

@@ -86,8 +86,10 @@ class Progress:
         line = (f"iter {r['iteration']}/{self.cfg.run.iterations} | reward {r['reward_mean']:.3f} | "
                 f"score {r['score_mean']:.3f} | kl {r['kl_response_mean']:.3f}/{target or 0:.1f} nats | "
                 f"beta {r['kl_coef']:.4f} | "
-                + (f"turns {r['turns_mean']:.2f} | env {r['environment_seconds']:.2f}s | " if "turns_mean" in r else "")
-                + (f"teacher kl {r['teacher_kl_response_mean']:.3f} | " if "teacher_kl_response_mean" in r else "")
+                + (f"turns {r['turns_mean']:.2f} | env {r['environment_seconds']:.2f}s | "
+                   if "turns_mean" in r else "")
+                + (f"teacher kl {r['teacher_kl_response_mean']:.3f} | "
+                   if "teacher_kl_response_mean" in r else "")
                 + (f"judge unparseable {r['reward_judge_unparseable']}/{r['reward_judge_answers']} | "
                    if r.get("reward_judge_answers") else "")
                 + "".join(f"eval {k} {v:.3f} | " for k, v in r.get("eval", {}).items())
@@ -97,7 +99,8 @@ class Progress:
             log(line)
         else:
             self.bar.write(f"[tether] {line}")
-            self.bar.set_postfix(reward=f"{r['reward_mean']:.3f}", kl=f"{r['kl_response_mean']:.2f}/{target or 0:g}",
+            self.bar.set_postfix(reward=f"{r['reward_mean']:.3f}",
+                                 kl=f"{r['kl_response_mean']:.2f}/{target or 0:g}",
                                  beta=f"{r['kl_coef']:.4f}", sec=f"{r['iteration_seconds']:.1f}")
             self.bar.update(1)
         if self.tensorboard:
@@ -122,15 +125,15 @@ class Progress:
         self.tracker.finish(summary)
 
 
-# ====================================================================== the job: setup, then a loop of named steps
+# ================================================================= the job: setup, then a loop of named steps
 
 
 def plan_and_connect(cfg: JobConfig):
-    """The input checked (``learner.plan``: whatever can be wrong with it fails there, before any actor starts),
-    and Ray joined or started. Joining is quick and comes after the plan. A local Ray starts on this thread
-    (``ray.init`` must run on the main thread) while a second one imports the loop and runs the plan: Ray's start
-    mostly waits on the processes it spawns, the imports and the plan are the driver's CPU. On bad input the Ray
-    just started stops again; Ctrl-C does not wait for the plan (its thread is a daemon)."""
+    """The input checked (``learner.plan``: whatever can be wrong with it fails there, before any actor
+    starts), and Ray joined or started. Joining is quick and comes after the plan. A local Ray starts on this
+    thread (``ray.init`` must run on the main thread) while a second one imports the loop and runs the plan:
+    Ray's start mostly waits on the processes it spawns, the imports and the plan are the driver's CPU. On bad
+    input the Ray just started stops again; Ctrl-C does not wait for the plan (its thread is a daemon)."""
     import threading
 
     from actors.base import starting_up
@@ -183,7 +186,8 @@ def run(cfg: JobConfig) -> dict:
     plan = plan_and_connect(cfg)
     from learner.loop import GracefulStop, setup
 
-    job = setup(cfg, plan, wall_start, log)  # actors up, weights and beta synced, resumed if asked, first eval
+    # actors up, weights and beta synced, resumed if asked, first eval
+    job = setup(cfg, plan, wall_start, log)
     progress, stop = Progress(cfg, job.run_path), GracefulStop()
     progress.samples(0, job.take_eval_samples())  # the evaluation before training (none on a resume)
     iteration, summary = job.first_iteration - 1, None
@@ -210,7 +214,8 @@ def run(cfg: JobConfig) -> dict:
 
 
 def parse(argv: list[str]) -> JobConfig | int:
-    """The job's config, or the exit code when there is no job to run: 0 after --print-config, 2 on invalid input."""
+    """The job's config, or the exit code when there is no job to run: 0 after --print-config, 2 on invalid
+    input."""
     try:
         cfg = parse_cli(argv)
     except (ValidationError, FileNotFoundError, ValueError) as err:

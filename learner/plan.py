@@ -88,8 +88,8 @@ class RankSpec:
         update = UpdateSettings(cfg.ppo, cfg.run.seed, cfg.run.iterations, cfg.rollout.batch_size,
                                 cfg.rollout.agent is not None, cfg.learner.max_tokens_per_microbatch,
                                 cfg.learner.zero_stage == 3)
-        return cls(model, cfg.learner, Algorithm.from_config(cfg), update, cfg.rollout.temperature, cfg.run.seed,
-                   cfg.device("learner"), cfg.cluster.learner, reference, reward, threads)
+        return cls(model, cfg.learner, Algorithm.from_config(cfg), update, cfg.rollout.temperature,
+                   cfg.run.seed, cfg.device("learner"), cfg.cluster.learner, reference, reward, threads)
 
 
 @dataclass(frozen=True)
@@ -203,8 +203,9 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
     # actors per role: the cluster reserves a bundle for each
     sync, counts = SyncSpec.of(cfg), role_counts(cfg)
     rollouts = tuple(
-        RolloutSpec(model, EngineSpec(cfg.rollout.engine, cfg.run.seed + i, max_model_len, cfg.rollout.kv_cache_mib,
-                                      dtype, i, cfg.device("rollout"), cfg.rollout.vllm_engine_args(), sync.transfer,
+        RolloutSpec(model, EngineSpec(cfg.rollout.engine, cfg.run.seed + i, max_model_len,
+                                      cfg.rollout.kv_cache_mib, dtype, i, cfg.device("rollout"),
+                                      cfg.rollout.vllm_engine_args(), sync.transfer,
                                       cfg.engine_lora_rank if cfg.rollout.engine == "vllm" else None,
                                       cfg.rollout.in_flight_updates))
         for i in range(counts["rollout"]))
@@ -214,29 +215,32 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
                       cfg.learner.max_tokens_per_microbatch)
         for _ in range(counts["reference"]))
     reward = reward_spec(cfg, models, task_options)
-    # on-policy distillation (distill.teacher_path): the teacher scores the student's samples as the reference
-    # does
+    # on-policy distillation (distill.teacher_path): the teacher scores the student's samples as the
+    # reference does
     teachers = tuple(
-        ReferenceSpec(models.teacher, "hf", dtype, max_model_len, 128, cfg.rollout.temperature, cfg.device("teacher"),
-                      max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch)
+        ReferenceSpec(models.teacher, "hf", dtype, max_model_len, 128, cfg.rollout.temperature,
+                      cfg.device("teacher"), max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch)
         for _ in range(counts["teacher"]))
     # multi-turn episodes: the environments step on workers of their own, outside the engines' processes
     environments, limits, task = (), None, cfg.task
     if task.name == "environment":
         environments = tuple(EnvironmentSpec(task.environment, task.environment_kwargs, model,
-                                             task.environment_step_timeout_s) for _ in range(task.environment_workers))
-        limits = EpisodeLimits(cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens, task.max_prompt_tokens,
-                               task.environment_step_timeout_s, task.environment_max_failures, task.environment)
+                                             task.environment_step_timeout_s)
+                             for _ in range(task.environment_workers))
+        limits = EpisodeLimits(cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens,
+                               task.max_prompt_tokens, task.environment_step_timeout_s,
+                               task.environment_max_failures, task.environment)
     agents = None if cfg.rollout.agent is None else AgentSettings(
-        cfg.rollout.agent, cfg.rollout.agent_timeout_s, cfg.rollout.agent_max_failures, cfg.rollout.max_trajectory_tokens)
+        cfg.rollout.agent, cfg.rollout.agent_timeout_s, cfg.rollout.agent_max_failures,
+        cfg.rollout.max_trajectory_tokens)
     resources = {"rollout": c.rollout, "reference": c.reference, "reward": c.reward, "teacher": c.teacher,
                  "environment": RoleResources(num_cpus=task.environment_num_cpus)}
     return FleetSpec(
         rollouts, references, (reward,) * counts["reward"], teachers, environments, resources,
-        cfg.run.actor_max_restarts, cfg.run.actor_max_restarts if sync.transfer is None else 0, sampling, pad_id,
-        cfg.rollout.chunk_size, cfg.rollout.samples_per_prompt, cfg.run.seed, cfg.run.max_chunk_retries,
-        cfg.learner.collective_timeout_s, cfg.probe_tolerance, dtype, cfg.rollout.eval_samples_per_prompt,
-        cfg.metrics.eval_samples_saved, limits, agents)
+        cfg.run.actor_max_restarts, cfg.run.actor_max_restarts if sync.transfer is None else 0, sampling,
+        pad_id, cfg.rollout.chunk_size, cfg.rollout.samples_per_prompt, cfg.run.seed,
+        cfg.run.max_chunk_retries, cfg.learner.collective_timeout_s, cfg.probe_tolerance, dtype,
+        cfg.rollout.eval_samples_per_prompt, cfg.metrics.eval_samples_saved, limits, agents)
 
 
 def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = False) -> Plan:
@@ -277,8 +281,9 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
         if episodic:  # multi-turn: rows the environments reset from; each prompt is its reset's observation
             return task.train_rows, task.eval_rows
         return tuple(
-            encode_prompts([task.format_prompt(t, tokenizer) for t in texts], tokenizer, cfg.task.max_prompt_tokens,
-                           cfg.task.long_prompts, log, origin=lambda i, split=split: task.prompt_origin(i, split))
+            encode_prompts([task.format_prompt(t, tokenizer) for t in texts], tokenizer,
+                           cfg.task.max_prompt_tokens, cfg.task.long_prompts, log,
+                           origin=lambda i, split=split: task.prompt_origin(i, split))
             for split, texts in (("train", task.prompts()), ("eval", task.eval_prompts())))
 
     if not cfg.model.path and (early := sft_tokenizer(task)) is not None:
@@ -323,7 +328,8 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
     if positions is not None and max_model_len > positions:  # the engines would refuse it at start-up
         raise ValueError(f"task.max_prompt_tokens={cfg.task.max_prompt_tokens} + "
                          f"{'rollout.max_trajectory_tokens' if episodic else 'rollout.max_new_tokens'}="
-                         f"{response_width} + 1 = {max_model_len} tokens do not fit the model's {positions} positions")
+                         f"{response_width} + 1 = {max_model_len} tokens do not fit the model's "
+                         f"{positions} positions")
     cluster = ClusterSpec.of(cfg)
     task_options = task.reward_actor_options()  # its shipments go to the object store once Ray is up
     shipments = tuple(v for v in (task_options or {}).values() if isinstance(v, Shipment))

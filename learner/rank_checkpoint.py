@@ -89,7 +89,8 @@ def export_hf(lm, rank: int, zero3: bool, lora: bool, model_dir: str, storage_ur
         try:
             if lora:  # the merged model, and the adapter in PEFT's format beside it (adapter/)
                 lm.save_pretrained(f"{scratch}/adapter")
-                lm.get_base_model().save_pretrained(scratch, state_dict=merged_state_dict(lm), safe_serialization=True)
+                lm.get_base_model().save_pretrained(scratch, state_dict=merged_state_dict(lm),
+                                                    safe_serialization=True)
             else:
                 lm.save_pretrained(scratch, safe_serialization=True)
             load_tokenizer(model_dir).save_pretrained(scratch)

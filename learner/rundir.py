@@ -21,7 +21,8 @@ class RunDirectoryError(TetherError, RuntimeError):
 
 
 def check_free(settings: RunConfig) -> RunStorage:
-    """The run directory ``output_dir/name``, refused if it already holds a run and ``run.overwrite`` is not set."""
+    """The run directory ``output_dir/name``, refused if it already holds a run and ``run.overwrite`` is not
+    set."""
     run = RunStorage(settings.output_dir).child(settings.name)
     if settings.resume:
         if not run.isdir():
@@ -69,10 +70,11 @@ def write_samples(run: RunStorage, iteration: int, samples: list[dict]) -> None:
     """Evaluation samples as Markdown, one file per evaluation: iteration 0 is before training."""
     if not samples:
         return
-    lines = [f"# Evaluation samples at iteration {iteration}" + (" (before training)" if iteration == 0 else ""),
-             ""]
+    lines = [f"# Evaluation samples at iteration {iteration}"
+             + (" (before training)" if iteration == 0 else ""), ""]
     for i, s in enumerate(samples, 1):
-        lines += [f"## {i}. score {s['score']:.3f}", "", "Prompt:", "", *(f"> {x}" for x in s["prompt"].splitlines()),
+        lines += [f"## {i}. score {s['score']:.3f}", "", "Prompt:", "",
+                  *(f"> {x}" for x in s["prompt"].splitlines()),
                   "", "Response:", "", *(f"> {x}" for x in (s["response"] or "(empty)").splitlines()), ""]
     run.write_text("\n".join(lines), "samples", f"iteration-{iteration:04d}.md")
 
@@ -81,7 +83,8 @@ def write_summary(run: RunStorage, summary: dict) -> None:
     run.write_text(json.dumps(summary, indent=2) + "\n", "summary.json")
 
 
-def plot_curves(run: RunStorage, records: list[dict], target: float | None, eval_start: dict | None = None) -> None:
+def plot_curves(run: RunStorage, records: list[dict], target: float | None,
+                eval_start: dict | None = None) -> None:
     """reward, response KL (with its target) and beta against iteration; evaluations (the one before
     training at iteration 0) on the reward panel. Matplotlib's object API, without pyplot's global state: it
     draws on the ``Curves`` thread."""
@@ -92,9 +95,11 @@ def plot_curves(run: RunStorage, records: list[dict], target: float | None, eval
     axes = fig.subplots(1, 3)
     axes[0].plot(it, [r["reward_mean"] for r in records], label="reward (score - beta*KL)")
     axes[0].plot(it, [r["score_mean"] for r in records], label="score")
-    evals = ([{"iteration": 0, "eval": eval_start}] if eval_start else []) + [r for r in records if "eval" in r]
+    evals = (([{"iteration": 0, "eval": eval_start}] if eval_start else [])
+             + [r for r in records if "eval" in r])
     for key in sorted({k for r in evals for k in r["eval"]}):
-        axes[0].plot([r["iteration"] for r in evals], [r["eval"][key] for r in evals], "o-", label=f"eval {key}")
+        axes[0].plot([r["iteration"] for r in evals], [r["eval"][key] for r in evals], "o-",
+                     label=f"eval {key}")
     axes[0].set_title("reward")
     axes[1].plot(it, [r["kl_response_mean"] for r in records], label="response KL (nats)")
     if target is not None:
@@ -114,9 +119,9 @@ def plot_curves(run: RunStorage, records: list[dict], target: float | None, eval
 
 
 class Curves:
-    """curves.png, drawn on a thread of its own (``plot_curves``, 0.3-0.7 s): the loop does not wait for a drawing,
-    and the last one draws while Ray stops. Drawings run one after another; asking again for the records already
-    drawn draws nothing."""
+    """curves.png, drawn on a thread of its own (``plot_curves``, 0.3-0.7 s): the loop does not wait for a
+    drawing, and the last one draws while Ray stops. Drawings run one after another; asking again for the
+    records already drawn draws nothing."""
 
     def __init__(self, run: RunStorage, target: float | None, eval_start: dict | None) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -124,7 +129,8 @@ class Curves:
         self.run, self.target, self.eval_start = run, target, eval_start
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="curves")
         # matplotlib's import (0.3 s) now, beside the job, not at the first drawing: in a job shorter than
-        # metrics.plot_every that is the last one, which the exit waits for (a failed import fails that drawing)
+        # metrics.plot_every that is the last one, which the exit waits for
+        # (a failed import fails that drawing)
         self.pool.submit(importlib.import_module, "matplotlib.figure")
         self.drawings: list = []
         self.drawn_records = 0
@@ -132,7 +138,8 @@ class Curves:
     def draw(self, records: list[dict]) -> None:
         if records and len(records) != self.drawn_records:
             self.drawn_records = len(records)
-            self.drawings.append(self.pool.submit(plot_curves, self.run, list(records), self.target, self.eval_start))
+            self.drawings.append(self.pool.submit(plot_curves, self.run, list(records), self.target,
+                                                  self.eval_start))
 
     def wait(self) -> None:
         """Until every drawing asked for is written; raises the first one's error."""

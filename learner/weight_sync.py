@@ -28,7 +28,8 @@ class WeightSync:
         self.learner, self.fleet, self.probe_set = learner, fleet, probe_set
         self.probe_every, self.max_retries, self.transfer = spec.probe_every, spec.max_retries, spec.transfer
         self.policy_version, self.kl_coef = 0, kl_coef
-        self._weights: ray.ObjectRef | None = None  # object store: the weights of ``policy_version``, once put
+        # object store: the weights of ``policy_version``, once put
+        self._weights: ray.ObjectRef | None = None
         # learner.lora: the adapter alone when every engine takes adapters, else the merged weights
         self.adapter = False
         if spec.lora:
@@ -36,8 +37,8 @@ class WeightSync:
             if self.adapter:
                 log("LoRA: adapter-only sync, the engines generate with each version's adapter")
             elif spec.adapter_sync:
-                log("LoRA: the engines' model takes no adapters in vLLM (or rollout.engine is 'hf'): the merged "
-                    "weights travel at each sync")
+                log("LoRA: the engines' model takes no adapters in vLLM (or rollout.engine is 'hf'): the "
+                    "merged weights travel at each sync")
             else:
                 why = " (float32 engines on CPU, where vLLM generates with an adapter 3-7x slower)"
                 log(f"LoRA: learner.lora.sync {spec.lora_sync!r}: the merged weights travel at each sync"
@@ -88,7 +89,8 @@ class WeightSync:
         return self._weights
 
     def probe(self) -> float:
-        """Max |engine - learner| log-prob on the probe batch, every ``run.probe_every`` versions (else NaN)."""
+        """Max |engine - learner| log-prob on the probe batch, every ``run.probe_every`` versions (else
+        NaN)."""
         if self.policy_version % self.probe_every:
             return float("nan")
         return self.fleet.probe(self.learner, *self.probe_set)
@@ -133,4 +135,5 @@ class WeightSync:
 
     def behind(self, states: list[dict]) -> list[dict]:
         """The actors in ``states`` that do not hold the driver's version and beta."""
-        return [s for s in states if s["policy_version"] != self.policy_version or s["kl_coef"] != self.kl_coef]
+        return [s for s in states
+                if s["policy_version"] != self.policy_version or s["kl_coef"] != self.kl_coef]

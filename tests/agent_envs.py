@@ -38,7 +38,8 @@ def row(key: str, turns: int, **fields) -> dict:
 
 
 class Scripted(Environment):
-    """An episode of ``turns`` model turns: the observations and rewards follow from (row id, turn, attempt)."""
+    """An episode of ``turns`` model turns: the observations and rewards follow from (row id, turn,
+    attempt)."""
 
     def __init__(self, root: str, eos_id: int = len(CHARS)):
         self.root, self.eos_id = Path(root), eos_id
@@ -53,7 +54,8 @@ class Scripted(Environment):
         ident = int(self.row.get("id", 0))
         if turn == 0:
             n = int(self.row.get("prompt_len", 2 + ident % 3))
-            letters = [CHARS[(ident + self.attempt * 7) % 21]] + [CHARS[(ident + 3 * k) % 23] for k in range(1, n)]
+            letters = [CHARS[(ident + self.attempt * 7) % 21]] + \
+                [CHARS[(ident + 3 * k) % 23] for k in range(1, n)]
         else:
             n = int(self.row.get("obs_len", 1 + (ident + turn) % 3))
             letters = [CHARS[(5 * ident + 2 * turn + k) % 23] for k in range(n)]
@@ -94,7 +96,8 @@ class Scripted(Environment):
     def step(self, action: str):
         self.turn += 1
         fault = self.fault("step")
-        observation, reward, done = self.observation(self.turn), self.reward(self.turn), self.turn >= self.row["turns"]
+        observation, reward, done = self.observation(self.turn), self.reward(self.turn), \
+            self.turn >= self.row["turns"]
         if fault == "malformed":
             return observation, reward, done  # three values, not four
         if fault == "nan":
@@ -102,8 +105,8 @@ class Scripted(Environment):
         if fault == "no_observation":
             return None, reward, False, {}  # an episode that goes on needs its next observation
         info = {"tool_calls": self.turn % 2}
-        self.log["steps"].append({"action": action, "observation": None if done else observation, "reward": reward,
-                                  "done": done, "tool_calls": info["tool_calls"]})
+        self.log["steps"].append({"action": action, "observation": None if done else observation,
+                                  "reward": reward, "done": done, "tool_calls": info["tool_calls"]})
         self.log["done"] = done
         self.save()
         return (None if done else observation), reward, done, info

@@ -1,7 +1,7 @@
 """Agent programs for ``rollout.agent`` tests: randomwalks walked through the OpenAI-compatible endpoint with
 the real ``openai`` client, in one call or in two (the second extends the first token for token, so the two
-merge into one trajectory; or, for half the rows, starts again from the walk's last node, so an episode gives two
-rows), and agents that fail."""
+merge into one trajectory; or, for half the rows, starts again from the walk's last node, so an episode gives
+two rows), and agents that fail."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ async def walk_in_two_calls(base_url: str, row: dict) -> float:
 
 
 async def walk_in_two_calls_or_two_rows(base_url: str, row: dict) -> float:
-    """``walk_in_two_calls`` for rows starting at an even letter; from an odd one, the second call's prompt is the
-    walk's last node alone, which does not extend the first call: the episode gives two rows, one reward."""
+    """``walk_in_two_calls`` for rows starting at an even letter; from an odd one, the second call's prompt is
+    the walk's last node alone, which does not extend the first call: the episode gives two rows, one
+    reward."""
     if ord(row["start"]) % 2 == 0:
         return await walk_in_two_calls(base_url, row)
     client = AsyncOpenAI(base_url=base_url, api_key="tether")

@@ -12,7 +12,8 @@ from services.tasks.randomwalks import RandomWalksTask
 # what the submit test passes in the job's runtime env: MY_FLAG of the user's own, and three that tether also
 # sets for its actors (Ray refused a job that set any of tether's keys); the job's values must win
 RUN_NAME = "job-env"
-JOB_ENV = {"MY_FLAG": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "ERROR"}
+JOB_ENV = {"MY_FLAG": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_LOGGING_LEVEL": "ERROR"}
 # what tether sets per actor (metrics.log_level at its default) where the job does not
 TETHER_ENV = {"TETHER_RUN": RUN_NAME, "TETHER_LOG_LEVEL": "warning", "TRANSFORMERS_VERBOSITY": "warning"}
 

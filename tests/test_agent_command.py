@@ -40,7 +40,8 @@ def test_what_the_command_was_given(tmp_path, monkeypatch):
     agent = script(tmp_path, """
         import json, os, sys
         episode = json.load(sys.stdin)
-        seen = [episode, os.environ.get("OPENAI_BASE_URL"), os.environ.get("OPENAI_API_KEY"), os.environ.get("PYTHONPATH")]
+        seen = [episode, os.environ.get("OPENAI_BASE_URL"), os.environ.get("OPENAI_API_KEY"), \
+os.environ.get("PYTHONPATH")]
         sys.exit(json.dumps(seen))  # exits 1, the message on stderr
     """)
     with pytest.raises(CommandFailed, match="exited with 1") as failed:
@@ -53,7 +54,8 @@ def test_what_the_command_was_given(tmp_path, monkeypatch):
 @pytest.mark.parametrize("last_line, message", [("", "last line on stdout is '', not a reward"),
                                                 ("done", "last line on stdout is 'done', not a reward")])
 def test_a_command_that_prints_no_reward_fails_the_episode(tmp_path, last_line, message):
-    agent = script(tmp_path, f"import sys; sys.stdin.read(); print({last_line!r}); print('why', file=sys.stderr)")
+    agent = script(tmp_path,
+                   f"import sys; sys.stdin.read(); print({last_line!r}); print('why', file=sys.stderr)")
     with pytest.raises(CommandFailed, match=message) as failed:
         asyncio.run(agent("http://x/v1", {}))
     assert "stderr: why" in str(failed.value)

@@ -35,8 +35,8 @@ TEMPLATE = (
     "{%- if m.role not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('no turn for role ' ~ m.role) }}{% endif -%}"
     "<|im_start|>{{ m.role }}\n{{ m.content }}"
-    "{%- for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments}"
-    " | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': "
+    "c.function.arguments} | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
     "{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -62,8 +62,9 @@ def build_tokenizer():
     core = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False))
     core.add_special_tokens(markers)
     core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                        pad_token="<|im_end|>", model_max_length=MAX_MODEL_LEN)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|im_start|>",
+                                        eos_token="<|im_end|>", pad_token="<|im_end|>",
+                                        model_max_length=MAX_MODEL_LEN)
     tokenizer.chat_template = TEMPLATE
     return tokenizer
 
@@ -124,8 +125,8 @@ def model_dir(tokenizer, tmp_path_factory) -> str:
     from services.models import save_model_dir
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
                          max_position_embeddings=MAX_MODEL_LEN, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     path = tmp_path_factory.mktemp("agent-model") / "random"
@@ -273,8 +274,9 @@ def test_merge_calls_keeps_a_call_that_does_not_extend_token_for_token_apart():
 
 
 def test_merge_calls_keeps_each_model_tokens_version():
-    """In-flight updates: a call's tokens carry the versions they were sampled under (a call may span two); the
-    environment's tokens between calls are -1, and a call without versions (no in-flight updates) is -1 too."""
+    """In-flight updates: a call's tokens carry the versions they were sampled under (a call may span two);
+    the environment's tokens between calls are -1, and a call without versions (no in-flight updates) is -1
+    too."""
     a = Call([1, 2], [3, 4], [-0.5, -0.25], FINISH_STOP, versions=[6, 7])
     b = Call([1, 2, 3, 4, 8], [5], [-1.0], FINISH_STOP, versions=[7])
     c = Call([9], [6], [-2.0], FINISH_STOP)
@@ -284,8 +286,8 @@ def test_merge_calls_keeps_each_model_tokens_version():
 
 
 def test_parse_tool_calls():
-    content, calls = parse_tool_calls('let me look <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> '
-                                      '<tool_call>{"name": broken</tool_call>')
+    content, calls = parse_tool_calls('let me look <tool_call>{"name": "f", "arguments": {"x": 1}}'
+                                      '</tool_call> <tool_call>{"name": broken</tool_call>')
     assert content == "let me look  <tool_call>{\"name\": broken</tool_call>"
     assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("function", "f", {"x": 1})]
@@ -317,7 +319,8 @@ def test_tool_call_round_trip_is_one_trajectory(tool_model_dir):
     sampling = SamplingSettings(temperature=1.0, max_new_tokens=64)  # room for the whole tool call
     with AgentEndpoint(engine, tokenizer, sampling, MAX_MODEL_LEN) as endpoint:
         [result] = asyncio.run(run_agents(endpoint, weather_agent, [{"messages": QUESTION,
-                                                                      "weather": {"paris": "sunny"}}], [3], 30))
+                                                                      "weather": {"paris": "sunny"}}],
+                                          [3], 30))
     assert result.ok and result.reward == 1.0, result
     first, second = result.calls
     assert tokenizer.decode(first.completion_ids) == TOOL_CALL + "<|im_end|>"
@@ -330,7 +333,8 @@ def test_tool_call_round_trip_is_one_trajectory(tool_model_dir):
     assert trajectory.ids == first.completion_ids + tool_turn + second.completion_ids
     assert trajectory.action_mask == [1] * len(first.completion_ids) + [0] * len(tool_turn) + [1] * len(
         second.completion_ids)
-    assert trajectory.logprobs[len(first.completion_ids): -len(second.completion_ids)] == [0.0] * len(tool_turn)
+    assert trajectory.logprobs[len(first.completion_ids): -len(second.completion_ids)] == \
+        [0.0] * len(tool_turn)
 
 
 def test_concurrent_episodes_are_one_engine_call(engine, model_dir):
@@ -440,7 +444,8 @@ def test_vllm_engine_serves_and_records_its_sampled_logprobs(model_dir, tokenize
             return float(second.usage.completion_tokens)
 
     with AgentEndpoint(engine, tokenizer, SAMPLING, MAX_MODEL_LEN, gather_s=0.2) as endpoint:
-        results = asyncio.run(run_agents(endpoint, agent, [{"q": f"q{i}"} for i in range(4)], [0, 1, 2, 3], 60))
+        results = asyncio.run(run_agents(endpoint, agent, [{"q": f"q{i}"} for i in range(4)],
+                                         [0, 1, 2, 3], 60))
     assert all(r.ok for r in results), results
     assert engine.most_running == 1 and len(engine.batches) < 8  # turns of the episodes shared engine calls
     calls = [c for r in results for c in r.calls]
@@ -449,7 +454,9 @@ def test_vllm_engine_serves_and_records_its_sampled_logprobs(model_dir, tokenize
         sampled = engine.generation_of(call.prompt_ids)
         assert call.completion_ids == sampled.response_ids[: len(call.completion_ids)]
         assert call.logprobs == sampled.logprobs[: len(call.logprobs)]
-    scored = engine.score([c.prompt_ids + c.completion_ids for c in calls], [len(c.prompt_ids) for c in calls])
-    assert max(abs(a - b) for c, s in zip(calls, scored, strict=True) for a, b in zip(c.logprobs, s, strict=True)) < 1e-4
+    scored = engine.score([c.prompt_ids + c.completion_ids for c in calls],
+                          [len(c.prompt_ids) for c in calls])
+    assert max(abs(a - b) for c, s in zip(calls, scored, strict=True)
+               for a, b in zip(c.logprobs, s, strict=True)) < 1e-4
     assert any(tokenizer.encode(tokenizer.decode(c.completion_ids, skip_special_tokens=True),
                                 add_special_tokens=False) != c.completion_ids for c in calls)

@@ -1,7 +1,7 @@
 """rollout.agent: any agent program trained through the rollout engine's OpenAI-compatible endpoint, as a
 job on the real stack. The program (tests/agent_programs.py) walks randomwalks with the ``openai`` client in
-two calls; for half the rows the second extends the first token for token, so the episode is one trajectory of two
-calls, and for the other half it starts again from the walk's last node, so the episode gives two rows. An
+two calls; for half the rows the second extends the first token for token, so the episode is one trajectory of
+two calls, and for the other half it starts again from the walk's last node, so the episode gives two rows. An
 agent past its failure limit is tested on an engine actor (tests/test_agents.py): the driver reports the
 error it raises as it does an environment's."""
 
@@ -15,7 +15,8 @@ from tests.conftest import SMALL, run_cli
 
 ROWS = [{"start": s} for s in "bcdefghi"]
 # the tests' randomwalks GPT-2 has 32 positions: prompt 8 + trajectory 16 + 1
-SIZES = ["--task.max_prompt_tokens", "8", "--rollout.max_trajectory_tokens", "16", "--rollout.max_new_tokens", "9"]
+SIZES = ["--task.max_prompt_tokens", "8", "--rollout.max_trajectory_tokens", "16",
+         "--rollout.max_new_tokens", "9"]
 
 
 def agent_args(root, tiny_model_dir, agent: str) -> list[str]:
@@ -28,8 +29,9 @@ def agent_args(root, tiny_model_dir, agent: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def agent_run(shared_runs, tiny_model_dir):
-    return shared_runs.get("agent-two-calls", *agent_args(shared_runs.root, tiny_model_dir,
-                                                          "tests.agent_programs:walk_in_two_calls_or_two_rows"),
+    return shared_runs.get("agent-two-calls",
+                           *agent_args(shared_runs.root, tiny_model_dir,
+                                       "tests.agent_programs:walk_in_two_calls_or_two_rows"),
                            "--run.iterations", "2", "--run.eval_every", "2")
 
 
@@ -39,8 +41,8 @@ def test_an_agent_program_trains_through_the_endpoint(agent_run):
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for r in records:
-        # two calls per episode, merged into one trajectory or two rows, or one call when the walk ended within the
-        # first: the episode is the unit, whatever its rows
+        # two calls per episode, merged into one trajectory or two rows, or one call when the walk ended
+        # within the first: the episode is the unit, whatever its rows
         assert r["episodes"] == 32 and 1.0 <= r["turns_mean"] <= 2.0 and 1.0 <= r["rows_per_episode"] <= 2.0
         assert r["trajectory_environment_tokens_mean"] == 0.0  # nothing between the calls
         # the KL the reward penalised is the controller's statistic, on these trajectories too, per episode
@@ -72,7 +74,8 @@ ENV = {"name": "environment", "environment": "services.environments.randomwalks:
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"task": {"environment": "my_env:Env"}}, "task.environment is set but task.name='randomwalks' does not read it"),
+    ({"task": {"environment": "my_env:Env"}},
+     "task.environment is set but task.name='randomwalks' does not read it"),
     ({"task": {"name": "environment"}}, "task.name='environment' needs task.environment"),
     ({"task": {"name": "environment", "environment": "my_env"}}, "package.module:factory"),
     ({"task": {"name": "dataset", "path": "x.jsonl", "environment_workers": 4}, "model": {"path": "/m"}},
@@ -82,7 +85,8 @@ ENV = {"name": "environment", "environment": "services.environments.randomwalks:
     ({"task": ENV, "reward": {"missing_eos_penalty": -1.0}}, "reward.missing_eos_penalty is set"),
     ({"task": ENV, "rollout": {"max_new_tokens": 64, "max_trajectory_tokens": 32}},
      "rollout.max_new_tokens=64 .* exceeds rollout.max_trajectory_tokens=32"),
-    ({"rollout": {"agent": "my_agent:solve"}}, "rollout.agent='my_agent:solve' is set but task.name='randomwalks'"),
+    ({"rollout": {"agent": "my_agent:solve"}},
+     "rollout.agent='my_agent:solve' is set but task.name='randomwalks'"),
     ({"task": {"name": "agent", "path": "rows.jsonl"}}, "task.name='agent' and rollout.agent go together"),
     ({"task": {"name": "agent"}, "rollout": {"agent": "a:b"}}, "task.name='agent' needs task.path"),
     ({"task": {"name": "agent", "path": "rows.jsonl"}, "rollout": {"agent": "a:b"}}, "needs model.path"),
@@ -101,5 +105,5 @@ def test_a_trajectory_longer_than_the_models_positions_fails_before_any_actor(tm
     proc = run_cli(["--run.output_dir", str(tmp_path), "--cluster.address", "127.0.0.1:1", *args,
                     "--rollout.max_trajectory_tokens", "64"])
     assert proc.returncode == 1 and "actors ready" not in proc.stdout
-    assert ("task.max_prompt_tokens=8 + rollout.max_trajectory_tokens=64 + 1 = 73 tokens do not fit the model's 32 "
-            "positions") in proc.stderr
+    assert ("task.max_prompt_tokens=8 + rollout.max_trajectory_tokens=64 + 1 = 73 tokens do not fit the "
+            "model's 32 positions") in proc.stderr

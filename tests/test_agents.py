@@ -33,8 +33,8 @@ RANDOMWALKS = "services.environments.randomwalks:interactive_randomwalks"
 SCRIPTED = "tests.agent_envs:scripted"
 # the jobs' SFT warm start (their run seed, steps, batch size and the default lr), built once for all. More,
 # smaller steps than SMALL's 60 x 50 for about the same cost: 200 x 10 makes legal moves (a job's first eval
-# optimality 0.14 at seed 1, 0.30 at seed 2, 4-5 turns an episode), 60 x 50 hardly any (0.01 and 0.00, 1.6 turns),
-# and a job learned nothing from it at seed 2
+# optimality 0.14 at seed 1, 0.30 at seed 2, 4-5 turns an episode), 60 x 50 hardly any (0.01 and 0.00, 1.6
+# turns), and a job learned nothing from it at seed 2
 SFT = {"seed": 1, "steps": 200, "batch_size": 10, "lr": 1e-3}
 STEP_TIMEOUT_S = 5.0  # a step of the scripted environment takes milliseconds, also on a loaded machine
 MAX_PROMPT_TOKENS = 8
@@ -58,7 +58,8 @@ class Agents:
 def limits(max_failures: int):
     from actors.episodes import EpisodeLimits
 
-    return EpisodeLimits(MAX_TURNS, MAX_TRAJECTORY_TOKENS, MAX_PROMPT_TOKENS, STEP_TIMEOUT_S, max_failures, SCRIPTED)
+    return EpisodeLimits(MAX_TURNS, MAX_TRAJECTORY_TOKENS, MAX_PROMPT_TOKENS, STEP_TIMEOUT_S,
+                         max_failures, SCRIPTED)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,8 @@ def agents(ray_client, policy, tmp_path_factory):
                            tag="agents") for i in range(2)]
     max_model_len = MAX_PROMPT_TOKENS + MAX_TRAJECTORY_TOKENS + 1
     engine = start_actor(RolloutActor, "rollout", 0, light, None, 0,
-                         RolloutSpec(policy, EngineSpec("vllm", 0, max_model_len, 64, "float32", 0)), tag="agents")
+                         RolloutSpec(policy, EngineSpec("vllm", 0, max_model_len, 64, "float32", 0)),
+                         tag="agents")
     actors = [*workers, engine]
     try:
         ray.get([a.ready.remote() for a in actors])
@@ -103,8 +105,9 @@ def run_episodes(agents: Agents, rows: list[dict], first_row: int = 100, max_fai
 
     index = list(range(first_row, first_row + len(rows)))
     return agents.engine.run_episodes.remote(rows, index, [7 * i + 3 for i in index],
-                                             SamplingSettings(1.0, 1.0, MAX_NEW_TOKENS), agents.tokenizer.pad_token_id,
-                                             None, agents.workers, limits(max_failures), first_worker=0)
+                                             SamplingSettings(1.0, 1.0, MAX_NEW_TOKENS),
+                                             agents.tokenizer.pad_token_id, None, agents.workers,
+                                             limits(max_failures), first_worker=0)
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -121,8 +124,8 @@ def segments(batch, b: int) -> list[Segment]:
     """Row ``b``'s trajectory as runs of the model's and the environment's tokens, in order."""
     n = int(batch.response_mask[b].sum())
     out: list[Segment] = []
-    for t, (token, sampled) in enumerate(zip(batch.response_ids[b, :n].tolist(), batch.action_mask[b, :n].tolist(),
-                                             strict=True)):
+    for t, (token, sampled) in enumerate(zip(batch.response_ids[b, :n].tolist(),
+                                             batch.action_mask[b, :n].tolist(), strict=True)):
         if out and out[-1].sampled == bool(sampled):
             out[-1].ids.append(token)
         else:
@@ -156,14 +159,15 @@ def check_token_in_token_out(batch, policy: str) -> float:
     assert model.sum() > 0
     error = float((learner - batch.rollout_logprobs)[model].abs().max())
     assert error < LOGPROB_TOLERANCE, error
-    assert (batch.rollout_logprobs[model] <= 0).all() and batch.rollout_logprobs[model].sum() < 0  # not a fill value
+    # not a fill value
+    assert (batch.rollout_logprobs[model] <= 0).all() and batch.rollout_logprobs[model].sum() < 0
     return error
 
 
 def check_episode(batch, b: int, log: dict, tokenizer, failed_attempts: int) -> None:
-    """Row ``b`` of ``batch`` is the episode that ``log`` (its environment's record) describes, token for token:
-    the prompt is the reset observation encoded once; then model turns and the observations that followed
-    them (encoded once, appended as ids), each turn's reward on its last model token."""
+    """Row ``b`` of ``batch`` is the episode that ``log`` (its environment's record) describes, token for
+    token: the prompt is the reset observation encoded once; then model turns and the observations that
+    followed them (encoded once, appended as ids), each turn's reward on its last model token."""
     from services.environments import encode_observation
     from services.experience import FINISH_LENGTH, FINISH_STOP
 
@@ -178,21 +182,25 @@ def check_episode(batch, b: int, log: dict, tokenizer, failed_attempts: int) -> 
     truncated = int(batch.finish_reason[b]) == FINISH_LENGTH
     assert len(model) == turns >= 1
     # the environment took every turn, but one that the token budget cut inside the model's turn
-    assert len(steps) == turns or (truncated and length == MAX_TRAJECTORY_TOKENS and len(steps) == turns - 1), b
+    assert len(steps) == turns or \
+        (truncated and length == MAX_TRAJECTORY_TOKENS and len(steps) == turns - 1), b
     for k, segment in enumerate(model):
         cut = truncated and k == len(model) - 1 and len(steps) < turns
         assert eos not in segment.ids[:-1], b  # a turn ends at its EOS
         assert segment.ids[-1] == eos or len(segment.ids) == MAX_NEW_TOKENS or cut, b
         rewards = batch.turn_rewards[b, segment.start:segment.start + len(segment.ids)].tolist()
-        if k < len(steps):  # the environment got the turn as text and its reward sits on the turn's last token
+        if k < len(steps):
+            # the environment got the turn as text and its reward sits on the turn's last token
             assert tokenizer.decode(segment.ids, skip_special_tokens=True) == steps[k]["action"], b
-            assert rewards[:-1] == [0.0] * (len(rewards) - 1) and rewards[-1] == pytest.approx(steps[k]["reward"])
+            assert rewards[:-1] == [0.0] * (len(rewards) - 1) and \
+                rewards[-1] == pytest.approx(steps[k]["reward"])
         else:
             assert rewards == [0.0] * len(rewards)
     # each step that went on was followed by its observation (none after the last turn); the budget may cut
     # the last one
     observations = [s["observation"] for s in steps[:MAX_TURNS - 1] if s["observation"] is not None]
-    assert len(env) == len(observations) if not truncated else len(env) in (len(observations), len(observations) - 1)
+    assert len(env) == len(observations) if not truncated else \
+        len(env) in (len(observations), len(observations) - 1)
     for k, segment in enumerate(env):
         expected = encode_observation(observations[k], tokenizer, first=False)
         if truncated and k == len(env) - 1 and segment.start + len(segment.ids) == MAX_TRAJECTORY_TOKENS:
@@ -244,15 +252,17 @@ def test_trajectories_are_the_engines_tokens_and_the_environments_observations(a
     assert batch.prompt_index.tolist() == list(range(100, 108))
     assert (batch.action_mask.sum(-1) < batch.response_mask.sum(-1))[batch.num_turns > 1].all()
     observed = (batch.action_mask == 0) & (batch.response_mask > 0)
-    assert agents.tokenizer.eos_token_id in batch.response_ids[observed].tolist()  # an observation's, kept as is
+    # an observation's, kept as is
+    assert agents.tokenizer.eos_token_id in batch.response_ids[observed].tolist()
 
-    # the learner's per-token rewards on these trajectories: the KL penalty and the turns' rewards on the model's
-    # tokens only
+    # the learner's per-token rewards on these trajectories: the KL penalty and the turns' rewards on the
+    # model's tokens only
     with torch.no_grad():
         logprobs, _, _ = response_forward(load_causal_lm(agents.policy, "float32"), batch)
     ref = logprobs - 0.3 * batch.response_mask  # a reference 0.3 nats below on every real token
-    rewards, kl = kl_penalized_rewards(batch.turn_rewards.sum(-1), logprobs * batch.action_mask, ref * batch.action_mask,
-                                       batch.action_mask, 0.1, "k1", batch.turn_rewards)
+    rewards, kl = kl_penalized_rewards(batch.turn_rewards.sum(-1), logprobs * batch.action_mask,
+                                       ref * batch.action_mask, batch.action_mask, 0.1, "k1",
+                                       batch.turn_rewards)
     env = batch.action_mask == 0
     assert (rewards[env] == 0).all() and (kl[env] == 0).all()
     model = batch.action_mask > 0
@@ -263,10 +273,12 @@ def test_trajectories_are_the_engines_tokens_and_the_environments_observations(a
 def test_the_token_budget_and_the_turn_limit_cut_trajectories(agents):
     """rollout.max_trajectory_tokens: long observations run out of tokens before the turn limit, and the
     trajectory is cut at the bound (finish reason length). rollout.max_turns: an episode that never ends stops
-    after the last turn's step (its reward counted, no observation after it); one that ends on that turn ends."""
+    after the last turn's step (its reward counted, no observation after it); one that ends on that turn
+    ends."""
     from services.experience import FINISH_LENGTH, FINISH_STOP
 
-    rows = [row("limit-endless", turns=99, id=0, obs_len=1), row("limit-last", turns=MAX_TURNS, id=3, obs_len=1),
+    rows = [row("limit-endless", turns=99, id=0, obs_len=1),
+            row("limit-last", turns=MAX_TURNS, id=3, obs_len=1),
             *(row(f"limit-long-{n}", turns=99, id=n, obs_len=n) for n in range(9, 15))]
     batch = ray.get(run_episodes(agents, rows, first_row=200))
     logs = check_batch(agents, batch, rows)
@@ -376,7 +388,8 @@ def test_the_job_fails_past_max_failures_naming_the_environment_row_and_turn(age
     message = str(failure.value)
     assert f"environment {SCRIPTED!r} failed at row 511, turn 2" in message
     assert "RuntimeError: injected fault at turn 2" in message
-    assert f"({limit + 1} failed episodes on this engine, more than task.environment_max_failures={limit})" in message
+    assert f"({limit + 1} failed episodes on this engine, more than task.environment_max_failures={limit})" \
+        in message
 
 
 def test_an_agent_past_its_failure_limit_fails_the_chunk_naming_it(agents):
@@ -409,7 +422,8 @@ def test_a_turn_whose_contexts_pass_one_engine_step_still_generates(agents):
 def test_a_first_observation_longer_than_max_prompt_tokens_is_refused_naming_the_row(agents):
     from services.environments import EnvironmentFailure
 
-    rows = [row("prompt-ok", turns=1, id=0), row("prompt-long", turns=1, id=1, prompt_len=MAX_PROMPT_TOKENS + 4)]
+    rows = [row("prompt-ok", turns=1, id=0),
+            row("prompt-long", turns=1, id=1, prompt_len=MAX_PROMPT_TOKENS + 4)]
     with pytest.raises(EnvironmentFailure) as failure:
         ray.get(run_episodes(agents, rows, first_row=600))
     message = str(failure.value)
@@ -420,10 +434,11 @@ def test_a_first_observation_longer_than_max_prompt_tokens_is_refused_naming_the
 # ---------------------------------------------------------------------------------------------- job level
 
 # SMALL's sizes with the SFT above
-ENVIRONMENT_JOB = ("--run.seed", str(SFT["seed"]), "--model.sft_steps", str(SFT["steps"]), "--model.sft_batch_size",
-                   str(SFT["batch_size"]), "--rollout.batch_size", "32", "--rollout.chunk_size", "16",
-                   "--ppo.minibatch_size", "16", "--run.eval_every", "100", "--task.name", "environment",
-                   "--task.environment", RANDOMWALKS, "--rollout.max_trajectory_tokens", "96", "--rollout.max_turns", "9")
+ENVIRONMENT_JOB = ("--run.seed", str(SFT["seed"]), "--model.sft_steps", str(SFT["steps"]),
+                   "--model.sft_batch_size", str(SFT["batch_size"]), "--rollout.batch_size", "32",
+                   "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16", "--run.eval_every", "100",
+                   "--task.name", "environment", "--task.environment", RANDOMWALKS,
+                   "--rollout.max_trajectory_tokens", "96", "--rollout.max_turns", "9")
 EPISODE_METRICS = ("turns_mean", "tool_calls_mean", "environment_seconds", "trajectory_model_tokens_mean",
                    "trajectory_environment_tokens_mean", "environment_failures", "truncated_fraction")
 
@@ -445,14 +460,15 @@ def check_trajectory_records(records: list[dict]) -> None:
         assert r["trajectory_model_tokens_mean"] >= r["turns_mean"]  # at least a token a turn
         assert 0 <= r["truncated_fraction"] <= 1
         assert r["response_length_mean"] == r["trajectory_model_tokens_mean"]
-        # sum_t reward_t = score - beta * KL over the model's tokens of the whole trajectory: the penalty's KL (in
-        # sync mode the controller's statistic itself; async: the statistic is prefix-weighted, the penalty not)
+        # sum_t reward_t = score - beta * KL over the model's tokens of the whole trajectory: the penalty's KL
+        # (in sync mode the controller's statistic itself; async: the statistic is prefix-weighted, the
+        # penalty not)
         assert r["reward_mean"] == pytest.approx(r["score_mean"] - r["kl_coef_used"] * r["kl_penalty_mean"],
                                                  rel=1e-5, abs=1e-7)
     # the environment's tokens were there: observations after the first turn
     assert sum(r["trajectory_environment_tokens_mean"] for r in records) > 0
-    # the identity is not 0 == 0 - 0 (async: the learner's log-probs of rows an older version sampled, whose k1
-    # mean may be below 0 while the policy is near the reference)
+    # the identity is not 0 == 0 - 0 (async: the learner's log-probs of rows an older version sampled, whose
+    # k1 mean may be below 0 while the policy is near the reference)
     assert any(r["kl_response_mean"] != 0 for r in records)
 
 
@@ -474,15 +490,16 @@ def test_interactive_randomwalks_job_learns_and_keeps_exact_books(randomwalks_ru
         assert r["batch_staleness_max"] == 0
         assert r["kl_response_mean"] == pytest.approx(r["kl_penalty_mean"], rel=1e-9)  # sync: the same KL
     start, final = summary["eval_start"]["optimality"], summary["eval_final"]["optimality"]
-    assert final > start + 0.15, (start, final)  # seen after 6 iterations: 0.14 -> 0.41 (seed 1), 0.30 -> 0.68 (seed 2)
+    # seen after 6 iterations: 0.14 -> 0.41 (seed 1), 0.30 -> 0.68 (seed 2)
+    assert final > start + 0.15, (start, final)
     assert 1 <= summary["eval_final"]["turns"] <= 9
 
 
 def test_async_in_flight_group_estimator_job_on_trajectories(shared_runs):
-    """rollout.mode async with in-flight updates (partial) and a group estimator (GRPO, 4 episodes a prompt) on the
-    same environment: the versions load while episodes run (an episode's turns may span versions, each token
-    stamped with its own); it completes with the same books, 8 prompts of 4 episodes a batch, every trained token
-    at most one version behind the learner, a row stamped with its oldest, and a clean probe."""
+    """rollout.mode async with in-flight updates (partial) and a group estimator (GRPO, 4 episodes a prompt)
+    on the same environment: the versions load while episodes run (an episode's turns may span versions, each
+    token stamped with its own); it completes with the same books, 8 prompts of 4 episodes a batch, every
+    trained token at most one version behind the learner, a row stamped with its oldest, and a clean probe."""
     run_dir, proc = shared_runs.get("agents-in-flight", *ENVIRONMENT_JOB, "--run.iterations", "3",
                                     "--rollout.mode", "async", "--rollout.in_flight_updates", "partial",
                                     "--ppo.advantage", "grpo", "--rollout.samples_per_prompt", "4")
@@ -491,7 +508,8 @@ def test_async_in_flight_group_estimator_job_on_trajectories(shared_runs):
     check_trajectory_records(records)
     for r in records:
         assert r["episodes"] == 32 and len(r["prompt_rows"]) == 8 and r["batch_staleness_max"] <= 1
-        assert math.isfinite(r["kl_response_mean_stderr"]) and r["kl_response_mean_stderr"] >= 0  # 0: KL 0 at first
+        # 0: KL 0 at first
+        assert math.isfinite(r["kl_response_mean_stderr"]) and r["kl_response_mean_stderr"] >= 0
         assert 0 <= r["in_flight_token_staleness_mean"] <= r["batch_staleness_max"]
         assert 0 <= r["in_flight_mixed_row_fraction"] <= 1
         assert r["probe_max_abs_error"] < 1e-4  # the probe's scores are one version's, never a mix
@@ -504,11 +522,11 @@ def test_the_readme_environment_runs_a_job(shared_runs, tiny_model_dir):
     (model.path; the randomwalks GPT-2, whose 32 positions take a short prompt and trajectory, one letter a
     turn): the job runs, and its evaluation reports the episodes' return, which the steps' rewards make."""
     run_dir, proc = shared_runs.get(
-        "agents-readme", "--task.name", "environment", "--task.environment", "tests.readme_environment:NextLetter",
-        "--model.path", tiny_model_dir, "--rollout.max_turns", "3", "--task.max_prompt_tokens", "4",
-        "--rollout.max_new_tokens", "1", "--rollout.max_trajectory_tokens", "16", "--rollout.batch_size", "32",
-        "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16", "--run.iterations", "2", "--run.eval_every", "100",
-        "--run.seed", "1")
+        "agents-readme", "--task.name", "environment", "--task.environment",
+        "tests.readme_environment:NextLetter", "--model.path", tiny_model_dir, "--rollout.max_turns", "3",
+        "--task.max_prompt_tokens", "4", "--rollout.max_new_tokens", "1", "--rollout.max_trajectory_tokens",
+        "16", "--rollout.batch_size", "32", "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16",
+        "--run.iterations", "2", "--run.eval_every", "100", "--run.seed", "1")
     records, summary = read_run(run_dir, proc)
     assert [r["iteration"] for r in records] == [1, 2]
     for r in records:  # three rounds, each one letter and the next letter shown (none after the last)
@@ -517,7 +535,8 @@ def test_the_readme_environment_runs_a_job(shared_runs, tiny_model_dir):
         assert 0 <= r["score_mean"] <= 3
     for evaluation in (summary["eval_start"], summary["eval_final"]):
         assert 0 <= evaluation["return"] <= 3 and evaluation["turns"] == 3
-    # some answers were right (one letter in a few dozen): the steps' rewards reached the scores and the evaluation
+    # some answers were right (one letter in a few dozen): the steps' rewards reached the scores and the
+    # evaluation
     assert summary["eval_start"]["return"] + summary["eval_final"]["return"] > 0
     assert sum(r["score_mean"] for r in records) > 0
     assert f"eval return {summary['eval_final']['return']:.3f}" in proc.stdout
@@ -530,7 +549,8 @@ UNIMPORTABLE = {
 
 
 def test_an_environment_that_cannot_be_imported_fails_before_any_actor(tmp_path):
-    """Named, and before the driver reaches a cluster (the address is one nothing listens on) or writes a run."""
+    """Named, and before the driver reaches a cluster (the address is one nothing listens on) or writes a
+    run."""
     def job(spec: str):
         out = tmp_path / spec.replace(":", "-")
         out.mkdir()

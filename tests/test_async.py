@@ -18,8 +18,8 @@ ASYNC = ["--rollout.mode", "async"]
 
 
 def job_args(ray_head, cache_dir, out, name, *extra) -> list[str]:
-    return ["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir", str(out),
-            "--run.name", name, *SMALL, *extra]
+    return ["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir,
+            "--run.output_dir", str(out), "--run.name", name, *SMALL, *extra]
 
 
 def metrics(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
@@ -34,7 +34,8 @@ def stamped_batch(versions: list[int], kl_coef: float = 0.05, behaviour_logprob:
     n = len(versions)
     prompts = [[int(x)] for x in torch.randint(1, 21, (n,), generator=g)]
     responses = [torch.randint(0, 21, (4,), generator=g).tolist() for _ in range(n)]
-    batch = make_batch(prompts, responses, [[behaviour_logprob] * 4] * n, [1] * n, list(range(n)), 22, 0, kl_coef, 6)
+    batch = make_batch(prompts, responses, [[behaviour_logprob] * 4] * n, [1] * n, list(range(n)),
+                       22, 0, kl_coef, 6)
     batch.policy_version = torch.tensor(versions)
     return batch
 
@@ -91,7 +92,8 @@ def test_a_stale_row_is_never_trained_on(ray_client, tiny_model_dir):
     from tests.conftest import chunk_refs
 
     cfg = load_config(None, {
-        "rollout": {"batch_size": 16, "chunk_size": 8, "max_new_tokens": 6, "mode": "async", "max_staleness": 1},
+        "rollout": {"batch_size": 16, "chunk_size": 8, "max_new_tokens": 6, "mode": "async",
+                    "max_staleness": 1},
         "ppo": {"minibatch_size": 16, "epochs": 1, "lr": 1e-3},
         "cluster": {"learner": {"num_cpus": 0.1}},
         "learner": {"collective_timeout_s": 300},
@@ -102,7 +104,8 @@ def test_a_stale_row_is_never_trained_on(ray_client, tiny_model_dir):
     group = LearnerGroup(RankSpec.of(cfg, tiny_model_dir), None, tag="async-stale")
     try:
         too_stale = stamped_batch([2, 2, 2, 1, 2, 2, 2, 2])
-        assert group.collect(chunk_refs({0: too_stale, 1: stamped_batch([3] * 8)}, refs, scores), admitted) == [0]
+        assert group.collect(chunk_refs({0: too_stale, 1: stamped_batch([3] * 8)}, refs, scores),
+                             admitted) == [0]
         # regenerated (version 2: within the bound), with behaviour log-probs far below the learner's
         regenerated = stamped_batch([2] * 8, behaviour_logprob=-20.0)
         assert group.collect(chunk_refs({0: regenerated}, {0: refs[0]}, {0: scores[0]}), admitted) == []
@@ -115,13 +118,15 @@ def test_a_stale_row_is_never_trained_on(ray_client, tiny_model_dir):
     assert result.ppo["is_capped_fraction"] == pytest.approx(0.5)
     assert 1.0 < result.ppo["is_weight_mean"] < 1.5
     # the penalty is the learner's own log-probs p (pi_prox, in (-20, 0)) against the reference (-2), not the
-    # engine's: sum(p) + 2 * tokens. The mismatch |p - behaviour| is slot 0's sum(p) + 20 per token on the stale
-    # rows (version 2, against the learner's 3) and slot 1's -sum(p) on the rows of its own version, apart
+    # engine's: sum(p) + 2 * tokens. The mismatch |p - behaviour| is slot 0's sum(p) + 20 per token on the
+    # stale rows (version 2, against the learner's 3) and slot 1's -sum(p) on the rows of its own version,
+    # apart
     tokens, sums = result.sums["num_tokens"], result.sums
     assert sums["stale_tokens"] == tokens / 2
     stale_p = sums["stale_mismatch_abs_sum"] - 20.0 * tokens / 2
     fresh_p = -(sums["mismatch_abs_sum"] - sums["stale_mismatch_abs_sum"])
-    # (the penalty's unweighted sums; the controller's statistic is prefix-weighted against the engine's log-probs)
+    # (the penalty's unweighted sums; the controller's statistic is prefix-weighted against the engine's
+    # log-probs)
     assert sums["penalty_sum"] == pytest.approx(stale_p + fresh_p + 2.0 * tokens, rel=1e-5, abs=1e-3)
     assert sums["penalty_sum"] != pytest.approx((-18.0 + 2.0) * tokens / 2, rel=1e-2)  # the engine's, before
 
@@ -139,8 +144,10 @@ def test_staleness_zero_reproduces_sync(ray_head, cache_dir, small_run, tmp_path
     assert [r["prompt_rows"] for r in a] == [r["prompt_rows"] for r in b]
     assert [r["batch_staleness_max"] for r in b] == [0, 0, 0]
     assert all(r["ppo_is_capped_fraction"] == 0 for r in a + b)  # the rollout correction in both modes
-    assert all(abs(r["ppo_is_weight_mean"] - 1) < 1e-4 for r in a + b), [r["ppo_is_weight_mean"] for r in a + b]
-    for key in ("kl_response_mean", "score_mean", "reward_mean", "kl_coef", "response_length_mean", "ppo_loss"):
+    assert all(abs(r["ppo_is_weight_mean"] - 1) < 1e-4 for r in a + b), \
+        [r["ppo_is_weight_mean"] for r in a + b]
+    for key in ("kl_response_mean", "score_mean", "reward_mean", "kl_coef",
+                "response_length_mean", "ppo_loss"):
         # both penalise the learner's log-probs; the importance weights here differ from 1 by the probe's 1e-4
         assert [r[key] for r in a] == pytest.approx([r[key] for r in b], rel=1e-3, abs=1e-3), key
 
@@ -174,8 +181,8 @@ def test_async_overlaps_within_the_bound_and_resumes_with_an_empty_pipeline(ray_
 
     # the same job with in-flight updates (a version loads into the batch being generated) killed outright
     # (SIGKILL: no clean-up, its actors and reservation left to Ray) the moment iteration 2's checkpoint is
-    # sealed, with batch 3 generating since before update 2; the resume from the latest checkpoint, on the same
-    # head, trains the straight run's prompts, each once, in its order
+    # sealed, with batch 3 generating since before update 2; the resume from the latest checkpoint, on the
+    # same head, trains the straight run's prompts, each once, in its order
     in_flight = [*ASYNC, "--rollout.in_flight_updates", "keep_kv"]
     killed = start_job(job_args(ray_head, cache_dir, tmp_path, "killed", "--run.iterations", "4",
                                 "--checkpoint.every", "2", *in_flight))
@@ -190,8 +197,8 @@ def test_async_overlaps_within_the_bound_and_resumes_with_an_empty_pipeline(ray_
     after_kill = metrics(tmp_path / "killed")
     assert [r["iteration"] for r in after_kill] == [1, 2, 3, 4]
     assert [r["prompt_rows"] for r in after_kill] == [r["prompt_rows"] for r in first]
-    # batch 3, drawn again, is version 2's alone (collected before update 3); a row of any other batch is stamped
-    # with its oldest token, of the version the batch started under or (loaded in flight) the next
+    # batch 3, drawn again, is version 2's alone (collected before update 3); a row of any other batch is
+    # stamped with its oldest token, of the version the batch started under or (loaded in flight) the next
     assert after_kill[2]["batch_policy_versions"] == [2]
     for r in after_kill:
         assert set(r["batch_policy_versions"]) <= {max(r["iteration"] - 2, 0), r["iteration"] - 1}, r

@@ -22,11 +22,13 @@ def _chunk():
 
     prompts = [[i % 20 + 1] for i in range(6)]
     responses = [[3, 0, 22], [5, 22], [], [1, 2, 3], [0, 22], [7]]
-    return make_batch(prompts, responses, [[0.0] * len(r) for r in responses], [0] * 6, list(range(6)), 22, 0, 0.0, 9)
+    return make_batch(prompts, responses, [[0.0] * len(r) for r in responses], [0] * 6,
+                      list(range(6)), 22, 0, 0.0, 9)
 
 
 @pytest.mark.parametrize("task, message", [
-    ("tests.faulty_tasks:RaisingReward", r"task 'raising-reward', chunk 5 raised RuntimeError: the reward backend is down"),
+    ("tests.faulty_tasks:RaisingReward",
+     r"task 'raising-reward', chunk 5 raised RuntimeError: the reward backend is down"),
     ("tests.faulty_tasks:NaNReward", r"task 'nan-reward', chunk 5 returned nan for sample 3"),
     ("tests.faulty_tasks:ShortReward", r"task 'short-reward', chunk 5 returned 5 scores for 6 samples"),
 ])
@@ -48,8 +50,8 @@ def test_prompts_longer_than_the_context(tiny_model_dir):
 
     tokenizer = load_tokenizer(tiny_model_dir)
     texts = ["b" * 40, "c", "d" * 30]
-    with pytest.raises(ValueError, match=r"2 prompt\(s\) are longer than task.max_prompt_tokens=16; first is prompt 0 "
-                                         r"with 40 tokens"):
+    with pytest.raises(ValueError, match=r"2 prompt\(s\) are longer than task.max_prompt_tokens=16; first is "
+                                         r"prompt 0 with 40 tokens"):
         encode_prompts(texts, tokenizer, 16, "reject", log=lambda _: None)
     notes = []
     encoded = encode_prompts(texts, tokenizer, 16, "truncate", log=notes.append)
@@ -61,7 +63,8 @@ def test_prompts_longer_than_the_context(tiny_model_dir):
 @pytest.mark.parametrize("task, message", [
     ("tests.faulty_tasks:NoPrompts", "the task has an empty prompt set"),
     ("tests.faulty_tasks:LongPrompts", "2 prompt(s) are longer than task.max_prompt_tokens=16"),
-    ("tests.faulty_tasks:Missing", "task.name='tests.faulty_tasks:Missing': module 'tests.faulty_tasks' has no attribute 'Missing'"),
+    ("tests.faulty_tasks:Missing",
+     "task.name='tests.faulty_tasks:Missing': module 'tests.faulty_tasks' has no attribute 'Missing'"),
 ])
 def test_bad_task_data_fails_before_any_actor(cache_dir, tmp_path, task, message):
     proc = run_cli(["--run.output_dir", str(tmp_path), "--model.cache_dir", cache_dir, "--run.seed", "1",
@@ -76,8 +79,8 @@ def test_bad_task_data_fails_before_any_actor(cache_dir, tmp_path, task, message
 
 @pytest.mark.integration
 def test_bad_task_data_with_a_local_ray_fails_before_any_actor_and_stops_that_ray(cache_dir, tmp_path):
-    """With no cluster.address the driver starts its Ray while the plan checks the input: the plan's error is the
-    job's, no actor starts, and every process of that Ray is gone when the job exits."""
+    """With no cluster.address the driver starts its Ray while the plan checks the input: the plan's error is
+    the job's, no actor starts, and every process of that Ray is gone when the job exits."""
     import os
     import shutil
     import tempfile
@@ -87,15 +90,16 @@ def test_bad_task_data_with_a_local_ray_fails_before_any_actor_and_stops_that_ra
     ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths are under it
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
     try:
-        proc = run_job(["--run.output_dir", str(tmp_path / "runs"), "--model.cache_dir", cache_dir, "--run.seed", "1",
-                        "--model.sft_steps", "60", "--model.sft_batch_size", "50",
+        proc = run_job(["--run.output_dir", str(tmp_path / "runs"), "--model.cache_dir", cache_dir,
+                        "--run.seed", "1", "--model.sft_steps", "60", "--model.sft_batch_size", "50",
                         "--task.name", "tests.faulty_tasks:NoPrompts"], timeout_s=300, env=env)
         assert proc.returncode == 1, proc.stderr[-3000:]
         assert "[tether] error: the task has an empty prompt set" in proc.stderr, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr
         assert "ray: started a local Ray" in proc.stdout  # beside the plan
         assert "actors ready" not in proc.stdout and not (tmp_path / "runs").exists()
-        left = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or [])]
+        left = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+                if ray_tmp in " ".join(p.info["cmdline"] or [])]
         assert left == [], f"processes of the job's Ray still running: {left}"
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -104,11 +108,11 @@ def test_bad_task_data_with_a_local_ray_fails_before_any_actor_and_stops_that_ra
 @pytest.mark.integration
 def test_a_raising_reward_fails_the_job_with_its_location(ray_head, cache_dir, tiny_model_dir, tmp_path):
     # the tests' randomwalks policy (the faulty task's prompts and vocabulary are randomwalks')
-    proc = run_job(["--cluster.address", ray_head.address, "--run.output_dir", str(tmp_path), "--model.cache_dir",
-                    cache_dir, "--run.seed", "1", "--model.path", tiny_model_dir,
+    proc = run_job(["--cluster.address", ray_head.address, "--run.output_dir", str(tmp_path),
+                    "--model.cache_dir", cache_dir, "--run.seed", "1", "--model.path", tiny_model_dir,
                     "--task.name", "tests.faulty_tasks:RaisingReward", "--rollout.batch_size", "32",
                     "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16"], timeout_s=600)
     assert proc.returncode == 1
     # the first call of the reward function is the evaluation before training (it scores the saved samples)
-    assert re.search(r"task 'raising-reward', evaluation chunk \d+ raised RuntimeError: the reward backend is down",
-                     proc.stderr), proc.stderr[-3000:]
+    assert re.search(r"task 'raising-reward', evaluation chunk \d+ raised RuntimeError: the reward "
+                     r"backend is down", proc.stderr), proc.stderr[-3000:]

@@ -15,7 +15,8 @@ from services.model_source import ModelNotFoundError, ModelSource, content_hash
 
 
 def test_a_path_no_node_has_is_named_with_the_node():
-    with pytest.raises(ModelNotFoundError, match=r"node .*: model.path '/nonexistent/model' is not a directory"):
+    with pytest.raises(ModelNotFoundError,
+                       match=r"node .*: model.path '/nonexistent/model' is not a directory"):
         ModelSource.configured("/nonexistent/model").resolve("rollout-0")
 
 
@@ -29,7 +30,8 @@ def test_hub_id_resolves_offline_from_the_hf_cache_or_is_named(tiny_model_dir, t
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    with pytest.raises(ModelNotFoundError, match=r"Hub id 'tether-tests/walker' cannot be resolved from the local HF cache"):
+    with pytest.raises(ModelNotFoundError,
+                       match=r"Hub id 'tether-tests/walker' cannot be resolved from the local HF cache"):
         ModelSource.configured("tether-tests/walker").check()
     # the HF cache's own layout: refs/main names the snapshot that holds the files
     repo = tmp_path / "hub" / "models--tether-tests--walker"
@@ -104,7 +106,8 @@ def test_ray_settings_reach_actors_only_where_the_environment_does_not_set_them(
     show = "import json, learner.cluster as c; print(json.dumps(c.RAY_ENV_DEFAULTED))"
     base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     on_cluster = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, check=True,
-                                env={**base, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"})
+                                env={**base, "RAY_AUTH_MODE": "token",
+                                     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"})
     assert json.loads(on_cluster.stdout) == {"RAY_USAGE_STATS_ENABLED": "0"}
     alone = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, check=True, env=base)
     assert json.loads(alone.stdout) == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
@@ -112,8 +115,8 @@ def test_ray_settings_reach_actors_only_where_the_environment_does_not_set_them(
 
 
 def test_the_local_ray_s_polled_raylet_wait_is_ray_s_own_again_after_the_start():
-    """connect() replaces Ray's private services.get_node for the local ray.init alone (the job with a local Ray in
-    test_bad_input starts through it); afterwards, and after an error inside, Ray's own is back."""
+    """connect() replaces Ray's private services.get_node for the local ray.init alone (the job with a local
+    Ray in test_bad_input starts through it); afterwards, and after an error inside, Ray's own is back."""
     from ray._private import services
 
     from learner.cluster import _raylet_wait_by_polling
@@ -132,7 +135,8 @@ def test_vllm_settings_are_config_fields():
                                          "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
                              "cluster": {"rollout": {"num_gpus": 2}}})
     assert cfg.rollout.vllm_engine_args() == {"enforce_eager": False, "tensor_parallel_size": 2,
-                                              "gpu_memory_utilization": 0.8, "distributed_executor_backend": "mp"}
+                                              "gpu_memory_utilization": 0.8,
+                                              "distributed_executor_backend": "mp"}
     assert (cfg.device("rollout"), cfg.device("learner")) == ("cuda", "cpu")
     with pytest.raises(ValueError, match="rollout.tensor_parallel_size=2 needs that many GPUs per engine"):
         load_config(None, {"rollout": {"tensor_parallel_size": 2}})
@@ -144,7 +148,8 @@ def _executor_vllm_runs(engine_args: dict) -> str:
     """The executor vLLM's own ParallelConfig settles on for these engine arguments, where it is built."""
     from vllm.config import ParallelConfig
 
-    return ParallelConfig(**{key: engine_args[key] for key in ("tensor_parallel_size", "distributed_executor_backend")
+    return ParallelConfig(**{key: engine_args[key]
+                             for key in ("tensor_parallel_size", "distributed_executor_backend")
                              if key in engine_args}).distributed_executor_backend
 
 
@@ -197,7 +202,8 @@ class TensorParallelProbe:
                 "learner": [logprobs[i - 1, sequence[i]].item() for i in range(2, len(sequence))]}
 
 
-def test_a_tensor_parallel_engine_runs_its_workers_from_its_actor_in_a_placement_group(ray_client, tiny_model_dir):
+def test_a_tensor_parallel_engine_runs_its_workers_from_its_actor_in_a_placement_group(ray_client,
+                                                                                       tiny_model_dir):
     """tensor_parallel_size 2 with the executor the config names ('mp'), in an actor placed in a placement
     group as every tether engine is: vLLM's CPU build runs its two workers as processes of the actor, they
     generate, and new weights loaded through them give the learner's log-probs (a sync that leaves a
@@ -212,7 +218,8 @@ def test_a_tensor_parallel_engine_runs_its_workers_from_its_actor_in_a_placement
         # the CPU build binds each worker's OpenMP threads: one core per tensor-parallel rank
         probe = ray_client.remote(TensorParallelProbe).options(
             num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
-            runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "CUDA_VISIBLE_DEVICES": ""}}).remote()
+            runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1",
+                                      "CUDA_VISIBLE_DEVICES": ""}}).remote()
         engine_args = RolloutConfig(tensor_parallel_size=2).vllm_engine_args()
         found = ray_client.get(probe.run.remote(tiny_model_dir, engine_args))
         ray_client.kill(probe)
@@ -223,7 +230,8 @@ def test_a_tensor_parallel_engine_runs_its_workers_from_its_actor_in_a_placement
     assert max(abs(a - b) for a, b in zip(found["engine"], found["learner"], strict=True)) < 1e-4
 
 
-def test_preflight_names_the_node_and_port_an_engine_cannot_reach_for_the_weight_transfer(ray_client, tmp_path):
+def test_preflight_names_the_node_and_port_an_engine_cannot_reach_for_the_weight_transfer(ray_client,
+                                                                                          tmp_path):
     from learner.cluster import ClusterSpec, Placement, RendezvousStandIn, _check_node, preflight, rank0_reach
     from services.config import load_config
     from services.storage import RunStorage
@@ -232,7 +240,8 @@ def test_preflight_names_the_node_and_port_an_engine_cannot_reach_for_the_weight
     nccl = load_config(None, {"learner": {"weight_sync": "nccl"},
                               "cluster": {"rollout": {"num_gpus": 1}, "learner": {"num_gpus": 1}}})
     # who reaches rank 0's node for what: with nccl every engine's node, rank 0's own too; ranks away from it
-    actors_on = {"a": [("rollout", 0), ("learner", 0)], "b": [("rollout", 1), ("reward", 0)], "c": [("learner", 1)]}
+    actors_on = {"a": [("rollout", 0), ("learner", 0)], "b": [("rollout", 1), ("reward", 0)],
+                 "c": [("learner", 1)]}
     assert rank0_reach(True, actors_on, "a") == {"a": {"weight_transfer"}, "b": {"weight_transfer"},
                                                  "c": {"rendezvous"}}
     assert rank0_reach(False, actors_on, "a") == {"a": set(), "b": set(), "c": {"rendezvous"}}
@@ -244,7 +253,8 @@ def test_preflight_names_the_node_and_port_an_engine_cannot_reach_for_the_weight
     try:
         ray_client.get(group.ready())
         logged = []
-        preflight(ClusterSpec.of(nccl), Placement(group, {"rollout": [0], "reference": [1], "reward": [2], "learner": [3]}), [],
+        preflight(ClusterSpec.of(nccl),
+                  Placement(group, {"rollout": [0], "reference": [1], "reward": [2], "learner": [3]}), [],
                   storage, log=logged.append)
         assert logged and logged[-1].startswith("pre-flight: models and run storage ok on")
     finally:
@@ -256,8 +266,8 @@ def test_preflight_names_the_node_and_port_an_engine_cannot_reach_for_the_weight
     closed = ("127.0.0.1", free_port())
     found = ray_client.get(check.remote([], storage, probe, None, closed))
     assert found["node"] and found["problems"] == [
-        (f"cannot reach learner rank 0's node at 127.0.0.1 port {closed[1]} (opened by pre-flight) for vLLM's weight "
-        f"transfer (learner.weight_sync='nccl'), whose store waits 300 s for an engine: "
+        (f"cannot reach learner rank 0's node at 127.0.0.1 port {closed[1]} (opened by pre-flight) for "
+        f"vLLM's weight transfer (learner.weight_sync='nccl'), whose store waits 300 s for an engine: "
         f"[Errno 111] Connection refused")]
     stand_in = ray_client.remote(RendezvousStandIn).options(num_cpus=0).remote()
     try:

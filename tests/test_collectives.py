@@ -29,7 +29,8 @@ def group_config(world_size: int, zero_stage: int, **overrides):
 
 
 def uneven_chunks(seed: int = 0):
-    """Slot 0 (rank 0 of two) holds long responses, slot 1 (rank 1) short ones, two of them empty: 8 rows each."""
+    """Slot 0 (rank 0 of two) holds long responses, slot 1 (rank 1) short ones, two of them empty: 8 rows
+    each."""
     from services.experience import make_batch
 
     g = torch.Generator().manual_seed(seed)
@@ -37,8 +38,8 @@ def uneven_chunks(seed: int = 0):
     for lengths in ([6, 6, 5, 6, 6, 4, 6, 6], [1, 2, 0, 1, 3, 1, 2, 0]):
         prompts = [[int(x)] for x in torch.randint(1, 21, (8,), generator=g)]
         responses = [torch.randint(0, 21, (n,), generator=g).tolist() for n in lengths]
-        chunks.append(make_batch(prompts, responses, [[0.0] * n for n in lengths], [1] * 8, list(range(8)), 22,
-                                 0, 0.05, 6))
+        chunks.append(make_batch(prompts, responses, [[0.0] * n for n in lengths], [1] * 8,
+                                 list(range(8)), 22, 0, 0.05, 6))
     return chunks
 
 
@@ -53,8 +54,9 @@ def train_once(rank_pool, cfg, model_dir: str, chunks):
 
 @pytest.mark.parametrize("aggregation, placement, loss_form", [("token_mean", "reward", None),
                                                                ("sequence_mean", "loss", "kl_to_go")])
-def test_zero3_two_ranks_with_unequal_lengths_end_at_the_one_rank_weights(rank_pool, tiny_model_dir, aggregation,
-                                                                         placement, loss_form):
+def test_zero3_two_ranks_with_unequal_lengths_end_at_the_one_rank_weights(rank_pool, tiny_model_dir,
+                                                                          aggregation, placement,
+                                                                          loss_form):
     """Losses are normalised by the minibatch's global token (or row) count, not averaged per rank; every
     ppo_* statistic the driver logs is the one rank's too (sums and counts, not per-rank means)."""
     from learner.ppo import ppo_stats_from_sums
@@ -72,7 +74,8 @@ def test_zero3_two_ranks_with_unequal_lengths_end_at_the_one_rank_weights(rank_p
         per_rank_means[world_size] = {k: sum(r.ppo[k] for r in result.ranks) / len(result.ranks)
                                       for k in result.ranks[0].ppo}
     assert set(stats[1]) == set(stats[2]) >= {"loss", "policy_loss", "value_loss", "entropy", "clipfrac",
-                                              "approx_kl", "vf_clipfrac", "explained_variance", "optimizer_steps"}
+                                              "approx_kl", "vf_clipfrac", "explained_variance",
+                                              "optimizer_steps"}
     for key in stats[1]:
         assert stats[2][key] == pytest.approx(stats[1][key], rel=1e-4, abs=1e-6), key
     # the old average of per-rank means is off where the ranks hold unequal tokens: the test can tell
@@ -119,9 +122,11 @@ def test_zero3_lost_chunk_finishes_within_the_timeout_and_the_retry_trains(ray_c
         # too, and the ranks still run their forwards in step
         restarted = chunks[1].clone()
         restarted.kl_coef.zero_()
-        assert group.collect(chunk_refs({1: restarted}, {1: refs[1]}, {1: scores[1]}), Admission(0, 0.05)) == [1]
+        assert group.collect(chunk_refs({1: restarted}, {1: refs[1]}, {1: scores[1]}),
+                             Admission(0, 0.05)) == [1]
         # the retry holds slot 1 only: rank 0 has no chunk and still joins rank 1's forward
-        assert group.collect(chunk_refs({1: chunks[1]}, {1: refs[1]}, {1: scores[1]}), Admission(0, 0.05)) == []
+        assert group.collect(chunk_refs({1: chunks[1]}, {1: refs[1]}, {1: scores[1]}),
+                             Admission(0, 0.05)) == []
         result = group.update(kl_coef=0.05, iteration=1)
     finally:
         for rank in group.ranks:
@@ -144,7 +149,8 @@ def test_one_optimizer_step_takes_the_old_logprobs_from_its_own_forward(rank_poo
     expected_kl = sum(lp - float(ref[k // 8][t]) for k, row in enumerate(before) for t, lp in enumerate(row))
     _, result = train_once(rank_pool, group_config(1, 0), tiny_model_dir, chunks)
     assert result.sums["k1_response_sum"] == pytest.approx(expected_kl, rel=1e-5)
-    assert result.sums["mismatch_abs_sum"] == pytest.approx(-sum(map(sum, before)), rel=1e-5)  # rollout logprobs 0
+    # rollout logprobs 0
+    assert result.sums["mismatch_abs_sum"] == pytest.approx(-sum(map(sum, before)), rel=1e-5)
     assert result.ppo["optimizer_steps"] == 1
     assert result.ppo["approx_kl"] == 0.0 and result.ppo["clipfrac"] == 0.0
 

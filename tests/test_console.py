@@ -68,6 +68,7 @@ def test_default_job_console_is_short_and_has_no_warning(default_run):
     warnings = [line for line in lines if "warning" in line.lower()]
     assert not warnings, "\n".join(warnings)
     assert f"[tether] run directory {run_dir}" in lines
-    for start in ("[tether] iter 1/10 | reward", "[tether] iter 10/10 | reward", "[tether] summary: final optimality"):
+    for start in ("[tether] iter 1/10 | reward", "[tether] iter 10/10 | reward",
+                  "[tether] summary: final optimality"):
         assert any(line.startswith(start) for line in lines), start
     assert lines[-1].startswith("[tether] summary:") and lines[-1].endswith(str(run_dir / "summary.json"))

@@ -48,7 +48,8 @@ def _write(kind: str, tmp_path: Path) -> Path:
         return write_jsonl(tmp_path / "prompts.jsonl", ROWS)
     if kind == "csv":
         path = tmp_path / "prompts.csv"
-        path.write_text("prompt,answer,note\n" + "".join(f"{r['prompt']},{r['answer']},{r['note']}\n" for r in ROWS))
+        path.write_text("prompt,answer,note\n" + "".join(f"{r['prompt']},{r['answer']},{r['note']}\n"
+                                                         for r in ROWS))
         return path
     if kind == "parquet":
         import pyarrow as pa
@@ -77,17 +78,20 @@ def test_saved_dataset_dict_splits_and_an_eval_file(tmp_path):
 
     evaluation = [{"prompt": "t", "answer": "u"}, {"prompt": "u", "answer": "a"}]
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
-                          "test": datasets.Dataset.from_list(evaluation)}).save_to_disk(str(tmp_path / "dict"))
+                          "test": datasets.Dataset.from_list(evaluation)}).save_to_disk(
+        str(tmp_path / "dict"))
     task = dataset_task(tmp_path / "dict", eval_split="test")
     assert task.prompts() == list("bcdefgh") and task.eval_prompts() == ["t", "u"]
     # the evaluation's rows are its own: row 1 of "eval" has answer 'a', row 1 of "train" has 'd'
-    assert task.row_fields([1], "eval") == [{"answer": "a"}] and task.row_fields([1], "train") == [{"answer": "d"}]
+    assert task.row_fields([1], "eval") == [{"answer": "a"}] and \
+        task.row_fields([1], "train") == [{"answer": "d"}]
     assert task.evaluate_rows(["t", "u"], ["u", "a"], [0, 1], "eval") == {"score": 0.0}
     on_file = dataset_task(tmp_path / "dict", eval_path=str(write_jsonl(tmp_path / "eval.jsonl", evaluation)))
     assert on_file.eval_prompts() == ["t", "u"] and on_file.prompt_origin(1, "eval").startswith(str(tmp_path))
     with pytest.raises(ValueError, match=r"has no split 'validation'; its splits are \['test', 'train'\]"):
         dataset_task(tmp_path / "dict", eval_split="validation")
-    with pytest.raises(ValueError, match="task.eval_split='test' needs a saved dataset directory with splits"):
+    with pytest.raises(ValueError,
+                       match="task.eval_split='test' needs a saved dataset directory with splits"):
         dataset_task(_write("jsonl", tmp_path), eval_split="test")
 
 
@@ -114,11 +118,13 @@ def test_chat_messages_get_the_chat_template_and_reach_the_reward_as_messages(tm
                         reward_fields=["weight"])
     tokenizer = _chat_tokenizer(tmp_path)
     texts = [task.format_prompt(m, tokenizer) for m in task.prompts()]
-    assert texts == ["<system>be brief</system><user>hi there</user><assistant>", "<user>why</user><assistant>"]
-    assert [len(ids) for ids in encode_prompts(texts, tokenizer, 64, "reject", log=lambda _: None)] == [len(t) for t in texts]
+    assert texts == \
+        ["<system>be brief</system><user>hi there</user><assistant>", "<user>why</user><assistant>"]
+    assert [len(ids) for ids in encode_prompts(texts, tokenizer, 64, "reject", log=lambda _: None)] == \
+        [len(t) for t in texts]
     assert task.reward_rows(texts, ["abc", "abcd"], [0, 1], "train") == [6.0, 2.0]
-    with pytest.raises(ValueError, match=r"task.prompt_field 'messages' of .*chat.jsonl holds chat messages, but the "
-                                         r"model's tokenizer has no chat template"):
+    with pytest.raises(ValueError, match=r"task.prompt_field 'messages' of .*chat.jsonl holds chat messages, "
+                                         r"but the model's tokenizer has no chat template"):
         task.format_prompt(task.prompts()[0], build_char_tokenizer(list("abc")))
 
 
@@ -134,10 +140,12 @@ def test_bad_data_is_named_by_file_row_and_field(tmp_path):
     jsonl = _write("jsonl", tmp_path)
     with pytest.raises(FileNotFoundError, match=r"task.path .*nowhere.jsonl does not exist"):
         dataset_task(tmp_path / "nowhere.jsonl")
-    with pytest.raises(ValueError, match=r"task.path .*prompts.jsonl has no field 'question' \(task.prompt_field\); "
-                                         r"its fields are \['prompt', 'answer', 'note'\]"):
+    with pytest.raises(ValueError, match=r"task.path .*prompts.jsonl has no field 'question' "
+                                         r"\(task.prompt_field\); its fields are \['prompt', 'answer', "
+                                         r"'note'\]"):
         dataset_task(jsonl, prompt_field="question")
-    with pytest.raises(ValueError, match=r"task.path .*prompts.jsonl has no field 'solution' \(task.reward_fields\)"):
+    with pytest.raises(ValueError,
+                       match=r"task.path .*prompts.jsonl has no field 'solution' \(task.reward_fields\)"):
         dataset_task(jsonl, reward_fields=["solution"])
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match=r"task.path .*empty.jsonl has no rows \(the file is empty\)"):
@@ -150,14 +158,16 @@ def test_bad_data_is_named_by_file_row_and_field(tmp_path):
     datasets.Dataset.from_dict({"prompt": [], "answer": []}).save_to_disk(str(tmp_path / "empty-dir"))
     with pytest.raises(ValueError, match=r"task.path .*empty-dir has no rows"):
         dataset_task(tmp_path / "empty-dir")
-    holes = write_jsonl(tmp_path / "holes.jsonl", [ROWS[0], ROWS[1], {"prompt": "d"}, {"answer": "x", "prompt": ""}])
-    with pytest.raises(ValueError, match=r"task.path .*holes.jsonl, row 2: field 'answer' \(task.reward_fields\) has "
-                                         r"no value"):
+    holes = write_jsonl(tmp_path / "holes.jsonl",
+                        [ROWS[0], ROWS[1], {"prompt": "d"}, {"answer": "x", "prompt": ""}])
+    with pytest.raises(ValueError, match=r"task.path .*holes.jsonl, row 2: field 'answer' "
+                                         r"\(task.reward_fields\) has no value"):
         dataset_task(holes)
     with pytest.raises(ValueError, match=r".*holes.jsonl, row 3, field 'prompt' is empty"):
         dataset_task(holes, reward_fields=[])
     numbers = write_jsonl(tmp_path / "numbers.jsonl", [{"prompt": 3, "answer": "a"}])
-    with pytest.raises(ValueError, match=r"numbers.jsonl, row 0, field 'prompt' holds 3; expected text or chat"):
+    with pytest.raises(ValueError,
+                       match=r"numbers.jsonl, row 0, field 'prompt' holds 3; expected text or chat"):
         dataset_task(numbers)
     (tmp_path / "prompts.txt").write_text("b\n")
     with pytest.raises(ValueError, match=r"task.path .*prompts.txt: unknown format '.txt'"):
@@ -171,7 +181,8 @@ def test_bad_data_is_named_by_file_row_and_field(tmp_path):
 def test_an_evaluation_file_is_checked_like_the_training_file(tmp_path):
     jsonl = _write("jsonl", tmp_path)
     bad_eval = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "b"}])
-    with pytest.raises(ValueError, match=r"task.eval_path .*eval.jsonl has no field 'answer' \(task.reward_fields\)"):
+    with pytest.raises(ValueError,
+                       match=r"task.eval_path .*eval.jsonl has no field 'answer' \(task.reward_fields\)"):
         dataset_task(jsonl, eval_path=str(bad_eval))
 
 
@@ -197,7 +208,8 @@ def test_long_prompts_are_named_by_file_row_and_field_or_truncated(tmp_path):
                                          r".*long.jsonl, row 1, field 'prompt' with 20 tokens"):
         encode_prompts(task.prompts(), tokenizer, 16, "reject", log=lambda _: None, origin=task.prompt_origin)
     notes = []
-    encoded = encode_prompts(task.prompts(), tokenizer, 16, "truncate", log=notes.append, origin=task.prompt_origin)
+    encoded = encode_prompts(task.prompts(), tokenizer, 16, "truncate", log=notes.append,
+                             origin=task.prompt_origin)
     assert [len(e) for e in encoded] == [1, 16, 16]
     assert re.search(r"truncated 2 prompt\(s\) .*long.jsonl, row 1, field 'prompt'", notes[0]), notes
 
@@ -211,14 +223,19 @@ def test_config_refuses_dataset_settings_that_cannot_work(tmp_path):
     assert dataset_config(path).task.options()["reward_fields"] == ["answer"]
     cases = [
         ({"task": {"name": "dataset"}, "model": {"path": "/m"}}, "task.name='dataset' needs task.path"),
-        ({"task": {"name": "randomwalks", "path": str(path)}}, "task.path is set but task.name='randomwalks'"),
-        ({"task": {"name": "dataset", "path": str(path)}, "model": {"path": "/m"}}, "needs task.reward_function"),
+        ({"task": {"name": "randomwalks", "path": str(path)}},
+         "task.path is set but task.name='randomwalks'"),
+        ({"task": {"name": "dataset", "path": str(path)}, "model": {"path": "/m"}},
+         "needs task.reward_function"),
         ({"task": {"name": "dataset", "path": str(path), "reward_function": REWARD}}, "needs model.path"),
-        ({"task": {"name": "dataset", "path": str(path), "reward_function": "score"}, "model": {"path": "/m"}},
+        ({"task": {"name": "dataset", "path": str(path), "reward_function": "score"},
+          "model": {"path": "/m"}},
          "is not of the form package.module:function"),
         ({"task": {"name": "dataset", "path": str(path), "reward_function": REWARD}, "model": {"path": "/m"},
-          "reward": {"kind": "model", "model_path": "/r"}}, "task.reward_function is set but reward.kind='model'"),
-        ({"task": {"name": "dataset", "path": str(path), "reward_function": REWARD, "reward_fields": ["prompt"]},
+          "reward": {"kind": "model", "model_path": "/r"}},
+         "task.reward_function is set but reward.kind='model'"),
+        ({"task": {"name": "dataset", "path": str(path), "reward_function": REWARD,
+                   "reward_fields": ["prompt"]},
           "model": {"path": "/m"}}, "task.reward_fields names ['prompt']"),
     ]
     for overrides, message in cases:
@@ -243,9 +260,11 @@ def test_reward_actor_scores_each_sample_with_its_rows_answer(tiny_model_dir, tm
     path = _write("jsonl", tmp_path)
     task = dataset_task(path)
     options = {"prompt_field": "prompt", "reward_function": REWARD, "reward_fields": ["answer"],
-               "rows": {split: {c: rows[c] for c in ("prompt", "answer")} for split, rows in task.rows.items()}}
+               "rows": {split: {c: rows[c] for c in ("prompt", "answer")}
+                        for split, rows in task.rows.items()}}
     path.unlink()  # the actor never reads the file
-    actor = RewardActor(0, RewardSpec("dataset", options, tiny_model_dir))  # a plain object here: no Ray needed
+    # a plain object here: no Ray needed
+    actor = RewardActor(0, RewardSpec("dataset", options, tiny_model_dir))
     tok = load_tokenizer(tiny_model_dir)
     rows = [0, 6, 3, 3]
     responses = [tok("c")["input_ids"], tok("c")["input_ids"], tok("fz")["input_ids"][:1], []]
@@ -279,8 +298,8 @@ def test_without_a_reward_function_a_reward_model_scores_and_evaluates(tiny_mode
     actor = RewardActor(0, RewardSpec("dataset", options, tiny_model_dir, kind="model",
                                          model_path=str(tmp_path / "classifier")))
     responses = [tok("cd")["input_ids"], tok("e")["input_ids"]]
-    batch = make_batch([tok("b")["input_ids"], tok("c")["input_ids"]], responses, [[0.0] * len(r) for r in responses],
-                       [0, 0], [0, 1], tok.pad_token_id, 0, 0.0, 2)
+    batch = make_batch([tok("b")["input_ids"], tok("c")["input_ids"]], responses,
+                       [[0.0] * len(r) for r in responses], [0, 0], [0, 1], tok.pad_token_id, 0, 0.0, 2)
     scores = actor.score(batch, 0)
     out = actor.evaluate(batch, 0, keep_samples=2)
     assert out["sums"] == {"score": pytest.approx(float(scores.sum()), abs=1e-5)}
@@ -288,8 +307,8 @@ def test_without_a_reward_function_a_reward_model_scores_and_evaluates(tiny_mode
 
 
 def test_rows_reach_a_reward_actor_through_the_object_store(ray_client, tiny_model_dir, tmp_path):
-    """``reward_actor_options`` holds the rows, never the path, shipped as one object ref once Ray is up: a real Ray
-    actor builds the task from it after the file is gone."""
+    """``reward_actor_options`` holds the rows, never the path, shipped as one object ref once Ray is up: a
+    real Ray actor builds the task from it after the file is gone."""
     import pickle
 
     from actors.reward import RewardActor
@@ -304,19 +323,21 @@ def test_rows_reach_a_reward_actor_through_the_object_store(ray_client, tiny_mod
     assert isinstance(options["rows"].ref, ray_client.ObjectRef)
     assert pickle.loads(pickle.dumps(options["rows"])).value is None  # the ref travels, not the rows
     path.unlink()
-    actor = ray_client.remote(num_cpus=0)(RewardActor).remote(0, RewardSpec("dataset", options, tiny_model_dir))
+    actor = ray_client.remote(num_cpus=0)(RewardActor).remote(0,
+                                                              RewardSpec("dataset", options, tiny_model_dir))
     tok = load_tokenizer(tiny_model_dir)
-    batch = make_batch([tok("b")["input_ids"], tok("h")["input_ids"]], [tok("c")["input_ids"]] * 2, [[0.0]] * 2,
-                       [0, 0], [0, 6], tok.pad_token_id, 0, 0.0, 1)
+    batch = make_batch([tok("b")["input_ids"], tok("h")["input_ids"]],
+                       [tok("c")["input_ids"]] * 2, [[0.0]] * 2, [0, 0], [0, 6], tok.pad_token_id, 0, 0.0, 1)
     scores = ray_client.get(actor.score.remote(batch, 0))
     assert torch.allclose(scores, torch.tensor([0.0, -0.3]))
     ray_client.kill(actor)
 
 
 def test_the_plan_of_a_dataset_job_starts_no_ray(cache_dir, tiny_model_dir, tmp_path):
-    """The start-up race's losing order, every time: the plan runs to its end before anything connects (the driver
-    runs it beside Ray's start), in a process without Ray. It must not start one by a side effect (a ``ray.put``
-    of the rows did: the driver's own ``ray.init`` then failed, "Perhaps you called ray.init twice")."""
+    """The start-up race's losing order, every time: the plan runs to its end before anything connects (the
+    driver runs it beside Ray's start), in a process without Ray. It must not start one by a side effect (a
+    ``ray.put`` of the rows did: the driver's own ``ray.init`` then failed, "Perhaps you called ray.init
+    twice")."""
     import subprocess
     import sys
 
@@ -332,8 +353,8 @@ def test_the_plan_of_a_dataset_job_starts_no_ray(cache_dir, tiny_model_dir, tmp_
         "assert planned.shipments and planned.shipments[0].ref is None\n"
         "print('ray started:', ray.is_initialized())\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_AUTO_CONNECT")}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**env, **RAY_ENV})
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**env, **RAY_ENV})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "ray started: False" in proc.stdout
 
@@ -349,15 +370,18 @@ def _job_args(cache_dir, tiny_model_dir, out, data, *extra) -> list[str]:
 
 @pytest.mark.parametrize("rows, extra, message", [
     ([{"prompt": "b", "answer": "c"}, {"prompt": "c" * 20, "answer": "d"}], [],
-     "1 prompt(s) are longer than task.max_prompt_tokens=16; first is {path}, row 1, field 'prompt' with 20 tokens"),
+     ("1 prompt(s) are longer than task.max_prompt_tokens=16; first is {path}, row 1, field 'prompt' "
+      "with 20 tokens")),
     ([{"prompt": "b"}], [], "task.path {path} has no field 'answer' (task.reward_fields)"),
     ([{"prompt": "b", "answer": "c"}], ["--task.reward_function", "tests.dataset_rewards:nowhere"],
      "task.reward_function='tests.dataset_rewards:nowhere': module 'tests.dataset_rewards' has no attribute"),
 ])
-def test_bad_dataset_fails_the_job_before_any_actor(cache_dir, tiny_model_dir, tmp_path, rows, extra, message):
+def test_bad_dataset_fails_the_job_before_any_actor(cache_dir, tiny_model_dir, tmp_path, rows,
+                                                    extra, message):
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     out = tmp_path / "runs"
-    proc = run_cli([*_job_args(cache_dir, tiny_model_dir, out, data, *extra), "--cluster.address", "127.0.0.1:1"])
+    proc = run_cli([*_job_args(cache_dir, tiny_model_dir, out, data, *extra),
+                    "--cluster.address", "127.0.0.1:1"])
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert message.format(path=data) in proc.stderr, proc.stderr[-2000:]
     assert "actors ready" not in proc.stdout and not out.exists()
@@ -365,8 +389,10 @@ def test_bad_dataset_fails_the_job_before_any_actor(cache_dir, tiny_model_dir, t
 
 def _samples(path: Path) -> list[tuple[float, str, str]]:
     """(score, prompt, response) of each sample in a samples/iteration-NNNN.md file."""
-    found = re.findall(r"## \d+\. score (\S+)\n\nPrompt:\n\n> (.*)\n\nResponse:\n\n> (.*)\n", path.read_text())
-    return [(float(score), prompt, "" if response == "(empty)" else response) for score, prompt, response in found]
+    found = re.findall(r"## \d+\. score (\S+)\n\nPrompt:\n\n> (.*)\n\nResponse:\n\n> (.*)\n",
+                       path.read_text())
+    return [(float(score), prompt, "" if response == "(empty)" else response)
+            for score, prompt, response in found]
 
 
 @pytest.mark.integration
@@ -378,13 +404,15 @@ def test_dataset_job_trains_with_the_rows_answers(ray_head, cache_dir, tiny_mode
 
     train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": p, "answer": "a"} for p in "bcdefghijk"])
     eval_answers = dict(zip("bcde", "uqmi"))
-    evaluation = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": p, "answer": a} for p, a in eval_answers.items()])
-    proc = run_job([*_job_args(cache_dir, tiny_model_dir, tmp_path, train), "--task.eval_path", str(evaluation),
-                    "--cluster.address", ray_head.address, "--run.name", "data", "--run.seed", "1",
-                    "--run.iterations", "2", "--run.eval_every", "2", "--rollout.batch_size", "32",
-                    "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16", "--rollout.eval_samples_per_prompt",
-                    "4", "--metrics.eval_samples_saved", "16", "--no-checkpoint.export_hf",
-                    "--cluster.placement_timeout_s", "300"])  # a shared CPU machine can take minutes to place
+    evaluation = write_jsonl(tmp_path / "eval.jsonl",
+                             [{"prompt": p, "answer": a} for p, a in eval_answers.items()])
+    proc = run_job([*_job_args(cache_dir, tiny_model_dir, tmp_path, train), "--task.eval_path",
+                    str(evaluation), "--cluster.address", ray_head.address, "--run.name", "data",
+                    "--run.seed", "1", "--run.iterations", "2", "--run.eval_every", "2",
+                    "--rollout.batch_size", "32", "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16",
+                    "--rollout.eval_samples_per_prompt", "4", "--metrics.eval_samples_saved", "16",
+                    # a shared CPU machine can take minutes to place
+                    "--no-checkpoint.export_hf", "--cluster.placement_timeout_s", "300"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "data"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -396,7 +424,7 @@ def test_dataset_job_trains_with_the_rows_answers(ray_head, cache_dir, tiny_mode
         samples = _samples(run_dir / "samples" / name)
         assert len(samples) == 16 and {p for _, p, _ in samples} == set(eval_answers), samples
         for score, prompt, response in samples:
-            assert score == pytest.approx(letter_distance(prompt, response, eval_answers[prompt]), abs=1e-3), \
-                (prompt, response, score)
+            assert score == pytest.approx(letter_distance(prompt, response, eval_answers[prompt]),
+                                          abs=1e-3), (prompt, response, score)
         # the evaluation file's answers, not the training file's 'a': a score the training answer cannot give
         assert any(abs(score - letter_distance(p, r, "a")) > 1e-3 for score, p, r in samples), samples

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_default_job_keeps_its_batch_split_and_rate():
     cfg = parse_cli([])
-    assert (cfg.rollout.batch_size, cfg.ppo.minibatch_size, cfg.rollout.chunk_size, cfg.ppo.lr) == (128, 64, 32, 3e-4)
+    assert (cfg.rollout.batch_size, cfg.ppo.minibatch_size, cfg.rollout.chunk_size, cfg.ppo.lr) == \
+        (128, 64, 32, 3e-4)
     assert cfg.followed_defaults() is None
 
 
@@ -46,7 +47,8 @@ def test_minibatch_and_chunk_follow_the_batch_when_unset(args, minibatch, chunk)
 
 
 def test_what_the_user_sets_is_kept_and_what_cannot_fit_is_still_refused():
-    cfg = parse_cli(["--rollout.batch_size", "48", "--ppo.minibatch_size", "16", "--rollout.chunk_size", "12"])
+    cfg = parse_cli(["--rollout.batch_size", "48", "--ppo.minibatch_size", "16",
+                     "--rollout.chunk_size", "12"])
     assert (cfg.ppo.minibatch_size, cfg.rollout.chunk_size) == (16, 12) and cfg.followed_defaults() is None
     with pytest.raises(ValueError, match="rollout.batch_size=32 is not a multiple of ppo.minibatch_size=64"):
         parse_cli(["--rollout.batch_size", "32", "--ppo.minibatch_size", "64"])
@@ -72,10 +74,12 @@ def test_grpos_rate_is_annealed_when_neither_the_rate_nor_its_schedule_is_set():
     cfg = parse_cli(group)
     assert (cfg.ppo.lr, cfg.ppo.lr_schedule) == (1e-4, "linear")
     assert "ppo.lr_schedule=linear follows ppo.advantage=grpo" in cfg.followed_defaults()
-    assert parse_cli([*group, "--ppo.lr", "1e-4"]).ppo.lr_schedule == "constant"  # a chosen rate: the field's own
+    # a chosen rate: the field's own
+    assert parse_cli([*group, "--ppo.lr", "1e-4"]).ppo.lr_schedule == "constant"
     chosen = parse_cli([*group, "--ppo.lr_schedule", "constant"])
     assert (chosen.ppo.lr, chosen.ppo.lr_schedule) == (1e-4, "constant")
-    assert parse_cli(["--ppo.advantage", "rloo", "--rollout.samples_per_prompt", "8"]).ppo.lr_schedule == "constant"
+    assert parse_cli(["--ppo.advantage", "rloo", "--rollout.samples_per_prompt", "8"]).ppo.lr_schedule == \
+        "constant"
     saved = cfg.model_dump()
     saved["ppo"]["lr"], saved["ppo"]["lr_schedule"] = 5e-5, "constant"  # as the version before resolved them
     keep_followed_defaults(saved, cfg)
@@ -96,7 +100,8 @@ def test_async_losses_that_weigh_stale_rows_beyond_tis_cap_train_two_epochs_when
 
 
 def test_a_resume_keeps_the_followed_values_it_ran_with():
-    saved = load_config(None, {"ppo": {"advantage": "grpo"}, "rollout": {"samples_per_prompt": 8}}).model_dump()
+    saved = load_config(None,
+                        {"ppo": {"advantage": "grpo"}, "rollout": {"samples_per_prompt": 8}}).model_dump()
     saved["ppo"]["lr"], saved["ppo"]["minibatch_size"] = 3e-4, 32  # as an older tether resolved them
     cfg = parse_cli(["--ppo.advantage", "grpo", "--rollout.samples_per_prompt", "8"])
     keep_followed_defaults(saved, cfg)
@@ -120,7 +125,8 @@ def test_a_dict_on_the_command_line_replaces_the_files_in_both_merge_paths(tmp_p
                       "cluster": {"rollout": {"resources": {"b": 1.0}, "num_cpus": 1.0}}}  # sections merge
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({"cluster": {"rollout": {"resources": {"a": 1.0}}}}))
-    assert load_config(path, {"cluster": {"rollout": {"resources": {"b": 1.0}}}}).cluster.rollout.resources == {"b": 1.0}
+    assert load_config(path, {"cluster": {"rollout": {"resources": {"b": 1.0}}}}) \
+        .cluster.rollout.resources == {"b": 1.0}
 
 
 def tether_error_classes() -> list[type]:

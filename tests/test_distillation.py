@@ -1,13 +1,13 @@
-"""On-policy distillation (``distill.*``): the teacher's per-token reverse KL as a penalty, by exact enumeration
-on the small autoregressive policy of ``tests/test_kl_loss.py`` (15 responses, float64), golden values for the
-group estimators, and the refused settings.
+"""On-policy distillation (``distill.*``): the teacher's per-token reverse KL as a penalty, by exact
+enumeration on the small autoregressive policy of ``tests/test_kl_loss.py`` (15 responses, float64), golden
+values for the group estimators, and the refused settings.
 
-Each credit is exactly the gradient of its own objective: ``reward_to_go`` that of the sequence-level reverse KL
-``KL(pi(y|x) || teacher(y|x))``, ``token`` that of the per-state reverse KLs summed along the student's own
+Each credit is exactly the gradient of its own objective: ``reward_to_go`` that of the sequence-level reverse
+KL ``KL(pi(y|x) || teacher(y|x))``, ``token`` that of the per-state reverse KLs summed along the student's own
 states (which it does not differentiate: how a token changes the later states is left out).
 
-The job (a teacher actor scores every chunk, the student's KL to it falls, resume is exact) is tested with a LoRA
-student in ``tests/test_lora.py``, sharing that job's start.
+The job (a teacher actor scores every chunk, the student's KL to it falls, resume is exact) is tested with a
+LoRA student in ``tests/test_lora.py``, sharing that job's start.
 """
 
 import pytest
@@ -37,19 +37,22 @@ COEF = 0.7
 
 
 def teacher_table(seed: int) -> torch.Tensor:
-    return torch.randn(len(PREFIXES), VOCAB, generator=torch.Generator().manual_seed(100 + seed), dtype=torch.float64)
+    return torch.randn(len(PREFIXES), VOCAB, generator=torch.Generator().manual_seed(100 + seed),
+                       dtype=torch.float64)
 
 
 def expected_gradient(theta, ref_table, teacher, credit: str, estimator: str = "gae") -> torch.Tensor:
     """``E_{y~pi}[sum_t grad log pi(y_t) * A_t]`` over every response, with the advantages the learner builds:
     the KL-penalised rewards of the reference, the teacher's penalties at ``credit``, GAE at gamma = lam = 1
-    without a critic or whitening (the returns to go), or REINFORCE's whole return (``estimator`` 'return')."""
+    without a critic or whitening (the returns to go), or REINFORCE's whole return (``estimator``
+    'return')."""
     logp = token_logprobs_of(theta)
     old = logp.detach()
     rewards, _ = kl_penalized_rewards(scores_of(), old, token_logprobs_of(ref_table), MASK, BETA)
     penalties = teacher_penalties(old, token_logprobs_of(teacher), MASK, COEF)
-    advantages, _ = compute_advantages("gae", rewards, MASK, values=torch.zeros_like(rewards), gamma=1.0, lam=1.0,
-                                       whiten_advantages=False, teacher=penalties, teacher_credit=credit)
+    advantages, _ = compute_advantages("gae", rewards, MASK, values=torch.zeros_like(rewards),
+                                       gamma=1.0, lam=1.0, whiten_advantages=False, teacher=penalties,
+                                       teacher_credit=credit)
     return gradient((old.sum(-1).exp() * (logp * advantages * MASK).sum(-1)).sum(), theta)
 
 
@@ -166,7 +169,7 @@ def test_a_teacher_with_another_vocabulary_is_refused_naming_the_field(tmp_path,
     other = load_tokenizer(tiny_model_dir)
     other.add_tokens(["<tool>"])
     other.save_pretrained(tmp_path / "teacher")
-    (tmp_path / "teacher" / "config.json").write_text((__import__("pathlib").Path(tiny_model_dir) / "config.json")
-                                                      .read_text())
+    (tmp_path / "teacher" / "config.json").write_text(
+        (__import__("pathlib").Path(tiny_model_dir) / "config.json").read_text())
     with pytest.raises(ValueError, match=r"distill.teacher_path\) has another vocabulary than the policy's"):
         check_teacher(str(tmp_path / "teacher"), student)

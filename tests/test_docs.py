@@ -1,5 +1,6 @@
-"""The docs site: it builds in strict mode, shows every benchmark result as written, every `learner.main` command
-in it parses, and docs/settings.md is the config's own reference (current, with every setting and rule)."""
+"""The docs site: it builds in strict mode, shows every benchmark result as written, every `learner.main`
+command in it parses, and docs/settings.md is the config's own reference (current, with every setting and
+rule)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ def leaf_settings(model: type[BaseModel], path: str = "") -> list[str]:
 
 
 def test_the_settings_reference_is_current():
-    done = subprocess.run([sys.executable, "docs/generate_settings.py", "--check"], cwd=ROOT, capture_output=True,
-                          text=True, check=False)
+    done = subprocess.run([sys.executable, "docs/generate_settings.py", "--check"], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
 
 
@@ -45,26 +46,32 @@ def test_the_reference_lists_every_setting_with_the_jobs_default_and_every_rule(
 
 def test_the_site_builds_with_no_warning_and_shows_every_result(tmp_path):
     """Strict: a broken link, a page in no table of contents, a missing anchor or any other warning fails."""
-    done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-c", "docs", "-b", "html",
-                           ".", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, check=False)
+    done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-c",
+                           "docs", "-b", "html", ".", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, check=False)
     assert done.returncode == 0, done.stderr
     results = sorted((ROOT / "benchmarks" / "results").glob("*.md"))
     assert len(results) > 10
-    assert [r.name for r in results if not (tmp_path / "benchmarks" / "results" / f"{r.stem}.html").exists()] == []
-    assert [r.name for r in results if not r.read_text().startswith(f"# {r.stem}\n")] == []  # the page's title
+    assert [r.name for r in results
+            if not (tmp_path / "benchmarks" / "results" / f"{r.stem}.html").exists()] == []
+    # the page's title
+    assert [r.name for r in results if not r.read_text().startswith(f"# {r.stem}\n")] == []
 
 
 def learner_main_commands(page: Path) -> list[list[str]]:
     """The arguments of each `learner.main` command on ``page``: in code blocks (continued lines joined) and
     inline code; a shell comment ends a command."""
     text = page.read_text()
-    lines = [line for block in CODE_BLOCK.findall(text) for line in re.sub(r"\\\n\s*", " ", block).split("\n")]
+    lines = [line for block in CODE_BLOCK.findall(text)
+             for line in re.sub(r"\\\n\s*", " ", block).split("\n")]
     lines += re.findall(r"`([^`\n]*learner\.main[^`\n]*)`", CODE_BLOCK.sub("", text))
-    return [shlex.split(line.split("learner.main", 1)[1], comments=True) for line in lines if "learner.main" in line]
+    return [shlex.split(line.split("learner.main", 1)[1], comments=True) for line in lines
+            if "learner.main" in line]
 
 
 def files_the_page_writes(page: Path) -> dict[str, str]:
-    """Code blocks that open with a comment naming a file (``# my-prompts.yaml``): the page's own example files."""
+    """Code blocks that open with a comment naming a file (``# my-prompts.yaml``): the page's own example
+    files."""
     files = {}
     for block in CODE_BLOCK.findall(page.read_text()):
         named = re.match(r"# ([\w./-]+\.(?:yaml|py|jsonl))\b", block)

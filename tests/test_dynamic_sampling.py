@@ -1,7 +1,7 @@
-"""DAPO's dynamic sampling (``rollout.dynamic_sampling``, group estimators): prompt groups whose scores all tie are
-dropped and more prompts generated, a batch's worth a round, until every learner rank holds its share of groups
-whose scores differ; at most ``rollout.dynamic_sampling_max_rounds`` extra rounds, after which tied groups fill
-the share. The selection by hand (pure torch), the config, and one job on the real stack."""
+"""DAPO's dynamic sampling (``rollout.dynamic_sampling``, group estimators): prompt groups whose scores all
+tie are dropped and more prompts generated, a batch's worth a round, until every learner rank holds its share
+of groups whose scores differ; at most ``rollout.dynamic_sampling_max_rounds`` extra rounds, after which tied
+groups fill the share. The selection by hand (pure torch), the config, and one job on the real stack."""
 
 from __future__ import annotations
 
@@ -57,12 +57,14 @@ ENV = {"name": "environment", "environment": "services.environments.randomwalks:
 @pytest.mark.parametrize("overrides, message", [
     ({"rollout": {"dynamic_sampling": True}},
      "only for a group estimator (grpo, reinforce_pp_baseline, rloo); ppo.advantage='gae'"),
-    ({"rollout": {"dynamic_sampling": True}, "ppo": {"advantage": "reinforce_pp"}}, "ppo.advantage='reinforce_pp'"),
+    ({"rollout": {"dynamic_sampling": True}, "ppo": {"advantage": "reinforce_pp"}},
+     "ppo.advantage='reinforce_pp'"),
     ({"rollout": {"samples_per_prompt": 4, "dynamic_sampling_max_rounds": 2}, "ppo": {"advantage": "grpo"}},
      "rollout.dynamic_sampling_max_rounds=2 is set but rollout.dynamic_sampling is false"),
     ({"rollout": {"samples_per_prompt": 4, "dynamic_sampling_max_rounds": 0, "dynamic_sampling": True},
       "ppo": {"advantage": "grpo"}}, "dynamic_sampling_max_rounds"),
-    ({"task": ENV, "rollout": {"samples_per_prompt": 4, "dynamic_sampling": True}, "ppo": {"advantage": "grpo"}},
+    ({"task": ENV, "rollout": {"samples_per_prompt": 4, "dynamic_sampling": True},
+      "ppo": {"advantage": "grpo"}},
      "rollout.dynamic_sampling is for single responses"),
 ])
 def test_dynamic_sampling_settings_that_make_no_sense_are_refused(overrides, message):
@@ -94,11 +96,11 @@ def test_dynamic_sampling_is_off_by_default_and_accepted_with_every_group_estima
 @pytest.mark.integration
 def test_grpo_job_with_dynamic_sampling_drops_tied_groups_and_trains_on_full_whole_batches(
         ray_head, cache_dir, tmp_path):
-    """randomwalks GRPO, 4 samples per prompt, 2 learner ranks, async: most groups of the short warm start tie.
-    Each iteration trains on exactly 32 episodes (the loop checks it), every rank on whole groups (the ranks
-    check it); the groups generated are the 8 trained on plus those dropped for tying plus the surplus; the
-    prompts of every round are the sampler's next ones, the next batch's after this one's extra rounds, so the
-    cursor a checkpoint saves neither skips nor repeats a prompt."""
+    """randomwalks GRPO, 4 samples per prompt, 2 learner ranks, async: most groups of the short warm start
+    tie. Each iteration trains on exactly 32 episodes (the loop checks it), every rank on whole groups (the
+    ranks check it); the groups generated are the 8 trained on plus those dropped for tying plus the surplus;
+    the prompts of every round are the sampler's next ones, the next batch's after this one's extra rounds, so
+    the cursor a checkpoint saves neither skips nor repeats a prompt."""
     import json
 
     from services.prompts import PromptSampler
@@ -110,8 +112,8 @@ def test_grpo_job_with_dynamic_sampling_drops_tied_groups_and_trains_on_full_who
                     "--model.sft_batch_size", "50", "--rollout.batch_size", "32", "--rollout.chunk_size", "8",
                     "--rollout.samples_per_prompt", "4", "--ppo.advantage", "grpo", "--ppo.minibatch_size",
                     "16", "--learner.world_size", "2", "--kl.horizon", "1000", "--run.eval_every", "100",
-                    "--cluster.placement_timeout_s", "600", "--rollout.mode", "async", "--rollout.dynamic_sampling",
-                    "--run.iterations", "2"])
+                    "--cluster.placement_timeout_s", "600", "--rollout.mode", "async",
+                    "--rollout.dynamic_sampling", "--run.iterations", "2"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "dynamic" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
@@ -125,7 +127,8 @@ def test_grpo_job_with_dynamic_sampling_drops_tied_groups_and_trains_on_full_who
         assert r["dynamic_sampling_dropped_groups"] == r["dynamic_sampling_tied_groups"] - r[
             "dynamic_sampling_filled_groups"]
         if r["dynamic_sampling_filled_groups"]:  # only once the bound is reached, and said in the log
-            assert extra == 3 and f"iteration {r['iteration']}: dynamic sampling: after 3 extra rounds" in proc.stdout
+            assert extra == 3 and \
+                f"iteration {r['iteration']}: dynamic sampling: after 3 extra rounds" in proc.stdout
         drawn += r["prompt_rows"]
     assert sum(r["dynamic_sampling_dropped_groups"] for r in records) > 0, records
     prompts = get_task("randomwalks").prompts()

@@ -175,7 +175,8 @@ def test_load_environment_factory_and_make_environment():
     [
         ("services.environments.randomwalks", "must be given as 'package.module:factory'"),
         (":interactive_randomwalks", "must be given as"),
-        ("no_such_package.envs:factory", "module 'no_such_package.envs' cannot be imported: ModuleNotFoundError: No module named"),
+        ("no_such_package.envs:factory",
+         "module 'no_such_package.envs' cannot be imported: ModuleNotFoundError: No module named"),
         ("services.environments.randomwalks:no_such_factory", "has no attribute 'no_such_factory'"),
         ("tests.test_environments:NOT_CALLABLE", "is of type int, not a class or function"),
     ],
@@ -291,7 +292,8 @@ def test_the_calculator_few_shot_conversation_shows_worked_problems_as_chat_turn
     roles = [m["role"] for m in messages]
     assert roles == ["system", "user", "assistant", "user", "assistant"] * 1 + ["user", "assistant", "user",
                                                                                   "assistant", "user"]
-    assert messages[-1]["content"] == CalculatorEnvironment(examples=0).reset({"index": 3}, seed=0)[-1]["content"]
+    assert messages[-1]["content"] == \
+        CalculatorEnvironment(examples=0).reset({"index": 3}, seed=0)[-1]["content"]
     assert messages[2]["content"].startswith("<calc>") and messages[4]["content"].startswith("<answer>")
 
 

@@ -47,19 +47,20 @@ def test_tensor_parallel_engines_hold_their_gpus_in_one_bundle_and_run_the_mp_ex
 
 @pytest.mark.parametrize("overrides, message", [
     ({"rollout": {"distributed_executor_backend": "ray"}},
-     ("rollout.distributed_executor_backend='ray' is refused: vLLM's ray executor places its workers in the engine "
-     "actor's placement group")),
+     ("rollout.distributed_executor_backend='ray' is refused: vLLM's ray executor places its workers in the "
+     "engine actor's placement group")),
     ({"rollout": {"tensor_parallel_size": 2, "distributed_executor_backend": "ray"},
       "cluster": {"rollout": {"num_gpus": 2}}},
      "rollout.distributed_executor_backend='ray' is refused"),
     ({"rollout": {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
       "cluster": {"rollout": {"num_gpus": 2}}},
-     "rollout.distributed_executor_backend='uni' runs one worker on one GPU, but rollout.tensor_parallel_size=2"),
+     ("rollout.distributed_executor_backend='uni' runs one worker on one GPU, but "
+      "rollout.tensor_parallel_size=2")),
     ({"rollout": {"tensor_parallel_size": 2}, "cluster": {"rollout": {"num_gpus": 1}}},
      "rollout.tensor_parallel_size=2 needs that many GPUs per engine: cluster.rollout.num_gpus=1"),
     ({"rollout": {"tensor_parallel_size": 2}, "cluster": {"rollout": {"num_gpus": 3}}},
-     ("rollout.tensor_parallel_size=2 runs one vLLM worker per GPU of the engine's bundle: cluster.rollout.num_gpus "
-     "must be 2, got 3.0")),
+     ("rollout.tensor_parallel_size=2 runs one vLLM worker per GPU of the engine's bundle: "
+     "cluster.rollout.num_gpus must be 2, got 3.0")),
 ])
 def test_executors_and_bundles_that_cannot_run_are_refused_naming_the_fields(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -77,7 +78,8 @@ def test_reference_vllm_engine_takes_its_gpu_share_from_the_config():
 
     shared = _gpu_config(reference={"backend": "vllm"})  # half a GPU
     args = shared.reference_vllm_engine_args()
-    assert args == {"enforce_eager": True, "distributed_executor_backend": "uni", "gpu_memory_utilization": 0.45}
+    assert args == \
+        {"enforce_eager": True, "distributed_executor_backend": "uni", "gpu_memory_utilization": 0.45}
     assert vllm_device_args("cuda", 64, 128, args)["gpu_memory_utilization"] == 0.45
     own = _gpu_config(reference={"backend": "vllm"}, cluster={"reference": {"num_gpus": 1}})
     assert own.reference_vllm_engine_args()["gpu_memory_utilization"] == 0.9  # not vLLM's 0.92
@@ -88,7 +90,8 @@ def test_reference_vllm_engine_takes_its_gpu_share_from_the_config():
     cpu_args = vllm_device_args("cpu", 64, 128, on_cpu.reference_vllm_engine_args())
     assert cpu_args["kv_cache_memory_bytes"] == 128 << 20 and "gpu_memory_utilization" not in cpu_args
     # an engine on CUDA without the config's share would take vLLM's 0.92 of the GPU: refused
-    with pytest.raises(ValueError, match="a vLLM engine on cuda needs gpu_memory_utilization from the config"):
+    with pytest.raises(ValueError,
+                       match="a vLLM engine on cuda needs gpu_memory_utilization from the config"):
         vllm_device_args("cuda", 64, 128, {"enforce_eager": True})
 
 
@@ -98,7 +101,8 @@ def test_reference_vllm_engine_takes_its_gpu_share_from_the_config():
      "cluster.reference.num_gpus=0.5")),
     ({"reference": {"gpu_memory_utilization": 0.3}},
      "reference.gpu_memory_utilization=0.3 sizes backend 'vllm' on a GPU, but reference.backend='hf'"),
-    ({"reference": {"backend": "vllm", "gpu_memory_utilization": 0.3}, "cluster": {"reference": {"num_gpus": 0}}},
+    ({"reference": {"backend": "vllm", "gpu_memory_utilization": 0.3},
+      "cluster": {"reference": {"num_gpus": 0}}},
      "reference.gpu_memory_utilization=0.3 sizes vLLM on a GPU, but cluster.reference.num_gpus=0"),
 ])
 def test_reference_gpu_share_that_cannot_fit_is_refused(overrides, message):
@@ -127,7 +131,8 @@ def test_benchmark_engines_on_cuda_take_the_gpu_share_not_the_cpu_cache():
     on_cpu = _benchmark("engine_in_service").alone_engine_spec(load_config(None, {}), "/models/policy", 16)
     assert on_cpu.device == "cpu"
 
-    spec = {"model_dir": "/models/policy", "seed": 0, "max_model_len": 64, "kv_cache_mib": 512, "dtype": "float32"}
+    spec = {"model_dir": "/models/policy", "seed": 0, "max_model_len": 64, "kv_cache_mib": 512,
+            "dtype": "float32"}
     rollout = _benchmark("rollout")
     for device in ("cuda", "cpu"):
         engine = rollout.vllm_engine_spec({**spec, "device": device})
@@ -139,11 +144,13 @@ def test_benchmark_engines_on_cuda_take_the_gpu_share_not_the_cpu_cache():
 
 @pytest.mark.parametrize("learner_gpus", [0.5, 1.5])
 def test_a_fraction_of_a_gpu_per_learner_rank_is_refused_with_several_ranks(learner_gpus):
-    with pytest.raises(ValueError, match=rf"cluster.learner.num_gpus={learner_gpus} with learner.world_size=2: "
+    with pytest.raises(ValueError, match=rf"cluster.learner.num_gpus={learner_gpus} with "
+                                         r"learner.world_size=2: "
                                          "a fraction of a GPU per rank lets Ray place two ranks on one GPU"):
         _gpu_config(learner={"world_size": 2}, cluster={"learner": {"num_gpus": learner_gpus}})
     # one rank may share a GPU; several ranks with whole GPUs each are fine
-    assert _gpu_config(cluster={"learner": {"num_gpus": learner_gpus}}).cluster.learner.num_gpus == learner_gpus
+    assert _gpu_config(cluster={"learner": {"num_gpus": learner_gpus}}).cluster.learner.num_gpus == \
+        learner_gpus
     assert _gpu_config(learner={"world_size": 2}).learner.world_size == 2
 
 
@@ -154,7 +161,9 @@ def test_local_rank_is_the_ranks_gpu_as_cuda_numbers_it_in_the_actor():
     assert local_gpu_index(["5", "6"], "5,6", "learner-rank-1") == 0
     assert local_gpu_index(["2"], None, "learner-rank-1") == 2  # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
     assert local_gpu_index(["2"], "0,1,2,3", "learner-rank-1") == 2
-    with pytest.raises(RuntimeError, match="learner-rank-1: Ray assigned it GPU 2, but CUDA_VISIBLE_DEVICES='0,1'"):
+    with pytest.raises(RuntimeError,
+                       match="learner-rank-1: Ray assigned it GPU 2, but CUDA_VISIBLE_DEVICES='0,1'"):
         local_gpu_index(["2"], "0,1", "learner-rank-1")
-    with pytest.raises(RuntimeError, match="learner-rank-1: the config gives it GPUs, but Ray assigned it none"):
+    with pytest.raises(RuntimeError,
+                       match="learner-rank-1: the config gives it GPUs, but Ray assigned it none"):
         local_gpu_index([], "", "learner-rank-1")

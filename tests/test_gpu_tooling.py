@@ -44,8 +44,8 @@ def torch_alone_env(tmp_path: Path) -> dict[str, str]:
         "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
         "sys.meta_path.insert(0, NotInstalled())\n"
     )
-    return {**os.environ, "PYTHONPATH": str(site), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "CUDA_VISIBLE_DEVICES": "",
-            "PYTHONDONTWRITEBYTECODE": "1"}
+    return {**os.environ, "PYTHONPATH": str(site), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+            "CUDA_VISIBLE_DEVICES": "", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def test_pytest_m_gpu_starts_with_torch_alone_and_says_what_it_skips(tmp_path):
@@ -57,13 +57,15 @@ def test_pytest_m_gpu_starts_with_torch_alone_and_says_what_it_skips(tmp_path):
              "        print(name, 'imported')\n"
              "    except ModuleNotFoundError:\n"
              "        print(name, 'missing')\n")
-    probed = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120,
-                            check=False)
-    assert probed.stdout.split() == [word for name in NOT_ON_A_TORCH_MACHINE for word in (name, "missing")], probed
+    probed = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert probed.stdout.split() == \
+        [word for name in NOT_ON_A_TORCH_MACHINE for word in (name, "missing")], probed
 
     # from the repository's root (every test module in reach) and for one module, as a user would run them
     for args in ([], ["tests/test_gpu.py"]):
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-rs", "-p", "no:cacheprovider", *args],
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-rs", "-p",
+                               "no:cacheprovider", *args],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out
@@ -114,9 +116,10 @@ def test_fails():
 def run_sample(tmp_path: Path, name: str, *args: str) -> tuple[Path, int]:
     """A real pytest run over SAMPLE_TESTS: (its JUnit report, its exit code)."""
     junit = tmp_path / f"{name}.xml"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                           "sample_test.py", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          check=False, env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"--junitxml={junit}", "sample_test.py", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, check=False,
+                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
     return junit, proc.returncode
 
 
@@ -145,7 +148,8 @@ def test_pytest_step_status_passes_only_what_ran_and_passed(tmp_path):
 
     assert status_of(tmp_path / "absent.xml", 0)[0].startswith("FAILED (pytest exit 0, no readable report")
     assert status_of(junit, 2)[0].startswith("FAILED (pytest exit 2")
-    cli = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), "--pytest-junit", str(junit)],
+    cli = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"),
+                          "--pytest-junit", str(junit)],
                          capture_output=True, text=True, timeout=120, check=False)
     assert cli.returncode == 2 and "--pytest-junit needs --pytest-exit" in cli.stderr, cli.stderr
 
@@ -154,8 +158,8 @@ def test_gpu_sh_reports_an_all_skipped_pytest_step_as_skipped(tmp_path):
     """The real script, its pytest step alone, on a machine without a CUDA device: every GPU test skips,
     so the step is "skipped" with the reasons and the script exits 3 (nothing ran), not 0."""
     out = tmp_path / "gpu-out"
-    env = {**os.environ, "TETHER_GPU_SKIP_CHECK": "1", "TETHER_GPU_STEPS": "pytest-gpu", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHON": sys.executable}
+    env = {**os.environ, "TETHER_GPU_SKIP_CHECK": "1", "TETHER_GPU_STEPS": "pytest-gpu",
+           "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=280, check=False)
     console = proc.stdout + proc.stderr

@@ -1,5 +1,5 @@
-"""deploy/grafana/tether-dashboard.json: valid JSON, a Prometheus datasource variable, a job filter, and a panel
-for each metric the job exports."""
+"""deploy/grafana/tether-dashboard.json: valid JSON, a Prometheus datasource variable, a job filter, and a
+panel for each metric the job exports."""
 
 from __future__ import annotations
 
@@ -61,15 +61,19 @@ def test_metric_has_a_panel(exprs, metric):
 def test_kl_and_target_share_a_panel(dashboard):
     panels = [p for p in all_panels(dashboard["panels"]) if p.get("type") != "row"]
     assert any({"ray_tether_kl_response_mean", "ray_tether_kl_target"}
-               <= {m for t in p.get("targets", []) for m in METRICS if m in t.get("expr", "")} for p in panels)
+               <= {m for t in p.get("targets", []) for m in METRICS if m in t.get("expr", "")}
+               for p in panels)
 
 
 def test_templating_and_filters(dashboard):
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    # the run's own label: Prometheus renames a `job` label to `exported_job`, and a board on it merges all runs
+    assert variables["datasource"]["type"] == "datasource" and \
+        variables["datasource"]["query"] == "prometheus"
+    # the run's own label: Prometheus renames a `job` label to `exported_job`, and a board on it merges all
+    # runs
     assert "job" not in variables
-    assert variables["tether_run"]["type"] == "query" and "tether_run" in variables["tether_run"]["definition"]
+    assert variables["tether_run"]["type"] == "query" and \
+        "tether_run" in variables["tether_run"]["definition"]
     assert 36 <= dashboard["schemaVersion"] <= 41
     ids = [p["id"] for p in all_panels(dashboard["panels"])]
     assert len(ids) == len(set(ids))

@@ -1,7 +1,8 @@
 """rollout.in_flight_updates: a new version loads between two of vLLM's decoding steps with requests in flight
 (actors/engine_loop.py). The loop is stepped by the test itself (``run_once``), so the load lands at a known
 step: each token keeps the version it was sampled under; under ``partial`` the tokens after the load are the
-new weights' exactly; a score in flight is restarted whole; the batch is stamped with each row's oldest token."""
+new weights' exactly; a score in flight is restarted whole; the batch is stamped with each row's oldest
+token."""
 
 from __future__ import annotations
 
@@ -80,7 +81,9 @@ def test_a_load_between_steps_labels_each_token_with_its_version(engine, weights
             after = [i for i, v in enumerate(g.versions) if v == 1]
             if mode == "partial":  # prefilled again under the new weights: exactly theirs
                 assert [g.logprobs[i] for i in after] == pytest.approx([scored[i] for i in after], abs=1e-4)
-            else:  # the old weights' keys and values stay: the engine's log-prob is the mix's, not the new model's
+            else:
+                # the old weights' keys and values stay: the engine's log-prob is the mix's, not the new
+                # model's
                 assert max(abs(g.logprobs[i] - scored[i]) for i in after) > 1e-3
         # before the load, the old weights' log-probs (scored after loading them back)
         assert load_after(loop, 0, old, 2) == []
@@ -125,16 +128,16 @@ def test_a_row_is_stamped_with_its_oldest_token():
     from learner.records import Admission
     from services.experience import make_batch
 
-    batch = make_batch([[1], [2], [3]], [[5, 6, 7], [5, 6], []], [[0.0] * 3, [0.0] * 2, []], [0, 0, 0], [0, 1, 2],
-                       22, 4, 0.05, 4, token_versions=[[2, 3, -1], [3, 3], []])
+    batch = make_batch([[1], [2], [3]], [[5, 6, 7], [5, 6], []], [[0.0] * 3, [0.0] * 2, []],
+                       [0, 0, 0], [0, 1, 2], 22, 4, 0.05, 4, token_versions=[[2, 3, -1], [3, 3], []])
     assert batch.policy_version.tolist() == [2, 3, 4]
     assert batch.token_version.tolist() == [[2, 3, -1, -1], [3, 3, -1, -1], [-1] * 4]
     assert Admission(4, None, 1).refuses(batch.policy_version, batch.kl_coef).tolist() == [True, False, False]
 
 
 def test_a_request_the_engine_refuses_fails_its_caller_alone(engine):
-    """A prompt longer than the engine's max_model_len is refused when it is added: its caller gets vLLM's error,
-    the request beside it is generated."""
+    """A prompt longer than the engine's max_model_len is refused when it is added: its caller gets vLLM's
+    error, the request beside it is generated."""
     loop = InFlightEngine(engine, "keep_kv", start=False).loop
     refused = loop.submit(Request("sample", [1] * 40, 4, seed=1))
     kept = loop.submit(Request("sample", [1, 2, 3], 4, seed=1))

@@ -17,12 +17,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def job_args(ray_head, cache_dir, out, name, *extra) -> list[str]:
-    return ["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir", str(out),
-            "--run.name", name, *extra]
+    return ["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir,
+            "--run.output_dir", str(out), "--run.name", name, *extra]
 
 
 def test_default_job_learns(default_run):
-    """The embedded default (randomwalks, SFT warm start, adaptive KL) lifts optimality well above the start."""
+    """The embedded default (randomwalks, SFT warm start, adaptive KL) lifts optimality well above the
+    start."""
     run_dir, proc = default_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -45,9 +46,9 @@ def test_bfloat16_job_starts_at_zero_kl_passes_its_probes_and_learns(ray_head, c
     bf16, weights synced in bf16, the probe's tolerance set by the dtype."""
     from services.config import PROBE_TOLERANCE
 
-    proc = run_job(job_args(ray_head, cache_dir, tmp_path, "bf16", "--run.seed", "1", "--model.sft_steps", "60",
-                            "--model.sft_batch_size", "50", "--learner.dtype", "bfloat16", "--run.iterations", "4",
-                            "--run.eval_every", "4"))
+    proc = run_job(job_args(ray_head, cache_dir, tmp_path, "bf16", "--run.seed", "1",
+                            "--model.sft_steps", "60", "--model.sft_batch_size", "50", "--learner.dtype",
+                            "bfloat16", "--run.iterations", "4", "--run.eval_every", "4"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ZeRO-0, bfloat16" in proc.stdout
     records = read_metrics(tmp_path / "bf16")
@@ -67,13 +68,14 @@ def test_broadcast_and_beta_rise_when_the_kl_is_above_the_target(ray_head, cache
                             "--reference.placement", "actor", "--reward.placement", "actor"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "actors ready: 1 rollout, 1 reference, 1 reward, 1 learner rank(s), ZeRO" in proc.stdout
-    check_broadcast_and_controller(read_metrics(tmp_path / "ctl"), target=0.001, horizon=1000, direction="rises",
-                                   actors={"rollout-0", "reference-0", "reward-0"})
+    check_broadcast_and_controller(read_metrics(tmp_path / "ctl"), target=0.001, horizon=1000,
+                                   direction="rises", actors={"rollout-0", "reference-0", "reward-0"})
 
 
 def test_broadcast_and_beta_fall_when_the_kl_is_below_the_target(small_run):
-    """The small job's KL stays below the default target of 6 nats. On CPU its learner rank scores the reference
-    and the reward itself (reference.placement and reward.placement auto): the engine is the one actor."""
+    """The small job's KL stays below the default target of 6 nats. On CPU its learner rank scores the
+    reference and the reward itself (reference.placement and reward.placement auto): the engine is the one
+    actor."""
     run_dir, proc = small_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "actors ready: 1 rollout, 1 learner rank(s) scoring the reference and reward, ZeRO" in proc.stdout
@@ -111,14 +113,16 @@ def check_broadcast_and_controller(records: list[dict], target: float, horizon: 
     [
         (["--kl.target", "-1"], "kl.target"),
         (["--kl.controller", "fixed"], "kl.target is set but kl.controller='fixed'"),
-        (["--learner.world_size", "3", "--learner.zero_stage", "3"], "cannot be split over learner.world_size=3"),
+        (["--learner.world_size", "3", "--learner.zero_stage", "3"],
+         "cannot be split over learner.world_size=3"),
         (["--rollout.batch_size", "0"], "rollout.batch_size"),
         (["--rollout.top_p", "0.9"], "rollout.top_p=0.9 is refused"),
         (["--learner.world_size", "2", "--cluster.learner.num_gpus", "0.5"],
          "cluster.learner.num_gpus=0.5 with learner.world_size=2: a fraction of a GPU per rank"),
         (["--kl.horizon", "100"], "rollout.batch_size=128 exceeds kl.horizon=100"),
         (["--task.name", "nope"], "unknown task 'nope'"),
-        (["--model.path", "/nonexistent/model"], "model.path '/nonexistent/model' is not a directory on this node"),
+        (["--model.path", "/nonexistent/model"],
+         "model.path '/nonexistent/model' is not a directory on this node"),
         (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
     ],
 )
@@ -140,16 +144,17 @@ def test_existing_run_directory_is_not_overwritten(tmp_path):
 
 
 def test_gpus_on_cpu_cluster_fail_fast_naming_role(ray_head, cache_dir, tmp_path):
-    proc = run_job(job_args(ray_head, cache_dir, tmp_path, "gpu", "--run.seed", "1", "--model.sft_steps", "60",
-                            "--model.sft_batch_size", "50", "--cluster.rollout.num_gpus", "1"), timeout_s=120)
+    proc = run_job(job_args(ray_head, cache_dir, tmp_path, "gpu", "--run.seed", "1",
+                            "--model.sft_steps", "60", "--model.sft_batch_size", "50",
+                            "--cluster.rollout.num_gpus", "1"), timeout_s=120)
     assert proc.returncode != 0
     assert "role 'rollout' requests GPU=1.0" in proc.stderr + proc.stdout
 
 
 def test_unreachable_cluster_fails_within_bound(cache_dir, tmp_path):
     proc = run_job(["--run.output_dir", str(tmp_path), "--model.cache_dir", cache_dir, "--run.seed", "1",
-                    "--model.sft_steps", "60", "--model.sft_batch_size", "50", "--cluster.address", "127.0.0.1:1",
-                    "--cluster.connect_timeout_s", "3"], timeout_s=120)
+                    "--model.sft_steps", "60", "--model.sft_batch_size", "50",
+                    "--cluster.address", "127.0.0.1:1", "--cluster.connect_timeout_s", "3"], timeout_s=120)
     assert proc.returncode != 0
     assert "cannot reach the Ray cluster at '127.0.0.1:1'" in proc.stderr + proc.stdout
 
@@ -159,7 +164,8 @@ def test_help_lists_every_field_with_default_and_help():
     assert proc.returncode == 0
     text_out = " ".join(proc.stdout.split())  # argparse wraps lines
     for flag, text in [("--kl.target", "(default: 6.0)"), ("--kl.estimator", "per-token KL estimator"),
-                       ("--learner.zero_stage", "ZeRO stage 0-3"), ("--run.resume", "continue from a checkpoint")]:
+                       ("--learner.zero_stage", "ZeRO stage 0-3"),
+                       ("--run.resume", "continue from a checkpoint")]:
         assert f"{flag} " in text_out and text in text_out, flag
 
 

@@ -1,5 +1,5 @@
-"""The job as an operator runs it: `deploy/local-cluster.sh up`, then `ray job submit` to the head's dashboard,
-then `deploy/local-cluster.sh down`."""
+"""The job as an operator runs it: `deploy/local-cluster.sh up`, then `ray job submit` to the head's
+dashboard, then `deploy/local-cluster.sh down`."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def parse_lines(text: str) -> dict[str, str]:
 
 
 def script(command: str, env: dict[str, str], timeout_s: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(SCRIPT), command], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout_s)
+    return subprocess.run([str(SCRIPT), command], check=False, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
 
 
 def cluster_env(state_dir: Path, ports: tuple[int, int, int]) -> dict[str, str]:
@@ -58,7 +58,8 @@ def cluster_env(state_dir: Path, ports: tuple[int, int, int]) -> dict[str, str]:
 def env_ports() -> tuple[int, int, int]:
     """Ports from TETHER_RAY_PORT / TETHER_DASHBOARD_PORT / TETHER_METRICS_PORT where set, else free ones."""
     names = ("TETHER_RAY_PORT", "TETHER_DASHBOARD_PORT", "TETHER_METRICS_PORT")
-    return tuple(int(os.environ[n]) if os.environ.get(n) else free_port() for n in names)  # type: ignore[return-value]
+    return tuple(int(os.environ[n]) if os.environ.get(n) else free_port()
+                 for n in names)  # type: ignore[return-value]
 
 
 # Ray picks the ports of its other components at random and refuses to start when it picks one of ours
@@ -66,7 +67,8 @@ PORT_TAKEN = "that is used by other components"
 
 
 def up(state_dir: Path, ports: tuple[int, int, int], fresh_ports=None) -> Cluster:
-    """`local-cluster.sh up` on ``ports``; once more on ``fresh_ports()`` (if given) after a port collision."""
+    """`local-cluster.sh up` on ``ports``; once more on ``fresh_ports()`` (if given) after a port
+    collision."""
     env = cluster_env(state_dir, ports)
     proc = script("up", env)
     if proc.returncode != 0 and PORT_TAKEN in proc.stderr and fresh_ports is not None:
@@ -81,9 +83,9 @@ def up(state_dir: Path, ports: tuple[int, int, int], fresh_ports=None) -> Cluste
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """The module's cluster, on its own state dir and ports. Its `down` is checked as a test would: it leaves no
-    process of the head's group, removes the temp dir and the state, and `down` again is a no-op (a failure here
-    is reported as the last test's teardown error)."""
+    """The module's cluster, on its own state dir and ports. Its `down` is checked as a test would: it leaves
+    no process of the head's group, removes the temp dir and the state, and `down` again is a no-op (a failure
+    here is reported as the last test's teardown error)."""
     state_dir = tmp_path_factory.mktemp("cluster-state")
     started = None
     try:
@@ -146,7 +148,8 @@ def test_invalid_config_fails_with_message(cluster, client, tmp_path):
 def test_up_again_is_a_no_op_on_the_same_head(cluster):
     """The addresses `up` printed are the ports asked for; the head is its own process group with a short temp
     dir; `up` again gives the same head; `status` says up. (`down`: the ``cluster`` fixture's teardown.)"""
-    ports = tuple(int(cluster.env[n]) for n in ("TETHER_RAY_PORT", "TETHER_DASHBOARD_PORT", "TETHER_METRICS_PORT"))
+    ports = tuple(int(cluster.env[n])
+                  for n in ("TETHER_RAY_PORT", "TETHER_DASHBOARD_PORT", "TETHER_METRICS_PORT"))
     assert cluster.ray_address == f"127.0.0.1:{ports[0]}"
     assert cluster.dashboard == f"http://127.0.0.1:{ports[1]}"
     assert cluster.metrics == f"http://127.0.0.1:{ports[2]}/metrics"
@@ -170,9 +173,9 @@ def test_up_again_is_a_no_op_on_the_same_head(cluster):
 
 def test_submitted_job_succeeds_and_its_runtime_env_reaches_the_actors(cluster, client, cache_dir, tmp_path):
     """`ray job submit --working-dir . --runtime-env-json '{"env_vars": ...}'` runs the small config to the
-    end and the driver logs its summary (one submitted job serves both checks). The driver keeps the job's runtime env (Ray
-    refuses a second one from ray.init), the job succeeds, and its reward actors see both the job's
-    variables and tether's per-actor ones (the task's reward raises otherwise)."""
+    end and the driver logs its summary (one submitted job serves both checks). The driver keeps the job's
+    runtime env (Ray refuses a second one from ray.init), the job succeeds, and its reward actors see both the
+    job's variables and tether's per-actor ones (the task's reward raises otherwise)."""
     from tests.env_task import JOB_ENV, RUN_NAME
 
     job_id = f"tether-env-{uuid.uuid4().hex[:8]}"
@@ -183,7 +186,8 @@ def test_submitted_job_succeeds_and_its_runtime_env_reaches_the_actors(cluster, 
            "tests.env_task:JobEnvTask", "--run.name", RUN_NAME, "--run.iterations", "1",
            "--cluster.placement_timeout_s", "300",
            "--model.cache_dir", os.path.abspath(cache_dir), "--run.output_dir", str(out)]
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=cluster.env, capture_output=True,
+                          text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     status = wait_terminal(client, job_id)

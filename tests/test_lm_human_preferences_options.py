@@ -33,7 +33,8 @@ def test_whiten_rewards_golden_keeps_the_mean_and_scales_to_unit_variance():
     rewards = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     std = math.sqrt(5 / 3)
-    expected = torch.tensor([[2.5 - 1.5 / std, 2.5 - 0.5 / std, 2.5 + 0.5 / std], [2.5 + 1.5 / std, 0.0, 0.0]])
+    expected = torch.tensor([[2.5 - 1.5 / std, 2.5 - 0.5 / std, 2.5 + 0.5 / std],
+                             [2.5 + 1.5 / std, 0.0, 0.0]])
     whitened = global_whiten(rewards, mask, shift_mean=False)
     assert torch.allclose(whitened, expected, atol=1e-6), whitened
     assert torch.allclose(whitened, masked_whiten(rewards, mask, shift_mean=False), atol=1e-6)
@@ -63,7 +64,8 @@ def test_whiten_rewards_over_two_shards_equals_the_whole_batch():
 def _whiten_shard_in_gloo_group(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+                            world_size=world_size)
     try:
         rewards, mask = _ragged_rewards()
         rows = slice(0, 3) if rank == 0 else slice(3, 8)
@@ -82,7 +84,8 @@ def _ragged_rewards() -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_whiten_rewards_in_a_two_rank_gloo_group_equals_one_rank(tmp_path):
     """The all-reduce path itself: two processes, unequal shards, the result of one process on the batch."""
-    mp.spawn(_whiten_shard_in_gloo_group, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_whiten_shard_in_gloo_group, args=(2, str(tmp_path / "store"), str(tmp_path)),
+             nprocs=2, join=True)
     rewards, mask = _ragged_rewards()
     two_ranks = torch.cat([torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1.pt")])
     assert torch.allclose(two_ranks, global_whiten(rewards, mask, shift_mean=False), atol=1e-6)
@@ -131,10 +134,12 @@ def test_options_default_to_tethers_behaviour_and_validate():
     from services.config import JobConfig, load_config
 
     cfg = JobConfig()
-    assert (cfg.ppo.whiten_rewards, cfg.ppo.lr_schedule, cfg.reward.missing_eos_penalty) == (False, "constant", None)
+    assert (cfg.ppo.whiten_rewards, cfg.ppo.lr_schedule, cfg.reward.missing_eos_penalty) == \
+        (False, "constant", None)
     cfg = load_config(None, {"ppo": {"whiten_rewards": True, "lr_schedule": "linear"},
                              "reward": {"missing_eos_penalty": -1}})
-    assert (cfg.ppo.whiten_rewards, cfg.ppo.lr_schedule, cfg.reward.missing_eos_penalty) == (True, "linear", -1.0)
+    assert (cfg.ppo.whiten_rewards, cfg.ppo.lr_schedule, cfg.reward.missing_eos_penalty) == \
+        (True, "linear", -1.0)
     with pytest.raises(ValidationError, match="lr_schedule"):
         load_config(None, {"ppo": {"lr_schedule": "cosine"}})
 
@@ -177,8 +182,8 @@ def test_rank_penalises_whitens_and_anneals_the_lr_across_a_resume(ray_client, t
     for c in range(2):
         prompts = [[int(x)] for x in torch.randint(1, 21, (8,), generator=g)]
         responses = [torch.randint(0, 21, (n,), generator=g).tolist() for n in lengths]
-        chunks.append(ray.put(make_batch(prompts, responses, [[0.0] * n for n in lengths], finish, list(range(8)),
-                                         22, 0, beta, 6)))
+        chunks.append(ray.put(make_batch(prompts, responses, [[0.0] * n for n in lengths],
+                                         finish, list(range(8)), 22, 0, beta, 6)))
         refs.append(ray.put(torch.linspace(-3.0, -1.0, 6).repeat(8, 1)))
         scores.append(ray.put(torch.linspace(0.1, 0.8, 8) * (1 - 2 * c)))
     raw = torch.cat([ray.get(s) for s in scores])
@@ -196,7 +201,8 @@ def test_rank_penalises_whitens_and_anneals_the_lr_across_a_resume(ray_client, t
         assert sums["score_sum"] == pytest.approx(expected_score_sum, abs=1e-5)
         assert sums["missing_eos_penalized"] == float(cut.sum()) == sums["truncated"]
         # the reported reward is the unwhitened KL-penalised one: mean_kl == -(reward - score) / beta
-        assert sums["response_sum"] == pytest.approx(-(sums["reward_sum"] - sums["score_sum"]) / beta, rel=1e-4)
+        assert sums["response_sum"] == \
+            pytest.approx(-(sums["reward_sum"] - sums["score_sum"]) / beta, rel=1e-4)
         ckpt = checkpoint.begin(run, 2)
         checkpoint.commit(run, ckpt, group.save(ckpt.url), {"iteration": 2, "config": {}}, keep=2)
         result = train(group, chunks, refs, scores, kl_coef=beta, iteration=3)

@@ -47,7 +47,8 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 
 def by_name(snapshot, name, **labels):
-    return [v for (n, lab), v in snapshot.items() if n == name and all((k, v2) in lab for k, v2 in labels.items())]
+    return [v for (n, lab), v in snapshot.items()
+            if n == name and all((k, v2) in lab for k, v2 in labels.items())]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,8 @@ def test_dashboard_metrics_match_the_job(ray_head, cache_dir, tmp_path):
         time.sleep(0.5)
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out[-3000:]
-    records = {r["iteration"]: r for r in map(json.loads, (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines())}
+    records = {r["iteration"]: r
+               for r in map(json.loads, (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines())}
 
     matched, actors_seen, counted = 0, set(), 0.0
     for snap in snapshots:
@@ -100,7 +102,8 @@ def test_dashboard_metrics_match_the_job(ray_head, cache_dir, tmp_path):
         for name, key in DRIVER_SERIES.items():
             assert values[name][0] in [pytest.approx(r[key], rel=1e-5, abs=1e-9) for r in records.values()], \
                 (name, record["iteration"])
-        if any(values[name][0] != pytest.approx(record[key], rel=1e-5, abs=1e-9) for name, key in DRIVER_SERIES.items()):
+        if any(values[name][0] != pytest.approx(record[key], rel=1e-5, abs=1e-9)
+               for name, key in DRIVER_SERIES.items()):
             continue
         # every series of this Ray job, the driver's and the actors', names its run in its own label; none in
         # `job`, which Prometheus renames to `exported_job`
@@ -117,7 +120,8 @@ def test_dashboard_metrics_match_the_job(ray_head, cache_dir, tmp_path):
             if version and abs(version[0] - record["policy_version"]) <= 1 \
                     and by_name(snap, "ray_tether_actor_kl_coef", tether_run="metrics", actor=actor):
                 actors_seen.add(actor)
-        throughput = by_name(snap, "ray_tether_rollout_tokens_per_second", tether_run="metrics", actor="rollout-0")
+        throughput = by_name(snap, "ray_tether_rollout_tokens_per_second", tether_run="metrics",
+                             actor="rollout-0")
         if throughput:
             assert throughput[0] > 0
             actors_seen.add("throughput")

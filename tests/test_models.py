@@ -58,14 +58,16 @@ def test_response_logits_are_the_full_forwards_response_positions():
     class WithoutLogitsToKeep(GPT2LMHeadModel):
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, output_hidden_states=None,
                     use_cache=None):
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   output_hidden_states=output_hidden_states, use_cache=use_cache)
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask,
+                                   position_ids=position_ids, output_hidden_states=output_hidden_states,
+                                   use_cache=use_cache)
 
     torch.manual_seed(0)
     gpt2 = GPT2Config(vocab_size=29, n_positions=16, n_embd=32, n_layer=2, n_head=2)
     models = [GPT2LMHeadModel(gpt2), WithoutLogitsToKeep(gpt2),
-              LlamaForCausalLM(LlamaConfig(vocab_size=29, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))]
+              LlamaForCausalLM(LlamaConfig(vocab_size=29, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           max_position_embeddings=16))]
     ids = torch.randint(0, 29, (3, 9))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding of a 4-wide prompt
@@ -82,7 +84,8 @@ def test_response_logits_are_the_full_forwards_response_positions():
 
 def test_loaded_gpt2_computes_gelu_new_as_one_op_and_saves_as_it_was(tiny_model_dir, tmp_path):
     """``load_causal_lm`` gives GPT-2's ``gelu_new`` as torch's one-op tanh GELU: the logits of the model as
-    transformers builds it within float rounding, and the config it saves (what vLLM and an export read) unchanged."""
+    transformers builds it within float rounding, and the config it saves (what vLLM and an export read)
+    unchanged."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.activations import GELUTanh, NewGELUActivation

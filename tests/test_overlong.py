@@ -15,14 +15,16 @@ from learner.ppo import overlong_penalty, truncated_loss_mask
 from services.experience import FINISH_LENGTH, FINISH_STOP
 from tests.conftest import train
 
-# ====================================================================== reward.overlong_buffer, overlong_penalty
+# =================================================================== reward.overlong_buffer, overlong_penalty
 
 
 def test_overlong_penalty_is_dapo_eq_13_by_hand():
-    # Lmax 20, buffer 4: free up to 16 tokens, then a quarter of the penalty per token, the whole of it from 20 on
+    # Lmax 20, buffer 4: free up to 16 tokens, then a quarter of the penalty per token, the whole of it from
+    # 20 on
     lengths = torch.tensor([0, 10, 16, 17, 18, 19, 20, 24])
     assert overlong_penalty(lengths, 20, 4, 1.0).tolist() == [0.0, 0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0]
-    assert overlong_penalty(lengths, 20, 4, 0.5).tolist() == [0.0, 0.0, 0.0, -0.125, -0.25, -0.375, -0.5, -0.5]
+    assert overlong_penalty(lengths, 20, 4, 0.5).tolist() == \
+        [0.0, 0.0, 0.0, -0.125, -0.25, -0.375, -0.5, -0.5]
     # a buffer of 3 in 9 (the randomwalks cap): 7 tokens pay 1/3, 8 pay 2/3, 9 pay it all
     third = overlong_penalty(torch.tensor([6, 7, 8, 9]), 9, 3, 0.6)
     assert torch.allclose(third, torch.tensor([0.0, -0.2, -0.4, -0.6]), atol=1e-7)
@@ -39,7 +41,7 @@ def test_overlong_penalty_refuses_a_buffer_or_penalty_that_means_nothing(buffer,
         overlong_penalty(torch.tensor([5]), 9, buffer, penalty)
 
 
-# ====================================================================== ppo.mask_truncated
+# =================================================================== ppo.mask_truncated
 
 
 def test_truncated_loss_mask_drops_exactly_the_rows_cut_at_the_cap():
@@ -51,7 +53,7 @@ def test_truncated_loss_mask_drops_exactly_the_rows_cut_at_the_cap():
         truncated_loss_mask(mask, finish[:3])
 
 
-# ====================================================================== the config
+# =================================================================== the config
 
 GROUPS = {"ppo": {"advantage": "grpo"}, "rollout": {"samples_per_prompt": 4}}
 ENV = {"name": "environment", "environment": "services.environments.randomwalks:interactive_randomwalks"}
@@ -60,19 +62,22 @@ ENV = {"name": "environment", "environment": "services.environments.randomwalks:
 @pytest.mark.parametrize("overrides, message", [
     ({"reward": {"overlong_buffer": 3}}, "reward.overlong_buffer and reward.overlong_penalty go together"),
     ({"reward": {"overlong_penalty": 1.0}}, "reward.overlong_buffer and reward.overlong_penalty go together"),
-    ({"reward": {"overlong_buffer": 3, "overlong_penalty": -1.0}}, "reward.overlong_penalty=-1.0 must be > 0"),
+    ({"reward": {"overlong_buffer": 3, "overlong_penalty": -1.0}},
+     "reward.overlong_penalty=-1.0 must be > 0"),
     ({"reward": {"overlong_buffer": 3, "overlong_penalty": 0.0}}, "reward.overlong_penalty=0.0 must be > 0"),
     ({"reward": {"overlong_buffer": 3, "overlong_penalty": 1.0}},
      "reward.overlong_buffer needs rollout.max_new_tokens"),
     ({"reward": {"overlong_buffer": 9, "overlong_penalty": 1.0}, "rollout": {"max_new_tokens": 9}},
      "reward.overlong_buffer=9 must be less than rollout.max_new_tokens=9"),
     ({"reward": {"overlong_buffer": 3, "overlong_penalty": 1.0, "missing_eos_penalty": -1.0},
-      "rollout": {"max_new_tokens": 9}}, "reward.overlong_buffer and reward.missing_eos_penalty both penalise"),
+      "rollout": {"max_new_tokens": 9}},
+     "reward.overlong_buffer and reward.missing_eos_penalty both penalise"),
     ({"ppo": {"mask_truncated": True}, "reward": {"missing_eos_penalty": -1.0}},
      "would reach only their group's baseline"),
     ({"ppo": {"mask_truncated": True}, "kl": {"placement": "loss", "loss_form": "kl_to_go"}},
      "ppo.mask_truncated with kl.placement='loss' is refused"),
-    ({"task": ENV, "reward": {"overlong_buffer": 3, "overlong_penalty": 1.0}, "rollout": {"max_new_tokens": 9}},
+    ({"task": ENV, "reward": {"overlong_buffer": 3, "overlong_penalty": 1.0},
+      "rollout": {"max_new_tokens": 9}},
      "reward.overlong_buffer is set but task.name='environment'"),
     ({"task": ENV, "ppo": {"mask_truncated": True}}, "ppo.mask_truncated is for single responses"),
 ])
@@ -97,7 +102,7 @@ def test_overlong_handling_is_off_by_default_and_accepted_with_groups():
     assert (cfg.ppo.mask_truncated, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty) == (True, 3, 1.0)
 
 
-# ====================================================================== on a learner rank
+# =================================================================== on a learner rank
 
 # two groups of 4; lengths against a cap of 6 (the 6-token ones were cut there, without EOS)
 LENGTHS = [3, 5, 6, 6, 2, 4, 5, 6]
@@ -122,8 +127,8 @@ def test_rank_adds_the_overlong_penalty_masks_the_truncated_rows_from_the_loss_a
         rank_pool, tiny_model_dir):
     """One GRPO step (one epoch, one minibatch, beta 0) on two groups with cut responses, twice from the same
     weights: plain, then with the soft penalty (buffer 2 of 6, penalty 0.5) and ``ppo.mask_truncated``. The
-    reported policy loss is the one worked out by hand over the rows each trains on; the KL statistics (what the
-    controller is fed) cover every row in both, the cut ones included, and are the same in both."""
+    reported policy loss is the one worked out by hand over the rows each trains on; the KL statistics (what
+    the controller is fed) cover every row in both, the cut ones included, and are the same in both."""
     import ray
 
     from services.config import load_config
@@ -133,8 +138,8 @@ def test_rank_adds_the_overlong_penalty_masks_the_truncated_rows_from_the_loss_a
     finish = [FINISH_LENGTH if n == 6 else FINISH_STOP for n in LENGTHS]
     prompts = [[int(x)] for x in torch.randint(1, 21, (8,), generator=g)]
     responses = [torch.randint(1, 21, (n,), generator=g).tolist() for n in LENGTHS]
-    chunk = make_batch(prompts, responses, [[0.0] * n for n in LENGTHS], finish, list(range(8)), 22, 0, 0.0, 6,
-                       group_index=[0] * 4 + [1] * 4)
+    chunk = make_batch(prompts, responses, [[0.0] * n for n in LENGTHS], finish,
+                       list(range(8)), 22, 0, 0.0, 6, group_index=[0] * 4 + [1] * 4)
     refs = [ray.put(torch.linspace(-3.0, -1.0, 6).repeat(8, 1))]
     scores = [ray.put(torch.tensor(SCORES))]
     base = {"rollout": {"batch_size": 8, "chunk_size": 8, "samples_per_prompt": 4, "max_new_tokens": 6},
@@ -152,7 +157,8 @@ def test_rank_adds_the_overlong_penalty_masks_the_truncated_rows_from_the_loss_a
     penalties = [0.0, -0.25, -0.5, -0.5, 0.0, 0.0, -0.25, -0.5]
     shaped = [s + p for s, p in zip(SCORES, penalties, strict=True)]
     cut = [n == 6 for n in LENGTHS]
-    assert plain.ppo["policy_loss"] == pytest.approx(_grpo_loss_by_hand(SCORES, LENGTHS, [True] * 8), abs=1e-5)
+    assert plain.ppo["policy_loss"] == \
+        pytest.approx(_grpo_loss_by_hand(SCORES, LENGTHS, [True] * 8), abs=1e-5)
     assert dapo_result.ppo["policy_loss"] == pytest.approx(
         _grpo_loss_by_hand(shaped, LENGTHS, [not c for c in cut]), abs=1e-5)
     sums = dapo_result.sums

@@ -1,6 +1,6 @@
-"""Packing by token budget (``learner.max_tokens_per_microbatch``): sequences one after another without padding,
-positions restarting per sequence and no attention across them, equal to the padded computation in fp32, and one
-optimizer step accumulating a variable number of micro-batches, as many on every rank."""
+"""Packing by token budget (``learner.max_tokens_per_microbatch``): sequences one after another without
+padding, positions restarting per sequence and no attention across them, equal to the padded computation in
+fp32, and one optimizer step accumulating a variable number of micro-batches, as many on every rank."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from services.experience import (
 def ragged_batch(n: int, seed: int, width: int = 7, vocab: int = 21):
     """Prompts of 1-4 tokens and responses of 0-``width`` tokens (an empty one among them)."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, vocab, (int(k),), generator=g).tolist() for k in torch.randint(1, 5, (n,), generator=g)]
+    prompts = [torch.randint(1, vocab, (int(k),), generator=g).tolist()
+               for k in torch.randint(1, 5, (n,), generator=g)]
     lengths = torch.randint(0, width + 1, (n,), generator=g).tolist()
     lengths[0] = 0
     responses = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
@@ -42,14 +43,16 @@ def test_a_packed_forward_equals_the_padded_one(tiny_model_dir, architecture):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=23, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                             num_attention_heads=2, num_key_value_heads=2, head_dim=32)).eval()
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=23, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=2,
+                                             num_key_value_heads=2, head_dim=32)).eval()
     batch = ragged_batch(9, seed=1)
     packed = pack(batch)
     real = int(sequence_lengths(batch).sum())
     assert packed.input_ids.shape == (1, real) and packed.keep.numel() == int(batch.response_mask.sum())
     with torch.no_grad():
-        padded, padded_hidden = response_logits(model, *model_inputs(batch), batch.prompt_ids.shape[1], hidden=True)
+        padded, padded_hidden = response_logits(model, *model_inputs(batch),
+                                                batch.prompt_ids.shape[1], hidden=True)
         got, got_hidden = packed_logits(model, packed, hidden=True)
     mask = batch.response_mask.bool()
     assert float((padded[mask] - got[mask]).abs().max()) < 1e-5
@@ -58,7 +61,8 @@ def test_a_packed_forward_equals_the_padded_one(tiny_model_dir, architecture):
     want, _, _ = response_forward(model, batch)
     with torch.no_grad():
         for budget in (4, 12, 1000):  # one sequence a micro-batch (each longer than 4), several, all in one
-            assert torch.allclose(packed_response_logprobs(model, batch, budget), want * batch.response_mask, atol=1e-5)
+            assert torch.allclose(packed_response_logprobs(model, batch, budget),
+                                  want * batch.response_mask, atol=1e-5)
 
 
 def test_micro_batches_hold_every_row_once_within_the_budget():
@@ -71,7 +75,8 @@ def test_micro_batches_hold_every_row_once_within_the_budget():
             assert int(lengths[part].sum()) <= budget or len(part) == 1  # a row over the budget goes alone
             assert part.tolist() == sorted(part.tolist())
     assert len(plan_micro_batches(lengths, 100)) == 1
-    assert len(plan_micro_batches(lengths, 14)) == 4  # 48 tokens: 14 | 9 5 | 7 7 | 2 1 3... first fit, longest first
+    # 48 tokens: 14 | 9 5 | 7 7 | 2 1 3... first fit, longest first
+    assert len(plan_micro_batches(lengths, 14)) == 4
 
 
 def test_a_row_without_a_prompt_token_is_refused():
@@ -92,13 +97,15 @@ def test_packed_micro_batches_give_the_padded_gradient(tiny_model_dir):
     batch = ragged_batch(12, seed=5)
     mask = batch.action_mask
     g = torch.Generator().manual_seed(6)
-    advantages, returns = torch.randn(mask.shape, generator=g) * mask, torch.randn(mask.shape, generator=g) * mask
+    advantages, returns = torch.randn(mask.shape, generator=g) * mask, \
+        torch.randn(mask.shape, generator=g) * mask
     old_values = torch.randn(mask.shape, generator=g) * mask
     denominator = loss_denominator(mask, "token_mean")
     with torch.no_grad():  # the old policy a little away from the current one: some ratios clip
         from services.experience import response_forward
 
-        old_logprobs = (response_forward(model.lm, batch)[0] + 0.3 * torch.randn(mask.shape, generator=g)) * mask
+        old_logprobs = (response_forward(model.lm, batch)[0]
+                        + 0.3 * torch.randn(mask.shape, generator=g)) * mask
 
     def loss_of(rows, packed: bool):
         from services.experience import model_inputs
@@ -110,9 +117,10 @@ def test_packed_micro_batches_give_the_padded_gradient(tiny_model_dir):
         else:
             logits, values = model(*model_inputs(part), part.prompt_ids.shape[1], 1.0)
         logprobs = token_logprobs(logits, part.response_ids)
-        pg, _ = policy_loss(logprobs, old_logprobs[rows], advantages[rows], part.action_mask, 0.2, "token_mean",
-                            denominator)
-        vf, _ = value_loss(values, old_values[rows], returns[rows], part.action_mask, 0.2, "token_mean", denominator)
+        pg, _ = policy_loss(logprobs, old_logprobs[rows], advantages[rows], part.action_mask,
+                            0.2, "token_mean", denominator)
+        vf, _ = value_loss(values, old_values[rows], returns[rows], part.action_mask, 0.2,
+                           "token_mean", denominator)
         return pg + vf
 
     def gradient(loss) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Packing's isolation check (``services/packing_check.py``), run at setup by every role that packs
-(``learner.max_tokens_per_microbatch``): it passes the models whose attention reads the positions' restarts (a tiny
-GPT-2 and Llama, fp32 and bf16) and refuses, naming the role, a real leak: a real model run over the packed row with
-a full attention mask or with positions that do not restart, and Falcon, whose causal mask (transformers 5.19)
-ignores the positions. Random-init models built from a config: no SFT warm start, no Ray."""
+(``learner.max_tokens_per_microbatch``): it passes the models whose attention reads the positions' restarts (a
+tiny GPT-2 and Llama, fp32 and bf16) and refuses, naming the role, a real leak: a real model run over the
+packed row with a full attention mask or with positions that do not restart, and Falcon, whose causal mask
+(transformers 5.19) ignores the positions. Random-init models built from a config: no SFT warm start, no
+Ray."""
 
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ def tiny_lm(architecture: str, dtype: str = "fp32") -> nn.Module:
                                            bos_token_id=0, eos_token_id=0))
     elif architecture == "llama":
         model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                             head_dim=32, max_position_embeddings=64))
+                                             num_hidden_layers=2, num_attention_heads=2,
+                                             num_key_value_heads=2, head_dim=32, max_position_embeddings=64))
     else:  # rotary positions, no ALiBi: its attention would read positions, its mask does not
         model = FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                                               num_attention_heads=2, alibi=False, new_decoder_architecture=False,
-                                               multi_query=False, bos_token_id=0, eos_token_id=0))
+                                               num_attention_heads=2, alibi=False,
+                                               new_decoder_architecture=False, multi_query=False,
+                                               bos_token_id=0, eos_token_id=0))
     return model.to(DTYPES[dtype]).eval()
 
 
@@ -57,7 +59,8 @@ class WholeRowAttention(nn.Module):
             attention_mask = torch.ones_like(input_ids)
         else:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        return self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -76,15 +79,17 @@ def test_an_isolating_model_passes(architecture, dtype):
 def test_attention_across_the_packed_row_is_refused(architecture, dtype, restart_positions):
     model = WholeRowAttention(tiny_lm(architecture, dtype), restart_positions)
     leak = packing_leak(model, VOCAB)
-    assert leak.neighbour > 2 * leak_tolerance(leak, DTYPES[dtype])  # a margin over the tolerance, not a near miss
-    with pytest.raises(ValueError, match=r"reference-0: WholeRowAttention lets packed sequences attend to each "
-                                         r"other.*Unset learner.max_tokens_per_microbatch"):
+    # a margin over the tolerance, not a near miss
+    assert leak.neighbour > 2 * leak_tolerance(leak, DTYPES[dtype])
+    with pytest.raises(ValueError, match=r"reference-0: WholeRowAttention lets packed sequences attend to "
+                                         r"each other.*Unset learner.max_tokens_per_microbatch"):
         check_packing_isolation(model, VOCAB, "reference-0")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_model_class_whose_mask_ignores_the_restarts_is_refused(dtype):
-    with pytest.raises(ValueError, match=r"teacher-0: FalconForCausalLM lets packed sequences attend to each other"):
+    with pytest.raises(ValueError,
+                       match=r"teacher-0: FalconForCausalLM lets packed sequences attend to each other"):
         check_packing_isolation(tiny_lm("falcon", dtype), VOCAB, "teacher-0")
 
 
@@ -102,8 +107,8 @@ def test_a_lora_model_is_checked_as_its_base_model():
 
 
 def test_a_packing_reference_or_teacher_checks_its_model_at_start(tmp_path):
-    """Backend hf with ``max_tokens_per_microbatch``: built as plain objects, the reference starts on Llama, the
-    teacher refuses Falcon; unpacked, Falcon is taken (its padded forward masks by the attention mask)."""
+    """Backend hf with ``max_tokens_per_microbatch``: built as plain objects, the reference starts on Llama,
+    the teacher refuses Falcon; unpacked, Falcon is taken (its padded forward masks by the attention mask)."""
     from actors.reference import ReferenceActor, TeacherActor
 
     llama, falcon = tmp_path / "llama", tmp_path / "falcon"
@@ -111,5 +116,6 @@ def test_a_packing_reference_or_teacher_checks_its_model_at_start(tmp_path):
     tiny_lm("falcon").save_pretrained(falcon)
     ReferenceActor(0, ReferenceSpec(str(llama), max_tokens_per_microbatch=64))
     ReferenceActor(0, ReferenceSpec(str(falcon)))
-    with pytest.raises(ValueError, match=r"teacher-1: FalconForCausalLM .* learner.max_tokens_per_microbatch"):
+    with pytest.raises(ValueError,
+                       match=r"teacher-1: FalconForCausalLM .* learner.max_tokens_per_microbatch"):
         TeacherActor(1, ReferenceSpec(str(falcon), max_tokens_per_microbatch=64))

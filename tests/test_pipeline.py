@@ -44,9 +44,11 @@ def roles(ray_client, tiny_model_dir):
     res = cfg.cluster.rollout
     vllm_engine = start_actor(RolloutActor, "rollout", 0, res, None, 0,
                               RolloutSpec(tiny_model_dir, EngineSpec("vllm", 0, 32, 64, "float32", 0)))
-    hf_engine = start_actor(RolloutActor, "rollout", 1, res, None, 1, RolloutSpec(tiny_model_dir, EngineSpec("hf", 0, 32)))
+    hf_engine = start_actor(RolloutActor, "rollout", 1, res, None, 1,
+                            RolloutSpec(tiny_model_dir, EngineSpec("hf", 0, 32)))
     reference = start_actor(ReferenceActor, "reference", 0, res, None, 0, ReferenceSpec(tiny_model_dir))
-    reward = start_actor(RewardActor, "reward", 0, res, None, 0, RewardSpec("randomwalks", {}, tiny_model_dir))
+    reward = start_actor(RewardActor, "reward", 0, res, None, 0,
+                         RewardSpec("randomwalks", {}, tiny_model_dir))
     group = LearnerGroup(RankSpec.of(cfg, tiny_model_dir), None)
     ray.get([a.ready.remote() for a in (vllm_engine, hf_engine, reference, reward)])
     yield {"vllm": vllm_engine, "hf": hf_engine, "reference": reference, "reward": reward, "learner": group}
@@ -119,8 +121,8 @@ def test_one_iteration_syncs_weights_and_keeps_exact_kl_books(roles, tiny_model_
     by_rank = roles["learner"].evaluation_kl(chunk_refs(chunks))
     assert by_rank["response_mean"] == pytest.approx(by_actor["response_mean"], abs=1e-5)
     assert abs(by_rank["response_mean"]) > 1e-6  # the current weights against themselves would give 0
-    # reward.placement learner (what the small config resolves on CPU too): the ranks' evaluation of the chunks, in
-    # slot order, is the reward actor's, samples kept included
+    # reward.placement learner (what the small config resolves on CPU too): the ranks' evaluation of the
+    # chunks, in slot order, is the reward actor's, samples kept included
     assert roles["learner"].evaluate_rewards(dict(enumerate(chunks)), 2) == ray.get(
         [roles["reward"].evaluate.remote(c, i, 2) for i, c in enumerate(chunks)])
 
@@ -142,9 +144,11 @@ def test_a_sync_that_leaves_a_parameter_unloaded_fails_naming_it(roles):
         with pytest.raises(WeightLoadError) as failure:
             ray.get(engine.update_weights.remote(partial, version + 1, kl_coef))
         message = str(failure.value)
-        assert "the sync of version" in message and "did not load 1 of the engine's parameters" in message, name
+        assert "the sync of version" in message and \
+            "did not load 1 of the engine's parameters" in message, name
         assert dropped in message, name
-        assert ray.get(engine.get_state.remote())["policy_version"] == version, name  # the version was not taken
+        # the version was not taken
+        assert ray.get(engine.get_state.remote())["policy_version"] == version, name
         ray.get(engine.update_weights.remote(ray.put(HostWeights(weights, torch.float32)), version, kl_coef))
 
 
@@ -195,7 +199,8 @@ def test_a_slow_reward_scores_a_chunk_while_the_engine_generates_the_next(roles,
         scored = [reward.score.remote(chunks[0], 0)]
         assert first_call_held.wait(120), "the first chunk's reward call never reached the service"
         chunks += [chunk(i) for i in (1, 2, 3)]
-        scored += [reward.score.remote(ch, i) for i, ch in enumerate(chunks[1:], 1)]  # before they are generated
+        # before they are generated
+        scored += [reward.score.remote(ch, i) for i, ch in enumerate(chunks[1:], 1)]
         ray.get(chunks[1:], timeout=120)  # generated while the reward call of chunk 0 is held
         assert len(calls) == 1 and not release.is_set()
         release.set()
@@ -244,10 +249,13 @@ def test_vllm_reference_backend_matches_hf(ray_client, tiny_model_dir, roles):
 
     spec = ReferenceSpec(tiny_model_dir, "vllm", "float32", 32, 64,
                          engine_args=small_config().reference_vllm_engine_args())  # as Fleet starts it
-    vllm_reference = start_actor(ReferenceActor, "reference", 1, small_config().cluster.reference, None, 1, spec)
+    vllm_reference = start_actor(ReferenceActor, "reference", 1,
+                                 small_config().cluster.reference, None, 1, spec)
     try:
-        chunk = roles["vllm"].generate.remote([[3], [4, 5], [9]], [0, 1, 2], [1, 2, 3], SamplingSettings(1.0, 1.0, 9), 22)
-        hf_scores, vllm_scores = ray.get([roles["reference"].score.remote(chunk), vllm_reference.score.remote(chunk)])
+        chunk = roles["vllm"].generate.remote([[3], [4, 5], [9]], [0, 1, 2], [1, 2, 3],
+                                              SamplingSettings(1.0, 1.0, 9), 22)
+        hf_scores, vllm_scores = ray.get([roles["reference"].score.remote(chunk),
+                                          vllm_reference.score.remote(chunk)])
     finally:
         kill(vllm_reference)
     assert hf_scores.shape == vllm_scores.shape
@@ -343,11 +351,13 @@ def test_a_role_built_outside_an_actor_leaves_its_callers_priority(ray_client, t
 def test_an_eager_engine_on_cpu_compiles_nothing(roles):
     """vLLM's eager engine still torch.compiles its sampler's log-prob rank helper on the first call that
     returns log-probs: a C++ build, or a second from the inductor cache, in the first generation. On CPU the
-    engine runs it eagerly: after generating and scoring, dynamo has traced no frame in the engine's process."""
+    engine runs it eagerly: after generating and scoring, dynamo has traced no frame in the engine's
+    process."""
     from actors.engines import SamplingSettings
 
     engine = roles["vllm"]
-    batch = ray.get(engine.generate.remote([[1, 2], [3]], [0, 1], [5, 6], SamplingSettings(max_new_tokens=4), 0))
+    batch = ray.get(engine.generate.remote([[1, 2], [3]], [0, 1], [5, 6],
+                                           SamplingSettings(max_new_tokens=4), 0))
     sequences, prompt_lengths = probe_set()
     ray.get(engine.probe.remote(sequences, prompt_lengths))
 
@@ -364,15 +374,17 @@ def test_an_eager_engine_on_cpu_compiles_nothing(roles):
 
 
 @pytest.mark.integration
-def test_adapter_only_sync_on_a_llama_the_engine_generates_with_the_learners_adapter(ray_client, tiny_llama_dir,
+def test_adapter_only_sync_on_a_llama_the_engine_generates_with_the_learners_adapter(ray_client,
+                                                                                     tiny_llama_dir,
                                                                                      rank_pool):
-    """learner.lora on a model vLLM takes adapters for: each sync ships the adapter alone, the engine generates
-    and scores with it, and its log-probs equal the learner's (the probe) after an update that moved them; the same adapter loaded again changes nothing. The engine's base
-    weights are never touched."""
+    """learner.lora on a model vLLM takes adapters for: each sync ships the adapter alone, the engine
+    generates and scores with it, and its log-probs equal the learner's (the probe) after an update that moved
+    them; the same adapter loaded again changes nothing. The engine's base weights are never touched."""
     from actors.engines import SamplingSettings
     from actors.rollout import RolloutActor
     from learner.cluster import start_actor
-    cfg = small_config(learner={"lora": {"rank": 8, "sync": "adapter"}}, ppo={"minibatch_size": 8, "epochs": 2, "lr": 3e-2})
+    cfg = small_config(learner={"lora": {"rank": 8, "sync": "adapter"}},
+                       ppo={"minibatch_size": 8, "epochs": 2, "lr": 3e-2})
     engine = start_actor(RolloutActor, "rollout", 0, cfg.cluster.rollout, None, 0,
                          RolloutSpec(tiny_llama_dir, EngineSpec("vllm", 0, 32, 64, "float32", 0,
                                                                 lora_rank=cfg.engine_lora_rank)), tag="llama")
@@ -381,13 +393,16 @@ def test_adapter_only_sync_on_a_llama_the_engine_generates_with_the_learners_ada
         group = rank_pool.group(cfg, tiny_llama_dir, tag="lora")
         sequences, prompt_lengths = probe_set()
         before = ray.get(engine.probe.remote(sequences, prompt_lengths))
-        assert max(abs(a - b) for g, e in zip(before, group.probe(sequences, prompt_lengths)) for a, b in zip(g, e)) < 1e-4
+        assert max(abs(a - b) for g, e in zip(before, group.probe(sequences, prompt_lengths))
+                   for a, b in zip(g, e)) < 1e-4
         full = ray.get(group.policy_weights(adapter=False))
         chunks = [engine.generate.remote([[i % 20 + 1] for i in range(8)], list(range(8)), list(range(8)),
                                          SamplingSettings(1.0, 1.0, 9), 22)]
         scores = [ray.put(torch.linspace(0, 1, 8))]
-        result = train(group, chunks, None, scores, kl_coef=0.05, iteration=1)  # the base model as the reference
-        assert result.kl["response_mean"] == pytest.approx(0.0, abs=1e-6)  # the batch came from the base policy
+        # the base model as the reference
+        result = train(group, chunks, None, scores, kl_coef=0.05, iteration=1)
+        # the batch came from the base policy
+        assert result.kl["response_mean"] == pytest.approx(0.0, abs=1e-6)
         adapter = ray.get(group.policy_weights(adapter=True))
         # rank 8 on layers 64 wide: a fifth of this tiny model (SmolLM2-135M, all-linear at rank 16: 3.6%)
         assert adapter.adapter_config["r"] == 8 and adapter.nbytes < full.nbytes / 4
@@ -419,7 +434,8 @@ def test_lora_on_two_zero_ranks_matches_one_rank(rank_pool, tiny_model_dir, stag
                            rollout={"batch_size": 16, "chunk_size": 8, "max_new_tokens": 6})
         group = rank_pool.group(cfg, tiny_model_dir, tag="lora-zero")
         first = train(group, chunks, None, scores, kl_coef=0.05, iteration=1)
-        second = train(group, chunks, None, scores, kl_coef=0.05, iteration=2)  # after a step: a KL, a moved policy
+        # after a step: a KL, a moved policy
+        second = train(group, chunks, None, scores, kl_coef=0.05, iteration=2)
         results[world_size] = (first.kl["response_mean"], second.kl["response_mean"],
                                sum(r.ppo["loss"] for r in second.ranks) / len(second.ranks))
     assert results[1][0] == pytest.approx(0.0, abs=1e-6) and abs(results[1][1]) > 1e-4
@@ -437,19 +453,20 @@ def step_of(group, chunks, refs, scores, iteration: int = 1):
 
 @pytest.mark.integration
 def test_packed_training_equals_padded_training_and_two_zero3_ranks_equal_one(rank_pool, tiny_model_dir):
-    """One PPO update (GAE, 2 epochs of one minibatch: the same rows a step on one rank or two) on ragged rows:
-    padded, packed with a budget that makes
+    """One PPO update (GAE, 2 epochs of one minibatch: the same rows a step on one rank or two) on ragged
+    rows: padded, packed with a budget that makes
     several micro-batches per step, and packed over two ZeRO-3 ranks whose micro-batch counts differ (fillers)
     give the same KL books and losses (1e-5 relative), the same gradient norms and the same weights after the
     update (1e-4 relative). The same for one optimizer step per batch (1 epoch of one minibatch), whose own
-    forward gives the old log-probs: packed, its micro-batches' graphs all go into the one backward, on one rank
-    and on two ZeRO-2 ranks."""
+    forward gives the old log-probs: packed, its micro-batches' graphs all go into the one backward, on one
+    rank and on two ZeRO-2 ranks."""
     from services.experience import plan_micro_batches, sequence_lengths
     from services.models import load_causal_lm
     from tests.test_packing import ragged_batch
 
     batch = ragged_batch(16, seed=5)
-    # at a budget of 12 tokens the two chunks make 4 and 6 micro-batches: on two ranks the first takes 2 fillers
+    # at a budget of 12 tokens the two chunks make 4 and 6 micro-batches: on two ranks the first takes 2
+    # fillers
     assert [len(plan_micro_batches(sequence_lengths(c), 12)) for c in (batch[:8], batch[8:])] == [4, 6]
     chunks = [ray.put(batch[:8]), ray.put(batch[8:])]
     refs = [ray.put(-3.0 * batch[:8].response_mask), ray.put(-3.0 * batch[8:].response_mask)]
@@ -468,13 +485,17 @@ def test_packed_training_equals_padded_training_and_two_zero3_ranks_equal_one(ra
             runs[name] = step_of(group, chunks, refs, scores)
         padded_result, padded_losses, padded_weights = runs.pop("padded")
         assert padded_result.kl["response_mean"] != 0.0
-        assert max(float((padded_weights[k] - initial[k]).abs().max()) for k in padded_weights) > 1e-3  # it moved
+        # it moved
+        assert max(float((padded_weights[k] - initial[k]).abs().max()) for k in padded_weights) > 1e-3
         for name, (result, losses, weights) in runs.items():
-            assert result.kl["response_mean"] == pytest.approx(padded_result.kl["response_mean"], rel=1e-5), name
+            assert result.kl["response_mean"] == \
+                pytest.approx(padded_result.kl["response_mean"], rel=1e-5), name
             for key, value in padded_losses.items():
                 assert losses[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (epochs, name, key)
-            # Adam moves a weight by about lr whatever its gradient's size: near-zero gradients turn fp32 rounding
-            # into differences of a fraction of lr, so the weights are compared with the update, the gradients above
+            # Adam moves a weight by about lr whatever its gradient's size: near-zero gradients turn fp32
+            # rounding into differences of a fraction of lr, so the weights are compared with the update, the
+            # gradients above
             for key, tensor in padded_weights.items():
-                diff, moved = float((weights[key] - tensor).abs().max()), float((tensor - initial[key]).abs().max())
+                diff, moved = float((weights[key] - tensor).abs().max()), \
+                    float((tensor - initial[key]).abs().max())
                 assert diff <= 1e-2 * max(moved, 1e-6), (epochs, name, key, diff, moved)

@@ -1,5 +1,6 @@
-"""Resolve once, then run: the settings reach actors, ranks, the fleet, the learner group and the weight sync only
-through their specs (``learner.plan``). Read from the source, with the checks shown to fail on code made for them."""
+"""Resolve once, then run: the settings reach actors, ranks, the fleet, the learner group and the weight sync
+only through their specs (``learner.plan``). Read from the source, with the checks shown to fail on code made
+for them."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from actors.specs import EngineSpec, ReferenceSpec, RewardSpec, RolloutSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("actors", "learner", "services")
-# the plan and what runs it: the config itself, the plan, the cluster's reservation and pre-flight, the run directory
-# and a resume's checks, the driver's setup and entry point
+# the plan and what runs it: the config itself, the plan, the cluster's reservation and pre-flight, the run
+# directory and a resume's checks, the driver's setup and entry point
 PLAN_PHASE = {"services/config.py", "learner/plan.py", "learner/cluster.py", "learner/rundir.py",
               "learner/checkpoint.py", "learner/loop.py", "learner/main.py", "learner/algorithm.py"}
 MAX_CONSTRUCTOR_ARGUMENTS = 6
@@ -23,7 +24,8 @@ MAX_FILE_LINES = 600  # a file longer than this holds more than one job
 
 def takes_the_whole_config(source: str) -> list[str]:
     """The functions of ``source`` with a parameter annotated ``JobConfig``."""
-    return [node.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    return [node.name for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
             for a in node.args.args + node.args.kwonlyargs
             if a.annotation is not None and "JobConfig" in ast.unparse(a.annotation)]
 
@@ -45,10 +47,12 @@ def layer_files():
 
 
 def test_below_the_plan_no_function_takes_the_whole_config():
-    found = {str(p.relative_to(ROOT)): names for p in layer_files() if (names := takes_the_whole_config(p.read_text()))}
+    found = {str(p.relative_to(ROOT)): names for p in layer_files()
+             if (names := takes_the_whole_config(p.read_text()))}
     assert set(found) <= PLAN_PHASE, {k: v for k, v in found.items() if k not in PLAN_PHASE}
     assert "learner/fleet.py" not in found and "learner/group.py" not in found  # built from their specs
-    made = "from services.config import JobConfig\n\nclass Fleet:\n    def __init__(self, cfg: JobConfig) -> None: ...\n"
+    made = ("from services.config import JobConfig\n\n"
+            "class Fleet:\n    def __init__(self, cfg: JobConfig) -> None: ...\n")
     assert takes_the_whole_config(made) == ["__init__"]
 
 
@@ -60,7 +64,8 @@ def test_no_constructor_takes_more_than_six_arguments():
 
 
 def test_no_file_of_the_layers_is_over_600_lines():
-    long = {str(p.relative_to(ROOT)): n for p in layer_files() if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    long = {str(p.relative_to(ROOT)): n for p in layer_files()
+            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
     assert long == {}
 
 
@@ -74,7 +79,8 @@ def test_every_actor_is_built_from_its_index_and_spec(actor):
 
     cls = load_object(actor, "actor")
     # ray.remote appends _ray_trace_ctx to the class's own method signatures; made here so the check does not
-    # depend on whether an earlier test in this process made the actor remote (CI's order did, the local one not).
+    # depend on whether an earlier test in this process made the actor remote (CI's order did, the local one
+    # not).
     ray.remote(cls)
     init = getattr(cls.__init__, "__wrapped__", cls.__init__)
     params = [p for p in inspect.signature(init).parameters if p != "_ray_trace_ctx"]
@@ -86,21 +92,25 @@ def test_the_plan_gives_each_engine_its_seed_core_and_the_learners_dtype():
     from learner.plan import Models, SyncSpec, fleet_spec
     from services.config import load_config
 
-    cfg = load_config(None, {"rollout": {"num_engines": 2}, "learner": {"dtype": "bfloat16"}, "run": {"seed": 7},
-                             "reward": {"num_actors": 2}, "reference": {"placement": "actor"}})
+    cfg = load_config(None, {"rollout": {"num_engines": 2}, "learner": {"dtype": "bfloat16"},
+                             "run": {"seed": 7}, "reward": {"num_actors": 2},
+                             "reference": {"placement": "actor"}})
     spec = fleet_spec(cfg, Models("/models/policy"), SamplingSettings(), 0, 40)
     assert [r.engine for r in spec.rollouts] == [
-        EngineSpec("vllm", 7 + i, 40, cfg.rollout.kv_cache_mib, "bfloat16", i, "cpu", cfg.rollout.vllm_engine_args())
+        EngineSpec("vllm", 7 + i, 40, cfg.rollout.kv_cache_mib, "bfloat16", i, "cpu",
+                   cfg.rollout.vllm_engine_args())
         for i in range(2)]
     assert all(isinstance(r, RolloutSpec) and r.model == "/models/policy" for r in spec.rollouts)
-    assert spec.references == (ReferenceSpec("/models/policy", "hf", "bfloat16", 40, 128, cfg.rollout.temperature,
+    assert spec.references == (ReferenceSpec("/models/policy", "hf", "bfloat16", 40, 128,
+                                             cfg.rollout.temperature,
                                              engine_args=cfg.reference_vllm_engine_args()),)
     assert spec.rewards == (RewardSpec("randomwalks", cfg.task.options(), "/models/policy"),) * 2
     assert spec.roles == [("rollout", 0), ("rollout", 1), ("reference", 0), ("reward", 0), ("reward", 1)]
     assert (spec.teachers, spec.environments, spec.engine_restarts) == ((), (), cfg.run.actor_max_restarts)
     nccl = load_config(None, {"learner": {"weight_sync": "nccl"}, "rollout": {"gpu_memory_utilization": 0.3},
                               "cluster": {"rollout": {"num_gpus": 1}, "learner": {"num_gpus": 1}}})
-    assert fleet_spec(nccl, Models("/m"), SamplingSettings(), 0, 40).engine_restarts == 0  # NCCL takes none back
+    # NCCL takes none back
+    assert fleet_spec(nccl, Models("/m"), SamplingSettings(), 0, 40).engine_restarts == 0
     assert SyncSpec.of(nccl).transfer == "nccl"
 
 
@@ -113,7 +123,8 @@ def test_the_plan_gives_each_engine_its_seed_core_and_the_learners_dtype():
     ({"cluster": {"learner": {"num_gpus": 1}}}, False, 1),  # the learner on a GPU, the reference on CPU
     ({"learner": {"lora": {"rank": 8, "reference": "actor"}}}, False, 1),  # LoRA's 'actor' asks for one
     ({"learner": {"lora": {"rank": 8}}}, False, 0),  # LoRA's base: the ranks' own forward, no copy
-    ({"reference": {"placement": "learner"}, "learner": {"dtype": "bfloat16", "max_tokens_per_microbatch": 64}},
+    ({"reference": {"placement": "learner"},
+      "learner": {"dtype": "bfloat16", "max_tokens_per_microbatch": 64}},
      True, 0),
 ])
 def test_the_reference_is_a_copy_in_each_learner_rank_where_auto_or_asked(settings, in_learner, actors):
@@ -123,9 +134,11 @@ def test_the_reference_is_a_copy_in_each_learner_rank_where_auto_or_asked(settin
     cfg = load_config(None, settings)
     rank = RankSpec.of(cfg, "/models/policy")
     assert (cfg.reference_copy_in_learner, role_counts(cfg)["reference"]) == (in_learner, actors)
-    if in_learner:  # the initial policy, scored as a reference actor would: the learner's dtype, device, packing
-        assert rank.reference == ReferenceSpec("/models/policy", "hf", cfg.learner.dtype, temperature=1.0,
-                                               device="cpu", max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch)
+    if in_learner:
+        # the initial policy, scored as a reference actor would: the learner's dtype, device, packing
+        assert rank.reference == \
+            ReferenceSpec("/models/policy", "hf", cfg.learner.dtype, temperature=1.0, device="cpu",
+                          max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch)
     else:
         assert rank.reference is None
 
@@ -144,7 +157,8 @@ def test_learner_threads_take_an_own_machine_s_cores_in_a_sync_job_on_cpu(settin
     from learner.plan import RankSpec
     from services.config import load_config
 
-    assert RankSpec.of(load_config(None, settings), "/models/policy", machine_cpus=machine_cpus).torch_threads == threads
+    assert RankSpec.of(load_config(None, settings), "/models/policy",
+                       machine_cpus=machine_cpus).torch_threads == threads
 
 
 @pytest.mark.parametrize("settings, in_learner", [
@@ -160,7 +174,8 @@ def test_the_reward_function_runs_in_the_learner_ranks_where_auto_or_asked(setti
     from services.config import load_config
 
     cfg = load_config(None, settings)
-    assert (cfg.reward_in_learner, role_counts(cfg)["reward"]) == (in_learner, 0 if in_learner else cfg.reward.num_actors)
+    assert (cfg.reward_in_learner, role_counts(cfg)["reward"]) == \
+        (in_learner, 0 if in_learner else cfg.reward.num_actors)
     # built from the task's reward-actor options, as a reward actor is
     expected = RewardSpec("randomwalks", {"seed": 3}, "/models/policy") if in_learner else None
     assert RankSpec.of(cfg, "/models/policy", {"seed": 3}).reward == expected

@@ -66,8 +66,9 @@ def test_a_textarena_game_for_two_players_is_refused_by_name():
 
 def test_a_reasoning_gym_answer_is_scored_by_the_datasets_verifier():
     spec = "services.environments.reasoning_gym:reasoning_gym_environment"
-    env = make_environment(load_environment_factory(spec), {"dataset": "leg_counting", "size": 3, "eval_size": 2,
-                                                            "min_animals": 1, "max_animals": 2}, spec)
+    env = make_environment(load_environment_factory(spec), {"dataset": "leg_counting",
+                                                            "size": 3, "eval_size": 2, "min_animals": 1,
+                                                            "max_animals": 2}, spec)
     assert env.rows() == [{"index": i} for i in range(3)] and env.eval_rows() == [{"index": 3}, {"index": 4}]
     system, question = check_reset_result(env.reset({"index": 4}, seed=0), spec)
     assert system["role"] == "system" and "<answer>" in system["content"]
@@ -91,9 +92,11 @@ def test_a_gymnasium_env_is_read_from_its_rendering_and_its_discrete_actions_fro
     system, grid = env.reset({"seed": 0}, seed=5)
     assert system == {"role": "system", "content": "reach T"}
     assert grid["content"].splitlines()[3].startswith("x  C")  # the player at the bottom left
-    assert [env.parse_action(t) for t in ("UP!", "go right", "3", "upright", "9", "")] == [0, 1, 3, None, None, None]
+    assert [env.parse_action(t) for t in ("UP!", "go right", "3", "upright", "9", "")] == \
+        [0, 1, 3, None, None, None]
     step = check_step_result(env.step("I move up"), "cliff")
-    assert step.reward == -1 and not step.done and step.observation[0]["content"].splitlines()[2].startswith("x")
+    assert step.reward == -1 and not step.done and \
+        step.observation[0]["content"].splitlines()[2].startswith("x")
     invalid = check_step_result(env.step("jump"), "cliff")
     assert invalid == check_step_result((None, 0.0, True, {"invalid_action": True}), "cliff")
     plain = gymnasium_environment(**CLIFF, instructions="reach T", invalid_action_reward=-5)
@@ -102,7 +105,8 @@ def test_a_gymnasium_env_is_read_from_its_rendering_and_its_discrete_actions_fro
 
 
 def test_a_gymnasium_env_that_cannot_be_text_is_refused_naming_its_spaces():
-    with pytest.raises(ValueError, match=r"observation space Discrete\(48\) and render_mode None.*render_mode: ansi"):
+    with pytest.raises(ValueError,
+                       match=r"observation space Discrete\(48\) and render_mode None.*render_mode: ansi"):
         gymnasium_environment("CliffWalking-v1")
     with pytest.raises(ValueError, match=r"action space Box\(-1.0, 1.0, \(1,\), float32\)"):
         GymnasiumEnvironment(_text_env_with(gymnasium.spaces.Box(-1, 1, (1,))))
@@ -133,12 +137,12 @@ SIZES = {
                        "--rollout.samples_per_prompt", "2"],
 }
 # each recipe's (least, greatest) return; turns (model calls) per episode at most
-RETURNS = {"textarena-guess-the-number": (0, 1), "reasoning-gym-chain-sum": (0, 1), "gymnasium-cliffwalking": (-200, 0),
-           "verifiers-sums": (0, 1)}
+RETURNS = {"textarena-guess-the-number": (0, 1), "reasoning-gym-chain-sum": (0, 1),
+           "gymnasium-cliffwalking": (-200, 0), "verifiers-sums": (0, 1)}
 TURNS = {"textarena-guess-the-number": 2, "reasoning-gym-chain-sum": 1, "gymnasium-cliffwalking": 2,
          "verifiers-sums": 1}
-# the verifiers recipe's episodes are processes that import verifiers (about 3 s of CPU each): it trains on one
-# group of 2 episodes, and its evaluations take the first of its evaluation rows, not 16
+# the verifiers recipe's episodes are processes that import verifiers (about 3 s of CPU each): it trains on
+# one group of 2 episodes, and its evaluations take the first of its evaluation rows, not 16
 EPISODES = {"verifiers-sums": 2}
 EVAL_ROWS = {"verifiers-sums": 1}
 
@@ -150,8 +154,8 @@ def recipe_commands() -> dict[str, list[str]]:
 
 
 def fewer_eval_rows(recipe: str, args: list[str], directory: Path) -> list[str]:
-    """``--task.eval_path`` to a file of the recipe's first ``EVAL_ROWS[recipe]`` evaluation rows, where it has
-    a limit."""
+    """``--task.eval_path`` to a file of the recipe's first ``EVAL_ROWS[recipe]`` evaluation rows, where it
+    has a limit."""
     if recipe not in EVAL_ROWS:
         return []
     import yaml
@@ -177,19 +181,22 @@ def printable_llama_dir(tmp_path_factory) -> str:
                                "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}{% endfor %}"
                                "{% if add_generation_prompt %}<assistant>{% endif %}")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    return str(save_model_dir(LlamaForCausalLM(config), tokenizer, tmp_path_factory.mktemp("printable") / "llama"))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=1024, bos_token_id=tokenizer.eos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return str(save_model_dir(LlamaForCausalLM(config), tokenizer,
+                              tmp_path_factory.mktemp("printable") / "llama"))
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("recipe", sorted(SIZES))
-def test_each_recipe_command_runs_an_iteration(recipe, shared_runs, printable_llama_dir, monkeypatch, tmp_path):
-    """The page's command, as written, with the tiny model and a batch of 8 episodes (2 rows of 4; the verifiers
-    recipe 2, one row of 2) for one iteration: the episodes run without an environment's (or an agent's) failure, and the
-    returns are the game's. The verifiers recipe's episodes are verifiers' own, each a process of .venv-verifiers."""
+def test_each_recipe_command_runs_an_iteration(recipe, shared_runs, printable_llama_dir,
+                                               monkeypatch, tmp_path):
+    """The page's command, as written, with the tiny model and a batch of 8 episodes (2 rows of 4; the
+    verifiers recipe 2, one row of 2) for one iteration: the episodes run without an environment's (or an
+    agent's) failure, and the returns are the game's. The verifiers recipe's episodes are verifiers' own, each
+    a process of .venv-verifiers."""
     monkeypatch.chdir(ROOT)
     command, episodes = recipe_commands()[recipe], EPISODES.get(recipe, 8)
     run_dir, proc = shared_runs.get(
@@ -228,8 +235,10 @@ def test_a_verifiers_episode_is_scored_by_the_environments_own_reward():
             answer = a + b + ("/wrong/" in self.path)
             reply = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
                                 "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
-                                             "message": {"role": "assistant", "content": f"{a} + {b} = {answer}"}}],
-                                "usage": {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}}).encode()
+                                             "message": {"role": "assistant",
+                                                         "content": f"{a} + {b} = {answer}"}}],
+                                "usage": {"prompt_tokens": 9, "completion_tokens": 5,
+                                          "total_tokens": 14}}).encode()
             self.send_response(200)
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(reply)))
@@ -266,6 +275,6 @@ def test_the_verifiers_recipe_without_its_virtualenv_says_to_make_it(tmp_path):
     clone.mkdir(parents=True)
     shutil.copy(ROOT / "deploy" / "recipes" / "verifiers" / "agent.py", clone)
     spec = importlib.util.spec_from_file_location("clone_verifiers_agent", clone / "agent.py")
-    with pytest.raises(FileNotFoundError, match=r"\.venv-verifiers/bin/python, which is not there .*run `make "
-                                                r"verifiers` in .*clone"):
+    with pytest.raises(FileNotFoundError, match=r"\.venv-verifiers/bin/python, which is not there .*run "
+                                                r"`make verifiers` in .*clone"):
         spec.loader.exec_module(importlib.util.module_from_spec(spec))

@@ -16,15 +16,16 @@ from tests.conftest import SMALL, follow_job, run_job, start_job
 pytestmark = pytest.mark.integration
 
 def args(ray_head, cache_dir, out, name, *extra):
-    return ["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir", str(out),
-            "--run.name", name, *SMALL, *extra]
+    return ["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir,
+            "--run.output_dir", str(out), "--run.name", name, *SMALL, *extra]
 
 
 def metrics(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
     return [json.loads(x) for x in (run_dir / name).read_text().splitlines()]
 
 
-def test_resume_reproduces_the_straight_run_and_refuses_bad_checkpoints(ray_head, cache_dir, small_run, tmp_path):
+def test_resume_reproduces_the_straight_run_and_refuses_bad_checkpoints(ray_head, cache_dir,
+                                                                        small_run, tmp_path):
     """The small run (4 iterations, a checkpoint every 2), moved to another directory, resumed from its
     iteration 2: iterations 3 and 4 again, the same to the bit. Before that, a changed config and damaged
     checkpoints are refused, naming the file, and touch nothing."""
@@ -48,7 +49,8 @@ def test_resume_reproduces_the_straight_run_and_refuses_bad_checkpoints(ray_head
     # a truncated file is named and nothing is touched; no silent fresh start
     corrupt_dir = tmp_path / "corrupt" / straight_dir.name
     shutil.copytree(run_dir, corrupt_dir)
-    victim = max((p for p in (corrupt_dir / "checkpoints" / "iter-000004").rglob("*.pt")), key=lambda p: p.stat().st_size)
+    victim = max((p for p in (corrupt_dir / "checkpoints" / "iter-000004").rglob("*.pt")),
+                 key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     before = (corrupt_dir / "metrics.jsonl").read_text()
     refused = resume(corrupt_dir.parent, "--run.resume", "latest", timeout_s=300)
@@ -87,8 +89,9 @@ def test_actor_deaths_lost_rank_and_graceful_stop(ray_head, cache_dir, tmp_path)
                 ray.kill(ray.get_actor(to_kill.pop(0)), no_restart=False)
                 last_kill[0] = time.monotonic()
 
-        proc = start_job(args(ray_head, cache_dir, tmp_path, name, "--run.iterations", "30", "--checkpoint.every", "1",
-                              "--reference.placement", "actor"))  # a reference actor to kill
+        proc = start_job(args(ray_head, cache_dir, tmp_path, name, "--run.iterations", "30",
+                              # a reference actor to kill
+                              "--checkpoint.every", "1", "--reference.placement", "actor"))
         out = follow_job(proc, killer)
         assert proc.returncode != 0
         assert "learner rank 0 (actor learner-rank-0) died" in out, out[-3000:]
@@ -99,14 +102,16 @@ def test_actor_deaths_lost_rank_and_graceful_stop(ray_head, cache_dir, tmp_path)
         assert any(s["actor"] == "rollout-0" and s["to_version"] >= 1 and s["probe_max_abs_error"] < 1e-4
                    for s in resynced), resynced
         assert any(s["actor"] == "reference-0" for s in resynced), resynced
-        # the rank may die inside the checkpoint save that follows iteration `last`: then the previous one stands
+        # the rank may die inside the checkpoint save that follows iteration `last`: then the previous one
+        # stands
         saved = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("iter-"))
         assert saved in (last - 1, last)
 
         # the last checkpoint resumes; SIGTERM during the next iteration stops cleanly with a checkpoint
-        proc = start_job(args(ray_head, cache_dir, tmp_path, name, "--run.iterations", "30", "--checkpoint.every", "0",
-                           "--run.resume", "latest"))
-        out = follow_job(proc, lambda line: line.startswith(f"[tether] iter {saved + 1}/") and proc.send_signal(signal.SIGTERM))
+        proc = start_job(args(ray_head, cache_dir, tmp_path, name, "--run.iterations", "30",
+                              "--checkpoint.every", "0", "--run.resume", "latest"))
+        out = follow_job(proc, lambda line: line.startswith(f"[tether] iter {saved + 1}/")
+                         and proc.send_signal(signal.SIGTERM))
         assert proc.returncode == 143, out[-3000:]
         stopped_at = metrics(run_dir)[-1]["iteration"]
         assert f"stopped by SIGTERM after iteration {stopped_at}" in out

@@ -117,7 +117,8 @@ def test_5xx_after_the_retries_ends_with_the_message_and_the_chunk(odd_service, 
     server, calls = odd_service
     prompts, completions = samples(task, 3)
     with pytest.raises(RewardError) as info:
-        remote_scores(RewardClient(server.url + "/down", max_retries=2), prompts, completions, [{}] * 3, WHERE)
+        remote_scores(RewardClient(server.url + "/down", max_retries=2), prompts, completions,
+                      [{}] * 3, WHERE)
     assert calls["down"] == 3  # the first try and two retries
     message = str(info.value)
     assert "chunk 7" in message and "HTTP 503" in message and "reward model not loaded" in message
@@ -137,7 +138,8 @@ def test_timeout_is_retried(task):
     with serve(hangs_once, max_concurrent=2, timeout_s=60) as srv:
         try:
             client = RewardClient(srv.url, timeout_s=1.0, max_retries=1)
-            assert remote_scores(client, prompts, completions, [{}] * 4, WHERE) == task.reward(prompts, completions)
+            assert remote_scores(client, prompts, completions, [{}] * 4, WHERE) == \
+                task.reward(prompts, completions)
             assert len(calls) == 2
         finally:
             release.set()
@@ -147,10 +149,12 @@ def test_4xx_ends_with_the_service_message_naming_the_chunk(odd_service, task):
     server, calls = odd_service
     prompts, completions = samples(task, 3)
     with pytest.raises(RewardError) as info:
-        remote_scores(RewardClient(server.url + "/refuses", max_retries=3), prompts, completions, [{}] * 3, WHERE)
+        remote_scores(RewardClient(server.url + "/refuses", max_retries=3), prompts, completions,
+                      [{}] * 3, WHERE)
     assert calls["refuses"] == 1  # a 4xx is not retried
     message = str(info.value)
-    assert "chunk 7" in message and "HTTP 400" in message and "prompt 2 is not a node of this graph" in message
+    assert "chunk 7" in message and "HTTP 400" in message and \
+        "prompt 2 is not a node of this graph" in message
     # the real service's own 4xx: a batch over its max_batch, fields its reward function does not take
     with serve(task.reward, max_batch=2) as srv:
         client = RewardClient(srv.url, max_retries=3)
@@ -166,7 +170,8 @@ def test_malformed_answer_ends_naming_the_chunk(odd_service, task, route, fragme
     server, calls = odd_service
     prompts, completions = samples(task, 3)
     with pytest.raises(RewardError) as info:
-        remote_scores(RewardClient(server.url + f"/{route}", max_retries=3), prompts, completions, [{}] * 3, WHERE)
+        remote_scores(RewardClient(server.url + f"/{route}", max_retries=3), prompts, completions,
+                      [{}] * 3, WHERE)
     assert calls[route] == 1  # a malformed answer is not retried
     assert "chunk 7" in str(info.value) and fragment in str(info.value)
 
@@ -185,7 +190,8 @@ def test_preflight_names_the_url(task, tmp_path):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    with pytest.raises(RewardError, match=re.escape(f"reward service at {dead} (reward.url) does not answer")):
+    with pytest.raises(RewardError,
+                       match=re.escape(f"reward service at {dead} (reward.url) does not answer")):
         check_reward_service(RewardConfig(kind="remote", url=dead, max_retries=0), log=lambda _: None)
     lines = []
     with serve(task.reward, token=TOKEN) as srv:
@@ -206,7 +212,8 @@ def test_preflight_names_the_url(task, tmp_path):
 
 def test_config_of_a_remote_reward():
     cfg = load_config(overrides={"reward": {"kind": "remote", "url": "http://127.0.0.1:8000"}})
-    assert (cfg.reward.token_env, cfg.reward.timeout_s, cfg.reward.max_retries) == ("TETHER_REWARD_TOKEN", 30.0, 3)
+    assert (cfg.reward.token_env, cfg.reward.timeout_s, cfg.reward.max_retries) == \
+        ("TETHER_REWARD_TOKEN", 30.0, 3)
     for reward, message in [({"kind": "remote"}, "needs reward.url"),
                             ({"kind": "remote", "url": "ftp://h:1"}, "must be http(s)://host:port"),
                             ({"kind": "remote", "url": "http://u:p@h:1"}, "must not hold credentials"),
@@ -226,8 +233,8 @@ def reward_service_cli(monkeypatch):
     started = []
 
     def start(*serving: str) -> str:
-        proc = subprocess.Popen([sys.executable, "-m", "services.reward_service", *serving, "--port", "0"], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        proc = subprocess.Popen([sys.executable, "-m", "services.reward_service", *serving, "--port", "0"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "TETHER_REWARD_TOKEN": TOKEN})
         started.append(proc)
         for line in proc.stdout:
@@ -248,23 +255,24 @@ def reward_service_cli(monkeypatch):
 
 
 @pytest.mark.integration
-def test_remote_reward_job_follows_the_local_rewards_trajectory(ray_head, cache_dir, tmp_path, reward_service_cli,
-                                                                small_run):
-    """The small run (``conftest.small_run``, reward.kind function) again with reward.kind remote, served from a
-    user's function of one sample (``--function``): every score from the service, and the same run to the bit:
-    scores, rewards, KL, beta, losses and both evaluations. (The Ray head was started without the token: the
-    driver forwards it to the reward actor.)"""
+def test_remote_reward_job_follows_the_local_rewards_trajectory(ray_head, cache_dir, tmp_path,
+                                                                reward_service_cli, small_run):
+    """The small run (``conftest.small_run``, reward.kind function) again with reward.kind remote, served from
+    a user's function of one sample (``--function``): every score from the service, and the same run to the
+    bit: scores, rewards, KL, beta, losses and both evaluations. (The Ray head was started without the token:
+    the driver forwards it to the reward actor.)"""
     local_dir, local = small_run
     assert local.returncode == 0, local.stderr[-3000:]
     url = reward_service_cli("--function", "tests.dataset_rewards:randomwalks_score")
     proc = run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
-                    str(tmp_path), "--run.name", "remote", *SMALL, "--run.iterations", "4", "--checkpoint.every", "2",
-                    "--reward.kind", "remote", "--reward.url", url])
+                    str(tmp_path), "--run.name", "remote", *SMALL, "--run.iterations", "4",
+                    "--checkpoint.every", "2", "--reward.kind", "remote", "--reward.url", url])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"pre-flight: reward service {url} answers (token from $TETHER_REWARD_TOKEN)" in proc.stdout
     run_dir = tmp_path / "remote"
     remote, straight = (
-        [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (run_dir, local_dir))
+        [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        for d in (run_dir, local_dir))
     assert [r["iteration"] for r in remote] == [1, 2, 3, 4]
     assert [r["prompt_rows"] for r in remote] == [r["prompt_rows"] for r in straight]
     for key in ("score_mean", "reward_mean", "kl_response_mean", "kl_coef", "ppo_loss"):

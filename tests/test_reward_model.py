@@ -29,13 +29,15 @@ def make_reward_model(path, pad: str = "eos", seed: int = 0):
     pad="mismatch": the config names a real letter as pad_token_id while the tokenizer pads with eos.
     """
     tokenizer = build_char_tokenizer(get_task("randomwalks").vocabulary)
-    pad_token_id = {"eos": tokenizer.pad_token_id, "none": None, "mismatch": tokenizer.convert_tokens_to_ids("c")}[pad]
+    pad_token_id = {"eos": tokenizer.pad_token_id, "none": None,
+                    "mismatch": tokenizer.convert_tokens_to_ids("c")}[pad]
     if pad == "none":
         tokenizer.pad_token = None
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=len(tokenizer), n_layer=2, n_embd=32, n_head=2, n_positions=64, num_labels=1,
-                        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=pad_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_layer=2, n_embd=32, n_head=2,
+                        n_positions=64, num_labels=1, bos_token_id=tokenizer.eos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_token_id, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2ForSequenceClassification(config).eval()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -53,7 +55,8 @@ def manual_score(model, tokenizer, text: str) -> float:
 @pytest.fixture(params=["eos", "none", "mismatch"])
 def setup(request, tmp_path):
     model, tokenizer = make_reward_model(tmp_path, pad=request.param)
-    actor = RewardActor(0, RewardSpec("randomwalks", {}, str(tmp_path), kind="model", model_path=str(tmp_path)))
+    actor = RewardActor(0,
+                        RewardSpec("randomwalks", {}, str(tmp_path), kind="model", model_path=str(tmp_path)))
     return actor, model, tokenizer
 
 
@@ -115,7 +118,8 @@ def test_left_padding_tokenizer_is_still_right_padded(tmp_path):
     model, tokenizer = make_reward_model(tmp_path)
     config_file = tmp_path / "tokenizer_config.json"  # save_pretrained does not keep padding_side
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "padding_side": "left"}))
-    actor = RewardActor(0, RewardSpec("randomwalks", {}, str(tmp_path), kind="model", model_path=str(tmp_path)))
+    actor = RewardActor(0,
+                        RewardSpec("randomwalks", {}, str(tmp_path), kind="model", model_path=str(tmp_path)))
     assert actor.scorer.reward_model.tokenizer.padding_side == "left"
     enc_seen = {}
     handle = actor.scorer.reward_model.model.register_forward_pre_hook(

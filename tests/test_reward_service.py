@@ -1,5 +1,6 @@
-"""Tests of services/reward_service/ (server, connections, client): a real server on 127.0.0.1 (port 0) scoring with the randomwalks
-task's reward, its client, and every rejection path (auth, size, shape, type, batch, time)."""
+"""Tests of services/reward_service/ (server, connections, client): a real server on 127.0.0.1 (port 0)
+scoring with the randomwalks task's reward, its client, and every rejection path (auth, size, shape, type,
+batch, time)."""
 
 from __future__ import annotations
 
@@ -409,13 +410,15 @@ def test_rejected_request_ends_with_its_answer_not_a_reset(server):
     reads 256 KiB at most) leaves bytes unread at the answer every time."""
     import socket
 
-    request = (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5_0\r\n\r\n"
+    request = (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 5_0\r\n\r\n"
                + b"x" * (512 << 10))
     with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
         sock.sendall(request)
         answer = _read_until_closed(sock)
     head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 400") and f"content-length: {len(body)}".encode() in head.lower(), answer
+    assert head.startswith(b"HTTP/1.1 400") and \
+        f"content-length: {len(body)}".encode() in head.lower(), answer
     assert "Content-Length" in json.loads(body)["error"]
     assert raw(server, "GET", "/health") == (200, {"ok": True})
 
@@ -459,9 +462,11 @@ def test_reward_fn_exception_text_is_logged_not_answered(make_server, caplog):
         raise RuntimeError("secret-path /srv/models/rm-v3 and key sk-123")
 
     client = RewardClient(make_server(leaks, port=0).url)
-    with caplog.at_level("ERROR", logger="services.reward_service"), pytest.raises(RewardServiceError) as info:
+    with caplog.at_level("ERROR", logger="services.reward_service"), \
+            pytest.raises(RewardServiceError) as info:
         client.score(["b"], ["a"])
-    assert info.value.status == 500 and "secret-path" not in str(info.value) and "sk-123" not in str(info.value)
+    assert info.value.status == 500 and "secret-path" not in str(info.value) and \
+        "sk-123" not in str(info.value)
     incident = re.search(r"incident ([0-9a-f]{12})", info.value.message).group(1)
     logged = [r for r in caplog.records if incident in r.getMessage()]
     assert logged and "secret-path" in str(logged[0].exc_info[1])
@@ -472,7 +477,8 @@ def test_fields_are_checked(make_server):
     ok = {"prompts": ["b", "c"], "completions": ["a", "a"], "fields": [{"x": 1}, {}]}
     status, body = raw(srv, "POST", "/score", json.dumps(ok).encode(), token=None)
     assert (status, body) == (200, {"scores": [1.0, 0.0]})
-    for fields, fragment in [([{}], "list of 2 JSON objects"), ([{}, "x"], "fields[1] must be a JSON object")]:
+    for fields, fragment in [([{}], "list of 2 JSON objects"),
+                             ([{}, "x"], "fields[1] must be a JSON object")]:
         bad = {**ok, "fields": fields}
         status, body = raw(srv, "POST", "/score", json.dumps(bad).encode(), token=None)
         assert status == 400 and fragment in body["error"]
@@ -484,12 +490,13 @@ def test_fields_are_checked(make_server):
 class _Slowloris(threading.Thread):
     """A hostile client on loopback: ``n`` connections, spread over ``sources`` (the whole 127/8 is loopback
     on Linux), that each send one more header line every ``period_s`` and never finish their headers; one the
-    server closes is opened again at the next round. It stops by itself after ``duration_s`` (or at ``stop()``)
-    and closes its sockets."""
+    server closes is opened again at the next round. It stops by itself after ``duration_s`` (or at
+    ``stop()``) and closes its sockets."""
 
     def __init__(self, port: int, n: int, sources: list[str], period_s: float, duration_s: float) -> None:
         super().__init__(name="slowloris", daemon=True)
-        self.port, self.n, self.sources, self.period_s, self.duration_s = port, n, sources, period_s, duration_s
+        self.port, self.n, self.sources, self.period_s, self.duration_s = port, n, sources, \
+            period_s, duration_s
         self.opened = threading.Event()  # set once all n were opened once (or the attack ended)
         self.cut = 0  # connections the server closed
         self._stop_event = threading.Event()
@@ -571,7 +578,8 @@ def test_slowloris_does_not_lock_out_real_requests(make_server, task):
             finally:
                 client.close()
             latencies.append(time.monotonic() - start)
-        print("real request latency under a 300-connection slowloris:", ", ".join(f"{t:.3f} s" for t in latencies))
+        print("real request latency under a 300-connection slowloris:",
+              ", ".join(f"{t:.3f} s" for t in latencies))
     finally:
         slow.stop()
     assert slow.cut > 0  # the server closed slow connections to make room
@@ -597,8 +605,9 @@ def _dribble_until_closed(sock: socket.socket, limit_s: float = 15.0) -> float:
 
 
 def test_headers_slower_than_header_timeout_are_cut(make_server, task):
-    """A connection that keeps sending header lines but never ends its headers is closed header_timeout_s after
-    it opened, and so is a kept-alive one after its last answer, though each line arrives well within it."""
+    """A connection that keeps sending header lines but never ends its headers is closed header_timeout_s
+    after it opened, and so is a kept-alive one after its last answer, though each line arrives well within
+    it."""
     srv = make_server(task.reward, port=0, header_timeout_s=1.0)
     with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as sock:
         sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n")
@@ -624,10 +633,11 @@ def _send_partial_headers(port: int) -> socket.socket:
 
 
 def _finish_request(sock: socket.socket, payload: dict) -> tuple[int, dict]:
-    """Ends the headers a _send_partial_headers socket began, sends ``payload``; the answer's status and JSON."""
+    """Ends the headers a _send_partial_headers socket began, sends ``payload``; the answer's status and
+    JSON."""
     body = json.dumps(payload).encode()
-    sock.sendall(b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
-                 + body)
+    sock.sendall(b"Content-Type: application/json\r\nConnection: close\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
     head, _, answer = _read_until_closed(sock).partition(b"\r\n\r\n")
     return int(head.split(b" ", 2)[1]), json.loads(answer)
 
@@ -643,7 +653,8 @@ def test_connections_per_client_are_bounded(make_server, task):
     try:
         waiting.append(_send_partial_headers(srv.port))  # a 4th: the 1st goes
         assert _read_until_closed(waiting[0]) == b""
-        client = RewardClient(srv.url, timeout_s=10)  # a whole request on a 5th: the 2nd goes, and it is served
+        # a whole request on a 5th: the 2nd goes, and it is served
+        client = RewardClient(srv.url, timeout_s=10)
         try:
             assert client.score(payload["prompts"], payload["completions"]) == expected["scores"]
         finally:
@@ -656,13 +667,15 @@ def test_connections_per_client_are_bounded(make_server, task):
             sock.close()
     _wait_for_no_connections(srv)
 
-    # three connections answering requests (their bodies still to come): a 4th is refused, they are not disturbed
+    # three connections answering requests (their bodies still to come): a 4th is refused, they are not
+    # disturbed
     busy = [socket.create_connection(("127.0.0.1", srv.port), timeout=20) for _ in range(3)]
     try:
         body = json.dumps(payload).encode()
         for sock in busy:
-            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                         b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Connection: close\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n"
+                         % len(body))
             interim = b""
             while not interim.endswith(b"\r\n\r\n"):
                 interim += sock.recv(1)

@@ -46,8 +46,8 @@ def test_a_function_is_served_per_sample_with_its_rows_fields():
         with pytest.raises(RewardServiceError) as err:
             client.score(prompts, completions, [{"answer": "c"}, {}, {"answer": "a"}])
         assert err.value.status == 400
-        assert err.value.message == ("sample 1: tests.dataset_rewards:letter_distance needs the fields ['answer']; "
-                                     "this sample lacks ['answer']")
+        assert err.value.message == ("sample 1: tests.dataset_rewards:letter_distance needs the fields "
+                                     "['answer']; this sample lacks ['answer']")
         with pytest.raises(RewardServiceError, match=r"has field\(s\) \['weight'\] it does not take"):
             client.score(["b"], ["c"], [{"answer": "c", "weight": 2}])
 
@@ -72,26 +72,32 @@ def not_classifiers(tmp_path_factory):
     (["--function", "tests.dataset_rewards:not_a_function"],
      "--function='tests.dataset_rewards:not_a_function' is a int, not a function"),
     (["--function", "tests.dataset_rewards"], "must be given as 'package.module:function'"),
-    (["--function", "os.path:join"], "cannot be called as os.path:join(prompt=..., completion=..., **fields)"),
+    (["--function", "os.path:join"],
+     "cannot be called as os.path:join(prompt=..., completion=..., **fields)"),
     (["--model", "{causal}"], "is a GPT2LMHeadModel, not a sequence classifier"),
     (["--model", "{bare}"], "has no trained classification head (score.weight missing"),
-    (["--model", "{classifier}", "--label", "POSITIVE"], "reward.label='POSITIVE' is not a label of reward model"),
+    (["--model", "{classifier}", "--label", "POSITIVE"],
+     "reward.label='POSITIVE' is not a label of reward model"),
     (["--model", "{classifier}", "--max-batch-tokens", "0"], "max_batch_tokens must be a positive integer"),
     (["--judge", "{judge_file}"], "reward.judge.template has no {{response}} field"),
     (["--judge", "{missing}"], "config file {missing} does not exist"),
 ])
-def test_what_cannot_be_served_is_refused_at_start(argv, message, not_classifiers, classifier_dir, tmp_path, capsys):
+def test_what_cannot_be_served_is_refused_at_start(argv, message, not_classifiers, classifier_dir,
+                                                   tmp_path, capsys):
     judge_file = tmp_path / "judge.yaml"
     judge_file.write_text("model_path: judge\ntemplate: 'Rate {prompt}'\nunparseable_score: 0\n")
-    paths = {**not_classifiers, "classifier": classifier_dir, "judge_file": judge_file, "missing": tmp_path / "no.yaml"}
+    paths = {**not_classifiers, "classifier": classifier_dir, "judge_file": judge_file,
+             "missing": tmp_path / "no.yaml"}
     assert main([a.format(**paths) for a in argv] + ["--port", "0"]) == 2
     assert message.format(**paths) in capsys.readouterr().err
 
 
-def test_a_job_refuses_a_reward_model_that_is_not_a_classifier_before_any_actor(not_classifiers, classifier_dir):
+def test_a_job_refuses_a_reward_model_that_is_not_a_classifier_before_any_actor(not_classifiers,
+                                                                                classifier_dir):
     from actors.reward import check_reward_label
 
-    with pytest.raises(ValueError, match=r"\(reward.model_path\) is a GPT2LMHeadModel, not a sequence classifier"):
+    with pytest.raises(ValueError,
+                       match=r"\(reward.model_path\) is a GPT2LMHeadModel, not a sequence classifier"):
         check_reward_label(not_classifiers["causal"], None)
     assert check_reward_label(classifier_dir, None) == 0
 
@@ -110,7 +116,8 @@ def test_a_served_model_scores_as_the_job_scores_it_in_process(classifier_dir):
     from actors.reward import RewardActor
 
     prompts, completions = [p for p, _ in PAIRS], [c for _, c in PAIRS]
-    in_process = RewardActor(0, RewardSpec("randomwalks", {}, classifier_dir, kind="model", model_path=classifier_dir))
+    in_process = RewardActor(0, RewardSpec("randomwalks", {}, classifier_dir, kind="model",
+                                           model_path=classifier_dir))
     reward, served = build_reward(parse_args(["--model", classifier_dir, "--device", "cpu"]))
     assert served.startswith(f"reward model {classifier_dir} on cpu")
     with serve(reward) as service:
@@ -136,7 +143,8 @@ def test_requests_that_arrive_together_are_scored_in_one_forward(classifier_dir)
     try:
         with serve(reward, max_concurrent=8) as service:
             def ask(i: int) -> None:
-                answers[i] = RewardClient(service.url, timeout_s=60).score([PAIRS[i][0]] * 2, [PAIRS[i][1]] * 2)
+                answers[i] = RewardClient(service.url, timeout_s=60).score([PAIRS[i][0]] * 2,
+                                                                           [PAIRS[i][1]] * 2)
 
             threads = [threading.Thread(target=ask, args=(0,))]
             threads[0].start()
@@ -146,7 +154,8 @@ def test_requests_that_arrive_together_are_scored_in_one_forward(classifier_dir)
             threads += [threading.Thread(target=ask, args=(i,)) for i in (1, 2, 3)]
             for thread in threads[1:]:
                 thread.start()
-            while len(reward._waiting) < 3 and time.monotonic() < deadline:  # all three queued behind the first
+            # all three queued behind the first
+            while len(reward._waiting) < 3 and time.monotonic() < deadline:
                 time.sleep(0.01)
             first_forward_may_end.set()
             for thread in threads:
@@ -162,7 +171,8 @@ def test_requests_that_arrive_together_are_scored_in_one_forward(classifier_dir)
 def test_a_batch_is_cut_at_its_token_budget(classifier_dir):
     """One request longer than ``--max-batch-tokens`` is scored in forwards within the budget, and gets the
     same scores in order."""
-    reward, _ = build_reward(parse_args(["--model", classifier_dir, "--device", "cpu", "--max-batch-tokens", "8"]))
+    reward, _ = build_reward(parse_args(["--model", classifier_dir, "--device", "cpu",
+                                         "--max-batch-tokens", "8"]))
     model = reward.score_batch.__self__
     prompts, completions = [p for p, _ in PAIRS], [c for _, c in PAIRS]
     tokens = [model.count_tokens(p, c) for p, c in PAIRS]

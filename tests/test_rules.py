@@ -43,7 +43,8 @@ def test_a_rule_refuses_with_its_name_and_passes_what_it_allows():
 
     @book.rule("rollout.batch_size", example={})
     def batch_is_even(cfg):
-        return None if cfg.rollout.batch_size % 2 == 0 else f"rollout.batch_size={cfg.rollout.batch_size} is odd"
+        return None if cfg.rollout.batch_size % 2 == 0 else \
+            f"rollout.batch_size={cfg.rollout.batch_size} is odd"
 
     BOOKS.remove(book)
     book.enforce(load_config(None, {}))

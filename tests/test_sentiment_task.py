@@ -30,7 +30,8 @@ def task() -> SentimentTask:
 def test_registered():
     assert TASKS["smollm2-sentiment"] is SentimentTask
     t = get_task("smollm2-sentiment")
-    assert (t.name, t.model_kind, t.tokenizer_kind, t.max_new_tokens) == ("smollm2-sentiment", "smollm2", "pretrained", 32)
+    assert (t.name, t.model_kind, t.tokenizer_kind, t.max_new_tokens) == \
+        ("smollm2-sentiment", "smollm2", "pretrained", 32)
 
 
 def test_prompts_many_unique_short_and_deterministic(task):
@@ -167,12 +168,15 @@ def test_smollm2_generates_and_prompts_fit(converted, task):
     from transformers import AutoTokenizer  # load_tokenizer's shortcut gives AutoTokenizer's tokenizer
 
     auto = AutoTokenizer.from_pretrained(path)
-    assert type(tokenizer) is type(auto) and formatted == [task.format_prompt(p, auto) for p in task.prompts()]
+    assert type(tokenizer) is type(auto) and \
+        formatted == [task.format_prompt(p, auto) for p in task.prompts()]
     assert ([tokenizer(f)["input_ids"] for f in formatted] == [auto(f)["input_ids"] for f in formatted]
             and (tokenizer.eos_token_id, tokenizer.pad_token_id) == (auto.eos_token_id, auto.pad_token_id))
-    assert all(f.rstrip().endswith("assistant") and p in f for f, p in zip(formatted, task.prompts(), strict=True))
+    assert all(f.rstrip().endswith("assistant") and p in f
+               for f, p in zip(formatted, task.prompts(), strict=True))
     lengths = [len(tokenizer(f, add_special_tokens=False)["input_ids"]) for f in formatted]
-    assert max(lengths) <= load_config(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml").task.max_prompt_tokens
+    assert max(lengths) <= \
+        load_config(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml").task.max_prompt_tokens
 
     enc = tokenizer(formatted[0], add_special_tokens=False, return_tensors="pt")
     with torch.no_grad():
@@ -203,7 +207,8 @@ def test_smollm2_sync_loads_every_parameter_and_its_rotary_embedding_has_none(co
     assert rotary and all(params == 0 and buffers >= 1 for _, params, buffers in rotary), rotary
     weights = load_causal_lm(path).state_dict()
     assert engine.load_weights(weights) == []
-    assert engine.load_weights({k: v for k, v in weights.items() if k != "model.norm.weight"}) == ["model.norm.weight"]
+    assert engine.load_weights({k: v for k, v in weights.items() if k != "model.norm.weight"}) == \
+        ["model.norm.weight"]
     del engine, weights  # the engine's memory goes back before the module's next test
 
 
@@ -222,13 +227,15 @@ def test_smollm2_judges_responses_in_a_reward_actor(converted):
     from services.reward_service.judge import AnswerRule
 
     _, path, _ = converted
-    cfg = JudgeConfig(model_path=str(path), template="Rate how positive this reply to {prompt!r} is, 0 to 10:\n"
+    cfg = JudgeConfig(model_path=str(path),
+                      template="Rate how positive this reply to {prompt!r} is, 0 to 10:\n"
                       "{response}\nReply with one number.", score_range=(0, 10), unparseable_score=-1.0,
                       max_new_tokens=8, max_model_len=512, kv_cache_mib=64)
-    actor = RewardActor(0, RewardSpec("smollm2-sentiment", {}, str(path), kind="judge", model_path=str(path), judge=cfg))
+    actor = RewardActor(0, RewardSpec("smollm2-sentiment", {}, str(path), kind="judge",
+                                      model_path=str(path), judge=cfg))
     tokenizer = load_tokenizer(path)
-    replies = ["I love it, what a wonderful day!", "This is awful and I hate it.", "I love it, what a wonderful day!",
-               "Meh."]
+    replies = ["I love it, what a wonderful day!", "This is awful and I hate it.",
+               "I love it, what a wonderful day!", "Meh."]
     batch = make_batch([tokenizer("Tell me about your day.")["input_ids"]] * 4,
                        [tokenizer(r)["input_ids"] + [tokenizer.eos_token_id] for r in replies], [[0.0]] * 4,
                        [0] * 4, [0, 1, 2, 3], tokenizer.pad_token_id, 0, 0.0)
@@ -241,10 +248,11 @@ def test_smollm2_judges_responses_in_a_reward_actor(converted):
     readings = [rule(a) for a in answers]
     assert again == scores.tolist() == [-1.0 if r is None else r for r in readings], answers
     unread = sum(r is None for r in readings)
-    assert actor.take_counts()["judge_unparseable"] == 3 * unread and actor.take_counts()["judge_answers"] == 0
+    assert actor.take_counts()["judge_unparseable"] == 3 * unread and \
+        actor.take_counts()["judge_answers"] == 0
     rendered = actor.scorer.judge.render(prompts[0], completions[0], {})
-    assert rendered.startswith("<|im_start|>") and cfg.template.format(prompt=prompts[0], response=completions[0]) \
-        in rendered
+    assert rendered.startswith("<|im_start|>") and \
+        cfg.template.format(prompt=prompts[0], response=completions[0]) in rendered
 
     # the service's --judge serves the same judge, batched: the same scores; a field the template names and a
     # request lacks is a 400
@@ -254,8 +262,8 @@ def test_smollm2_judges_responses_in_a_reward_actor(converted):
         client = RewardClient(service.url, timeout_s=120)
         assert client.score(prompts, completions) == scores.tolist()
         actor.scorer.judge.fields = [*actor.scorer.judge.fields, "answer"]
-        with pytest.raises(RewardServiceError, match=r"HTTP 400: reward.judge.template needs the row field\(s\) "
-                                                     r"\['answer'\]"):
+        with pytest.raises(RewardServiceError, match=r"HTTP 400: reward.judge.template needs the row "
+                                                     r"field\(s\) \['answer'\]"):
             client.score(prompts[:1], completions[:1])
         actor.scorer.judge.fields = actor.scorer.judge.fields[:-1]
     actor.take_counts()

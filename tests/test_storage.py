@@ -17,7 +17,7 @@ from tests.conftest import train
 ray = pytest.importorskip("ray")
 
 
-# ====================================================================== storage and manifests (no Ray)
+# ==================================================================== storage and manifests (no Ray)
 
 
 def test_storage_reads_and_writes_local_paths_and_file_uris(tmp_path):
@@ -29,7 +29,8 @@ def test_storage_reads_and_writes_local_paths_and_file_uris(tmp_path):
         assert run.read_text("metrics.jsonl") == "a\nb\n"
         assert run.files() == ["metrics.jsonl", "samples/iteration-0001.md"]
         assert run.size("metrics.jsonl") == 4 and run.size("missing") is None
-        assert run.display("metrics.jsonl") == str(tmp_path / url.rsplit("/", 1)[-1] / "run" / "metrics.jsonl")
+        assert run.display("metrics.jsonl") == \
+            str(tmp_path / url.rsplit("/", 1)[-1] / "run" / "metrics.jsonl")
         run.check_writable("driver: ")
         probe = run.write_probe()
         RunStorage(run.url).read_probe(probe, "node x: ")
@@ -51,7 +52,8 @@ def test_curves_draw_on_their_thread_once_per_records_and_raise_a_drawings_error
     assert len(curves.drawings) == 1 and run.size("curves.png") > 0
 
     broken = Curves(run, 6.0, None)
-    broken.draw([{"iteration": 1}])  # no reward_mean: the drawing fails on its thread, the error comes at wait()
+    # no reward_mean: the drawing fails on its thread, the error comes at wait()
+    broken.draw([{"iteration": 1}])
     with pytest.raises(KeyError, match="reward_mean"):
         broken.wait()
 
@@ -79,7 +81,8 @@ def test_commit_refuses_a_missing_or_different_shard_naming_it(tmp_path):
         checkpoint.verify(ckpt)  # never resumable without its seal
 
     ckpt.write_bytes(b"b", "learner/b.pt")  # a shard of another size than the rank reported
-    with pytest.raises(checkpoint.CheckpointError, match=r"learner/b\.pt has 1 bytes in the storage, the rank wrote 2"):
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"learner/b\.pt has 1 bytes in the storage, the rank wrote 2"):
         checkpoint.commit(run, ckpt, reported, state, keep=2)
 
     ckpt.write_bytes(b"bb", "learner/b.pt")
@@ -102,7 +105,7 @@ def test_old_checkpoint_missing_a_new_key_at_its_default_is_compatible(tmp_path)
         checkpoint.check_compatible(saved, changed, RunStorage(tmp_path))
 
 
-# ====================================================================== learner groups on a real Ray
+# ==================================================================== learner groups on a real Ray
 
 
 def _group_config(world_size: int, zero_stage: int, dtype: str = "float32"):
@@ -142,7 +145,8 @@ def _probe_set():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("stage", "dtype"), [(0, "float32"), (2, "float32"), (3, "float32"), (0, "bfloat16")])
+@pytest.mark.parametrize(("stage", "dtype"),
+                         [(0, "float32"), (2, "float32"), (3, "float32"), (0, "bfloat16")])
 def test_checkpoint_of_two_ranks_resumes_on_one(rank_pool, tiny_model_dir, tmp_path, stage, dtype):
     """2 ranks train, checkpoint to a file:// storage; 1 rank resumes with the same weights, and one more
     update on the same batch gives the weights the 2-rank group reaches."""
@@ -194,7 +198,8 @@ def test_resume_refuses_a_corrupt_shard_naming_it(rank_pool, tiny_model_dir, tmp
 
 
 @pytest.mark.integration
-def test_hf_export_loads_in_transformers_and_vllm_with_the_learners_logprobs(rank_pool, tiny_model_dir, tmp_path):
+def test_hf_export_loads_in_transformers_and_vllm_with_the_learners_logprobs(rank_pool,
+                                                                             tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from actors.rollout import RolloutActor
@@ -209,7 +214,8 @@ def test_hf_export_loads_in_transformers_and_vllm_with_the_learners_logprobs(ran
     learner_logprobs = group.probe(sequences, prompt_lengths)
     files = export.files()
     assert "model.safetensors" in files and "config.json" in files and "tokenizer.json" in files, files
-    assert AutoTokenizer.from_pretrained(export.path()).vocab_size == AutoTokenizer.from_pretrained(tiny_model_dir).vocab_size
+    assert AutoTokenizer.from_pretrained(export.path()).vocab_size == \
+        AutoTokenizer.from_pretrained(tiny_model_dir).vocab_size
 
     model = AutoModelForCausalLM.from_pretrained(export.path(), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -228,17 +234,19 @@ def test_hf_export_loads_in_transformers_and_vllm_with_the_learners_logprobs(ran
         assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-4
 
 
-# ====================================================================== a job with its storage as a file:// URI
+# ==================================================================== a job with its storage as a file:// URI
 
 
 @pytest.mark.integration
-def test_job_on_a_file_uri_without_a_start_evaluation_resumes_on_fewer_ranks_and_exports(ray_head, cache_dir, tmp_path):
+def test_job_on_a_file_uri_without_a_start_evaluation_resumes_on_fewer_ranks_and_exports(ray_head,
+                                                                                         cache_dir, tmp_path):
     from tests.conftest import run_job
     from tests.test_reliability import SMALL
 
     def job(*extra):
-        return run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
-                        f"file://{tmp_path}", "--run.name", "uri", *SMALL, *extra], timeout_s=600)
+        return run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir,
+                        "--run.output_dir", f"file://{tmp_path}", "--run.name", "uri", *SMALL,
+                        *extra], timeout_s=600)
 
     first = job("--run.iterations", "2", "--learner.world_size", "2", "--learner.zero_stage", "2",
                 "--no-checkpoint.export_hf", "--no-run.eval_before_training")
@@ -262,5 +270,6 @@ def test_job_on_a_file_uri_without_a_start_evaluation_resumes_on_fewer_ranks_and
     # run.eval_before_training off in the first job, kept by the resume: no start to compare with
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["eval_start"] == {} and 0 <= summary["eval_final"]["optimality"] <= 1
-    assert not (run_dir / "samples" / "iteration-0000.md").exists() and "eval before training" not in resumed.stdout
+    assert not (run_dir / "samples" / "iteration-0000.md").exists() and \
+        "eval before training" not in resumed.stdout
     assert not any(p.name.startswith(".") for p in run_dir.rglob("*"))  # no temp or probe files left behind

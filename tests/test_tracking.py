@@ -1,5 +1,5 @@
-"""Experiment tracking: a job with ``metrics.wandb.enabled`` in wandb's offline mode, read back from what wandb
-wrote to disk (its run log, the run's config and summary, the tables and images it saved); a resumed run
+"""Experiment tracking: a job with ``metrics.wandb.enabled`` in wandb's offline mode, read back from what
+wandb wrote to disk (its run log, the run's config and summary, the tables and images it saved); a resumed run
 continues the same wandb run."""
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def read_run(run_dir: Path) -> dict:
             config.update({item.key: json.loads(item.value_json) for item in record.config.update})
         elif kind == "summary":
             for item in record.summary.update:
-                summary["/".join(item.nested_key) if item.nested_key else item.key] = json.loads(item.value_json)
+                summary["/".join(item.nested_key) if item.nested_key else item.key] = \
+                    json.loads(item.value_json)
         elif kind == "history":
             history.append({("/".join(i.nested_key) if i.nested_key else i.key): json.loads(i.value_json)
                             for i in record.history.item})
@@ -66,7 +67,8 @@ def read_run(run_dir: Path) -> dict:
 def test_flat_metrics_keeps_numbers_and_nests_sections():
     record = {"iteration": 3, "kl_coef": 0.05, "eval": {"optimality": 0.5}, "actor_states": [{"name": "x"}],
               "batch_policy_versions": [2], "run": "name", "stopped_early": False}
-    assert flat_metrics(record) == {"iteration": 3, "kl_coef": 0.05, "eval/optimality": 0.5, "stopped_early": False}
+    assert flat_metrics(record) == \
+        {"iteration": 3, "kl_coef": 0.05, "eval/optimality": 0.5, "stopped_early": False}
 
 
 @pytest.mark.integration
@@ -74,10 +76,10 @@ def test_job_logs_to_wandb_and_resume_continues_the_run(ray_head, cache_dir, tmp
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
     (tmp_path / "wandb-dir").mkdir()
-    args = ["--config", "tests/configs/small.yaml", "--cluster.address", ray_head.address, "--model.cache_dir",
-            cache_dir, "--run.output_dir", str(tmp_path / "runs"), "--cluster.placement_timeout_s", "300",
-            "--metrics.wandb.enabled", "--metrics.wandb.project", "tether-test", "--metrics.wandb.tags",
-            '["ci", "small"]']
+    args = ["--config", "tests/configs/small.yaml", "--cluster.address", ray_head.address,
+            "--model.cache_dir", cache_dir, "--run.output_dir", str(tmp_path / "runs"),
+            "--cluster.placement_timeout_s", "300", "--metrics.wandb.enabled", "--metrics.wandb.project",
+            "tether-test", "--metrics.wandb.tags", '["ci", "small"]']
     first = run_job([*args, "--run.iterations", "1"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run_dir = tmp_path / "runs" / "small"
@@ -101,7 +103,8 @@ def test_job_logs_to_wandb_and_resume_continues_the_run(ray_head, cache_dir, tmp
         assert rows[0][key] == pytest.approx(value, rel=1e-9, nan_ok=True), key
         assert logged["summary"][key] == pytest.approx(value, rel=1e-9, nan_ok=True), key
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert logged["summary"]["summary/eval_final/optimality"] == pytest.approx(summary["eval_final"]["optimality"])
+    assert logged["summary"]["summary/eval_final/optimality"] == \
+        pytest.approx(summary["eval_final"]["optimality"])
     # the evaluation samples as tables (before training and at iteration 1), curves.png as an image
     tables = sorted((first_dir / "files" / "media" / "table").glob("eval_samples_*.table.json"))
     assert len(tables) == 2
@@ -113,7 +116,8 @@ def test_job_logs_to_wandb_and_resume_continues_the_run(ray_head, cache_dir, tmp
     resumed = run_job([*args, "--run.iterations", "2", "--run.resume", "latest"])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"[tether] wandb: run small (id {wandb_id}, resumed)" in resumed.stdout
-    later = [d for d in (tmp_path / "wandb-dir" / "wandb").glob(f"offline-run-*-{wandb_id}") if d != first_dir]
+    later = [d for d in (tmp_path / "wandb-dir" / "wandb").glob(f"offline-run-*-{wandb_id}")
+             if d != first_dir]
     assert len(later) == 1, "the resumed job must continue the same wandb run id"
     continued = read_run(later[0])
     assert continued["id"] == wandb_id

@@ -67,7 +67,8 @@ def test_kl_identity_on_multi_turn_trajectories():
     ref = -torch.rand(ACTION.shape, generator=g) * 3
     beta = 0.37
     for estimator in ("k1", "k2", "k3"):
-        rewards, kl = kl_penalized_rewards(TURN_REWARDS.sum(-1), logp, ref, ACTION, beta, estimator, TURN_REWARDS)
+        rewards, kl = kl_penalized_rewards(TURN_REWARDS.sum(-1), logp, ref, ACTION, beta,
+                                           estimator, TURN_REWARDS)
         assert torch.all(kl[ACTION == 0] == 0)  # the environment's tokens carry no KL
         stats = kl_stats(logp, ref, ACTION, estimator)
         penalty = -((rewards - TURN_REWARDS) * ACTION).sum(-1).mean() / beta
@@ -96,10 +97,12 @@ def test_gae_skips_the_environment_tokens():
     values = torch.randn(ACTION.shape, generator=g) * ACTION
     for gamma, lam in ((1.0, 1.0), (0.9, 0.95), (0.5, 0.0)):
         advantages, returns = gae_advantages(rewards, values, ACTION, gamma, lam)
-        compact_adv, compact_ret = gae_advantages(compact(rewards), compact(values), compact_mask(), gamma, lam)
+        compact_adv, compact_ret = gae_advantages(compact(rewards), compact(values),
+                                                  compact_mask(), gamma, lam)
         torch.testing.assert_close(advantages, expand(compact_adv))
         torch.testing.assert_close(returns, expand(compact_ret))
-    # by hand, row 1 (turns at 0 and 4), gamma 0.9, lam 1: A_4 = r_4 - V_4, A_0 = r_0 + 0.9 V_4 - V_0 + 0.9 A_4
+    # by hand, row 1 (turns at 0 and 4), gamma 0.9, lam 1: A_4 = r_4 - V_4,
+    # A_0 = r_0 + 0.9 V_4 - V_0 + 0.9 A_4
     advantages, _ = gae_advantages(rewards, values, ACTION, 0.9, 1.0)
     a4 = rewards[1, 4] - values[1, 4]
     torch.testing.assert_close(advantages[1, 4], a4)
@@ -125,8 +128,8 @@ def test_every_estimator_on_trajectories_equals_the_compacted_batch(estimator):
     values = torch.randn(mask.shape, generator=g) * mask
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
     # reinforce_pp_baseline takes no discount (its baseline would shape lengths)
-    kwargs = {"values": values, "group_index": groups, "gamma": 1.0 if estimator == "reinforce_pp_baseline" else 0.95,
-              "lam": 0.9}
+    kwargs = {"values": values, "group_index": groups,
+              "gamma": 1.0 if estimator == "reinforce_pp_baseline" else 0.95, "lam": 0.9}
     advantages, returns = compute_advantages(estimator, rewards, mask, **kwargs)
     compact_kwargs = {**kwargs, "values": compact(values, mask)}
     compact_adv, compact_ret = compute_advantages(estimator, compact(rewards, mask), compact_mask(mask),

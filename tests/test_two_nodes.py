@@ -29,7 +29,8 @@ pytestmark = pytest.mark.integration
 
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
 # Ray rewrites 127.0.0.1 to the NIC address once multi-node is allowed, so this cluster lives on 127.0.0.2/3
-CLUSTER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+CLUSTER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "disabled",
+               "RAY_USAGE_STATS_ENABLED": "0"}
 SMALL = {
     "model": {"sft_steps": 60, "sft_batch_size": 50},
     "rollout": {"batch_size": 32, "chunk_size": 16},
@@ -64,17 +65,19 @@ class TwoNodeCluster:
         ray_bin = str(Path(sys.executable).parent / "ray")
         self.temp_dir = tempfile.mkdtemp(prefix="tn-", dir="/tmp")  # short: socket paths stay < 108 chars
         env = {**os.environ, **CLUSTER_ENV}
-        self.logs = [open(Path(self.temp_dir) / name, "w") for name in ("head.log", "worker.log")]  # noqa: SIM115
+        self.logs = [open(Path(self.temp_dir) / name, "w")  # noqa: SIM115
+                     for name in ("head.log", "worker.log")]
         self.procs: list[subprocess.Popen] = []
         try:
             # a port free_port saw free can be taken by the other pytest worker's Ray before the head binds
             # it; the head then exits, and a second try with fresh ports is the fix
             for attempt in range(3):
                 self.port = free_port()
-                head = [ray_bin, "start", "--head", "--block", f"--node-ip-address={HEAD_IP}", f"--port={self.port}",
-                        "--include-dashboard=false", f"--ray-client-server-port={free_port()}", "--num-cpus=1",
-                        f"--object-store-memory={256 << 20}", f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
-                        *_node_ports()]
+                head = [ray_bin, "start", "--head", "--block", f"--node-ip-address={HEAD_IP}",
+                        f"--port={self.port}", "--include-dashboard=false",
+                        f"--ray-client-server-port={free_port()}", "--num-cpus=1",
+                        f"--object-store-memory={256 << 20}", f"--temp-dir={self.temp_dir}",
+                        "--disable-usage-stats", *_node_ports()]
                 self.procs = [subprocess.Popen(head, stdout=self.logs[0], stderr=subprocess.STDOUT,
                                                start_new_session=True, env=env)]
                 if self._wait_for_head(120):
@@ -85,8 +88,9 @@ class TwoNodeCluster:
                 raise RuntimeError("the head node exited three times:\n"
                                    + (Path(self.temp_dir) / "head.log").read_text()[-3000:])
             worker = " ".join([ray_bin, "start", "--block", f"--address={HEAD_IP}:{self.port}",
-                               f"--node-ip-address={WORKER_IP}", "--num-cpus=4", "--resources='{\"worker\": 4}'",
-                               f"--object-store-memory={512 << 20}", *_node_ports()])
+                               f"--node-ip-address={WORKER_IP}", "--num-cpus=4",
+                               "--resources='{\"worker\": 4}'", f"--object-store-memory={512 << 20}",
+                               *_node_ports()])
             self.procs.append(subprocess.Popen(
                 ["unshare", "--mount", "--propagation", "private", "bash", "-c",
                  f"mount -t tmpfs none {hidden} && exec {worker}"],
@@ -124,14 +128,16 @@ class TwoNodeCluster:
             if self.procs[1].poll() is not None:
                 break
             time.sleep(2)
-        raise RuntimeError("the worker node did not join:\n" + (Path(self.temp_dir) / "worker.log").read_text()[-3000:])
+        raise RuntimeError("the worker node did not join:\n"
+                           + (Path(self.temp_dir) / "worker.log").read_text()[-3000:])
 
     @property
     def address(self) -> str:
         return f"{HEAD_IP}:{self.port}"
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):  # each node stops by its own process group: ray start and its children
+        # each node stops by its own process group: ray start and its children
+        for proc in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 try:
@@ -179,8 +185,8 @@ def run_on(cluster: TwoNodeCluster, base: Path, settings: dict, *args: str, time
         merged.setdefault(section, {}).update(values)
     config.write_text(yaml.safe_dump(merged))
     return subprocess.run([sys.executable, "-m", "learner.main", "--config", str(config), "--cluster.address",
-                           cluster.address, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, **CLUSTER_ENV}, check=False)
+                           cluster.address, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, **CLUSTER_ENV}, check=False)
 
 
 def _metrics(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
@@ -196,8 +202,8 @@ def test_default_job_runs_on_the_worker_node_and_resumes_the_same_trajectory(two
     first = run_on(cluster, base, settings, "--run.iterations", "3", "--metrics.log_level", "debug")
     out = first.stdout + first.stderr
     assert first.returncode == 0, out[-4000:]
-    # every role ran on the worker, which got the driver's SFT model through the object store (cluster.<role> pins
-    # each role there, so the reference and the reward keep actors of their own)
+    # every role ran on the worker, which got the driver's SFT model through the object store (cluster.<role>
+    # pins each role there, so the reference and the reward keep actors of their own)
     preflight = next(line for line in out.splitlines() if line.startswith("[tether] pre-flight: models"))
     assert preflight.endswith(f"({WORKER_IP}): rollout-0, reference-0, reward-0, learner-0"), preflight
     assert "LearnerRank pid=" in out and f"ip={WORKER_IP}" in out
@@ -233,7 +239,8 @@ def test_paths_only_the_driver_sees_fail_at_preflight_naming_node_and_path(two_n
     # a model.path the worker does not have
     model_dir = next((hidden / "cache" / "sft").iterdir())
     missing_model = run_on(cluster, base, {"model": {"path": str(model_dir)},
-                                           "run": {"output_dir": str(base / "shared" / "runs"), "name": "nomodel"}},
+                                           "run": {"output_dir": str(base / "shared" / "runs"),
+                                                   "name": "nomodel"}},
                            "--run.iterations", "1", timeout_s=300)
     assert missing_model.returncode != 0
     assert "pre-flight failed" in missing_model.stderr and f"({WORKER_IP})" in missing_model.stderr

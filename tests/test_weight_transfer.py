@@ -88,7 +88,8 @@ def test_vllm_packs_the_source_into_the_chunks_a_worker_plans_from_the_announcem
     model = perturbed_model(tiny_gpt2)
     source = parameter_source(model, zero3=False)
     meta = source.metadata()
-    assert [(m.name, str(m.dtype).removeprefix("torch."), list(m.shape)) for m in meta] == announced_parameters(model)
+    assert [(m.name, str(m.dtype).removeprefix("torch."), list(m.shape)) for m in meta] == \
+        announced_parameters(model)
     # vLLM's own check that iteration agrees with the metadata, name by name (what its NCCL sender runs)
     checked = list(NCCLTrainerWeightTransferEngine._checked_iter(source, meta))
     assert [n for n, _ in checked] == [m.name for m in meta]
@@ -122,9 +123,10 @@ def embedding_model() -> torch.nn.Module:
 
 
 def test_packed_buffer_holds_the_largest_parameter_where_the_bucket_does_not():
-    """SmolLM2-135M's embedding is 108 MiB in fp32, above the 64 MiB learner.sync_bucket_mib: vLLM's IPC packer
-    refuses it ("exceeds buffer_size_bytes", ``packed_ipc_producer``) and its NCCL packer warns with the same
-    test (``pack_tensors``, run here on CPU). In small: a 128 KiB embedding against a 64 KiB bucket."""
+    """SmolLM2-135M's embedding is 108 MiB in fp32, above the 64 MiB learner.sync_bucket_mib: vLLM's IPC
+    packer refuses it ("exceeds buffer_size_bytes", ``packed_ipc_producer``) and its NCCL packer warns with
+    the same test (``pack_tensors``, run here on CPU). In small: a 128 KiB embedding against a 64 KiB
+    bucket."""
     import warnings
 
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
@@ -134,9 +136,12 @@ def test_packed_buffer_holds_the_largest_parameter_where_the_bucket_does_not():
     model, bucket = embedding_model(), 64 << 10
     assert largest_parameter(announced_parameters(model)) == ("0.weight", 128 << 10)
     assert packed_buffer_bytes(announced_parameters(model), bucket) == 128 << 10
-    assert packed_buffer_bytes(announced_parameters(model, torch.bfloat16), bucket) == bucket  # 64 KiB fits exactly
-    assert packed_buffer_bytes(announced_parameters(model), 1 << 20) == 1 << 20  # a bucket that holds every tensor
-    assert packed_buffer_bytes(announced_parameters(torch.nn.Linear(1 << 20, 1, bias=False)), bucket) == 4 << 20
+    # 64 KiB fits exactly
+    assert packed_buffer_bytes(announced_parameters(model, torch.bfloat16), bucket) == bucket
+    # a bucket that holds every tensor
+    assert packed_buffer_bytes(announced_parameters(model), 1 << 20) == 1 << 20
+    assert packed_buffer_bytes(announced_parameters(torch.nn.Linear(1 << 20, 1, bias=False)),
+                               bucket) == 4 << 20
 
     def pack_all(buffer_bytes: int) -> list[str]:
         stream, names = iter(parameter_source(model, zero3=False)), []
@@ -146,9 +151,11 @@ def test_packed_buffer_holds_the_largest_parameter_where_the_bucket_does_not():
                 names += chunk.names
         return names
 
-    with pytest.raises(UserWarning, match=r"Tensor '0\.weight' has size 131072 bytes, which exceeds buffer_size_bytes"):
+    with pytest.raises(UserWarning,
+                       match=r"Tensor '0\.weight' has size 131072 bytes, which exceeds buffer_size_bytes"):
         pack_all(bucket)
-    assert pack_all(packed_buffer_bytes(announced_parameters(model), bucket)) == ["0.weight", "1.weight", "1.bias"]
+    assert pack_all(packed_buffer_bytes(announced_parameters(model), bucket)) == \
+        ["0.weight", "1.weight", "1.bias"]
 
 
 def test_every_engine_worker_gets_its_own_nccl_rank():
@@ -157,7 +164,8 @@ def test_every_engine_worker_gets_its_own_nccl_rank():
     from learner.weight_transfer import trainer_init_info
 
     info = trainer_init_info("nccl", 0, "127.0.0.1", 29511, world_size=1 + 3 * 2, buffer_bytes=BUFFER)
-    assert (info.world_size, info.packed, info.packed_buffer_size_bytes, info.is_sender) == (7, True, BUFFER, True)
+    assert (info.world_size, info.packed, info.packed_buffer_size_bytes, info.is_sender) == \
+        (7, True, BUFFER, True)
     # what vLLM's sender gives every worker (rank_offset 1, as for one engine), then tether's per-engine split
     payload = worker_init_payload(NCCLWeightTransferInitInfo(
         master_address=info.master_address, master_port=info.master_port, rank_offset=1,
@@ -191,7 +199,8 @@ def test_config_refuses_gpu_weight_transfer_without_gpus(backend):
     with pytest.raises(ValidationError, match=f"weight_sync='{backend}' is vLLM's GPU weight transfer"):
         load_config(None, {"learner": {"weight_sync": backend}})
     gpus = {"rollout": {"num_gpus": 0.5}, "learner": {"num_gpus": 0.5}}
-    assert load_config(None, {"learner": {"weight_sync": backend}, "cluster": gpus}).learner.weight_sync == backend
+    assert load_config(None, {"learner": {"weight_sync": backend}, "cluster": gpus}).learner.weight_sync == \
+        backend
     with pytest.raises(ValidationError, match="rollout.engine='vllm'"):
         load_config(None, {"learner": {"weight_sync": backend}, "cluster": gpus, "rollout": {"engine": "hf"}})
 
@@ -214,7 +223,8 @@ def test_rollout_actor_runs_the_engine_side_of_vllms_protocol_on_cpu(ray_head, t
     ray.init(address=ray_head.address, log_to_driver=False)
     try:
         spec = RolloutSpec(tiny_model_dir, EngineSpec("vllm", 0, 32, 64, "float32", 0, weight_transfer="ipc"))
-        actor = start_actor(RolloutActor, "rollout", 0, RoleResources(num_cpus=0.1), None, 0, spec, tag="transfer")
+        actor = start_actor(RolloutActor, "rollout", 0, RoleResources(num_cpus=0.1), None, 0,
+                            spec, tag="transfer")
         sequences, prompt_lengths = [[1, 3, 5, 7, 9, 11], [2, 4, 6, 8]], [1, 2]
         before = ray.get(actor.probe.remote(sequences, prompt_lengths))
         client = EngineClient([actor], workers_per_engine=1, timeout_s=120)
@@ -373,7 +383,8 @@ def require_vllm_cuda(gpus: int) -> None:
     except ImportError as err:
         pytest.skip(f"needs vLLM's CUDA build (the gpu extra): {err}")
     if not current_platform.is_cuda():
-        pytest.skip(f"needs vLLM's CUDA build (the gpu extra); this vLLM is a {type(current_platform).__name__} build")
+        pytest.skip("needs vLLM's CUDA build (the gpu extra); this vLLM is "
+                    f"a {type(current_platform).__name__} build")
 
 
 def max_diff(a: list[float], b: list[float]) -> float:
@@ -396,9 +407,11 @@ def test_ipc_packer_takes_the_largest_parameter_in_the_announced_buffer():
                                                    lambda item: item[1], buffer_bytes)
         return [name for chunk in chunks for name in chunk.names]
 
-    with pytest.raises(ValueError, match=r"Tensor '0\.weight' has size 131072 bytes, which exceeds buffer_size_bytes"):
+    with pytest.raises(ValueError,
+                       match=r"Tensor '0\.weight' has size 131072 bytes, which exceeds buffer_size_bytes"):
         pack_all(bucket)
-    assert pack_all(packed_buffer_bytes(announced_parameters(model), bucket)) == ["0.weight", "1.weight", "1.bias"]
+    assert pack_all(packed_buffer_bytes(announced_parameters(model), bucket)) == \
+        ["0.weight", "1.weight", "1.bias"]
 
 
 @pytest.mark.gpu
