@@ -3,8 +3,8 @@
 
 It is the bridge to agents whose packages cannot share the engine's process: a ``verifiers`` environment
 needs ``openai<3``, tether installs 3.x (docs/recipes.md). The process gets one JSON object on stdin,
-``{"base_url": ..., "row": ...}``, and the same URL as ``OPENAI_BASE_URL`` (with ``OPENAI_API_KEY=tether``), so
-an unchanged OpenAI client reaches the engine's endpoint; its last line on stdout is the episode's reward.
+``{"base_url": ..., "row": ...}``, and the same URL as ``OPENAI_BASE_URL`` (with ``OPENAI_API_KEY=tether``),
+so an unchanged OpenAI client reaches the engine's endpoint; its last line on stdout is the episode's reward.
 The engine's Python paths are left out of its environment: the command's own interpreter finds only its own
 packages. A non-zero exit, or a last line that is not a number, fails the episode with the command's stderr;
 at the episode's deadline the process is killed.
@@ -30,7 +30,8 @@ class CommandFailed(TetherError, RuntimeError):
     """The command exited non-zero or printed no reward."""
 
 
-def command_agent(*command: str | Path, cwd: str | Path | None = None) -> Callable[[str, dict], Awaitable[float]]:
+def command_agent(*command: str | Path,
+                  cwd: str | Path | None = None) -> Callable[[str, dict], Awaitable[float]]:
     """``async agent(base_url, row) -> reward`` running ``command`` once per episode, from ``cwd`` (default:
     this process's). Refuses at once, so that the job does before any actor starts, a program that is not
     there."""

@@ -75,7 +75,8 @@ class Trajectory:
     logprobs: list[float]  # the sampled log-prob where action_mask is 1, else 0
     finish_reason: int  # the last call's
     calls: int = 1  # the model calls merged into it
-    versions: list[int] = field(default_factory=list)  # each model token's version (in-flight updates), else -1
+    # each model token's version (in-flight updates), else -1
+    versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -141,11 +142,12 @@ class AgentEndpoint:
     def __init__(self, engine: Engine, tokenizer, sampling: SamplingSettings, max_model_len: int, *,
                  gather_s: float = 0.01) -> None:
         if sampling.max_new_tokens < 1 or max_model_len < 2:
-            raise ValueError(f"need max_new_tokens >= 1 and max_model_len >= 2, got {sampling.max_new_tokens}, "
-                             f"{max_model_len}")
+            raise ValueError("need max_new_tokens >= 1 and max_model_len >= 2, got "
+                             f"{sampling.max_new_tokens}, {max_model_len}")
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
         self.max_model_len = max_model_len
-        self.gather_s = gather_s  # how long the batcher waits, after a first request, for the others of a batch
+        # how long the batcher waits, after a first request, for the others of a batch
+        self.gather_s = gather_s
         self.vocab_size = len(tokenizer)  # token ids a prompt may hold
         self.port: int | None = None
         self._episodes: dict[str, _Episode] = {}
@@ -176,7 +178,8 @@ class AgentEndpoint:
             self._thread.join(0.02)
         if not self._server.started:
             sock.close()
-            raise RuntimeError(f"the agent endpoint on 127.0.0.1:{self.port} did not start (see the log above)")
+            raise RuntimeError(f"the agent endpoint on 127.0.0.1:{self.port} did not start "
+                               "(see the log above)")
         return self
 
     async def _serve(self, sock: socket.socket) -> None:
@@ -283,7 +286,8 @@ class AgentEndpoint:
             try:
                 generations = await loop.run_in_executor(self._executor, self.engine.generate,
                                                          [p.prompt_ids for p in batch], self.sampling,
-                                                         [p.seed for p in batch], [p.max_tokens for p in batch])
+                                                         [p.seed for p in batch],
+                                                         [p.max_tokens for p in batch])
                 if len(generations) != len(batch):
                     raise RuntimeError(f"the engine returned {len(generations)} generations for {len(batch)} "
                                        "prompts")
@@ -303,8 +307,9 @@ class AgentEndpoint:
         for name, job in (("temperature", self.sampling.temperature), ("top_p", self.sampling.top_p)):
             value = body.get(name)
             if value is not None and not (_is_number(value) and math.isclose(value, job, rel_tol=1e-6)):
-                raise RequestError(400, f"{name}={value!r} is not the job's {name}={job}: the learner trains on "
-                                        f"the job's sampling distribution (leave {name} out, or send {job})", name)
+                raise RequestError(400, f"{name}={value!r} is not the job's {name}={job}: the learner "
+                                        f"trains on the job's sampling distribution (leave {name} out, or "
+                                        f"send {job})", name)
         for name, neutral in _NEUTRAL.items():
             value = body.get(name)
             if value is not None and value not in neutral:
@@ -314,12 +319,13 @@ class AgentEndpoint:
             raise RequestError(400, "logit_bias would change the job's sampling distribution", "logit_bias")
         for name in ("n", "best_of"):
             if body.get(name) not in (None, 1):
-                raise RequestError(400, f"{name}={body[name]!r}: one completion per call (make several calls)", name)
+                raise RequestError(400, f"{name}={body[name]!r}: one completion per call "
+                                        "(make several calls)", name)
         if body.get("stop") or body.get("stop_token_ids"):
             raise RequestError(400, "stop strings are not supported: a turn ends at the model's EOS", "stop")
         if (body.get("response_format") or {}).get("type", "text") != "text":
-            raise RequestError(400, "response_format needs constrained decoding, which would change the job's "
-                                    "sampling distribution; only 'text'", "response_format")
+            raise RequestError(400, "response_format needs constrained decoding, which would change the "
+                                    "job's sampling distribution; only 'text'", "response_format")
         if body.get("stream"):
             raise RequestError(400, "streaming is not supported", "stream")
         if not prompt_ids:
@@ -331,8 +337,9 @@ class AgentEndpoint:
         max_tokens = self.sampling.max_new_tokens if requested is None else min(requested,
                                                                                  self.sampling.max_new_tokens)
         if len(prompt_ids) + max_tokens > self.max_model_len:
-            raise RequestError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) is "
-                                    f"longer than the model's max_model_len ({self.max_model_len})", "max_tokens")
+            raise RequestError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) "
+                                    f"is longer than the model's max_model_len ({self.max_model_len})",
+                                    "max_tokens")
         return max_tokens
 
     def _chat_prompt(self, body: dict) -> list[int]:
@@ -343,17 +350,20 @@ class AgentEndpoint:
             raise RequestError(400, "tools must be a list", "tools")
         tool_choice = body.get("tool_choice")
         if tool_choice not in (None, "auto", "none"):
-            raise RequestError(400, f"tool_choice={tool_choice!r} needs constrained decoding, which would change "
-                                    "the job's sampling distribution; only 'auto' or 'none'", "tool_choice")
+            raise RequestError(400, f"tool_choice={tool_choice!r} needs constrained decoding, which would "
+                                    "change the job's sampling distribution; only 'auto' or 'none'",
+                                    "tool_choice")
         try:
-            rendered = self.tokenizer.apply_chat_template([_template_message(m) for m in messages], tools=tools,
-                                                          add_generation_prompt=True, tokenize=True)
+            rendered = self.tokenizer.apply_chat_template([_template_message(m) for m in messages],
+                                                          tools=tools, add_generation_prompt=True,
+                                                          tokenize=True)
         except RequestError:
             raise
         except Exception as e:  # the template's own error names what it cannot render
-            raise RequestError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}",
-                               "messages") from e
-        ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered  # transformers 5: a BatchEncoding
+            raise RequestError(400, "the chat template cannot render these messages: "
+                                    f"{type(e).__name__}: {e}", "messages") from e
+        # transformers 5: a BatchEncoding
+        ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
         return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
     def _completion_prompt(self, body: dict) -> list[int]:
@@ -366,7 +376,8 @@ class AgentEndpoint:
             if any(not 0 <= t < self.vocab_size for t in prompt):
                 raise RequestError(400, f"prompt token ids must lie in [0, {self.vocab_size})", "prompt")
             return list(prompt)
-        raise RequestError(400, "prompt must be a string or a list of token ids (one prompt per call)", "prompt")
+        raise RequestError(400, "prompt must be a string or a list of token ids (one prompt per call)",
+                           "prompt")
 
     def _app(self):
         # here: tensordict is the actor's to load, not the driver's
@@ -377,7 +388,8 @@ class AgentEndpoint:
         @app.exception_handler(RequestError)
         async def refused(request: Request, e: RequestError) -> JSONResponse:
             kind = {400: "invalid_request_error", 404: "not_found_error"}.get(e.status, "server_error")
-            return JSONResponse({"error": {"message": e.message, "type": kind, "param": e.param, "code": None}},
+            return JSONResponse({"error": {"message": e.message, "type": kind, "param": e.param,
+                                           "code": None}},
                                 status_code=e.status)
 
         async def json_body(request: Request) -> dict:
@@ -396,7 +408,8 @@ class AgentEndpoint:
                 "created": int(time.time()),
                 "model": body.get("model") if isinstance(body.get("model"), str) else self.model_name,
                 "choices": [{"index": 0, "logprobs": None, **choice}],
-                "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids),
+                "usage": {"prompt_tokens": len(call.prompt_ids),
+                          "completion_tokens": len(call.completion_ids),
                           "total_tokens": len(call.prompt_ids) + len(call.completion_ids)},
             }
 
@@ -417,7 +430,8 @@ class AgentEndpoint:
             message = {"role": "assistant", "content": content}
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            finish = "length" if call.finish_reason == FINISH_LENGTH else "tool_calls" if tool_calls else "stop"
+            finish = ("length" if call.finish_reason == FINISH_LENGTH
+                      else "tool_calls" if tool_calls else "stop")
             return answer("chatcmpl", body, call, {"message": message, "finish_reason": finish})
 
         @app.post("/episodes/{key}/v1/completions")
@@ -442,7 +456,8 @@ def _is_number(value) -> bool:
 def _template_message(message) -> dict:
     """An OpenAI message as chat templates read it: text content, tool-call arguments as a dict."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise RequestError(400, f"each message must be an object with a role, got {message!r:.200}", "messages")
+        raise RequestError(400, f"each message must be an object with a role, got {message!r:.200}",
+                           "messages")
     message = dict(message)
     content = message.get("content")
     if isinstance(content, list):  # OpenAI's content parts: only text ones here
@@ -480,7 +495,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         arguments = parsed.get("arguments", {})
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                       "function": {"name": parsed["name"],
-                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
+                                   "arguments": (arguments if isinstance(arguments, str)
+                                                 else json.dumps(arguments))}})
         outside.append(text[last:match.start()])
         last = match.end()
     if not calls:
@@ -557,8 +573,8 @@ def merge_calls(calls: list[Call]) -> list[Trajectory]:
                 last.calls += 1
                 continue
         trajectories.append(Trajectory(list(call.prompt_ids), list(call.completion_ids),
-                                       [1] * len(call.completion_ids), list(call.logprobs), call.finish_reason,
-                                       versions=call_versions(call)))
+                                       [1] * len(call.completion_ids), list(call.logprobs),
+                                       call.finish_reason, versions=call_versions(call)))
     return trajectories
 
 

@@ -1,8 +1,8 @@
 """Agent programs on one rollout engine (``rollout.agent``): each episode's agent talks to the policy through
 the engine's OpenAI-compatible endpoint (``actors/agent_endpoint.py``), which records every token it was
 given and sampled. Each trajectory of an episode's calls becomes a training row with the episode's index; the
-episode's reward lands on the last model token of its last row, once, as on one trajectory (the learner lays the
-rows end to end: ``learner.algorithm.EpisodeView``). A failed episode is generated again, and counted.
+episode's reward lands on the last model token of its last row, once, as on one trajectory (the learner lays
+the rows end to end: ``learner.algorithm.EpisodeView``). A failed episode is generated again, and counted.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class AgentRow:
     logprobs: list[float]
     finish_reason: int  # FINISH_LENGTH also when cut at rollout.max_trajectory_tokens
     turn_rewards: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # each model token's version (in-flight updates), else -1
+    # each model token's version (in-flight updates), else -1
+    versions: list[int] = field(default_factory=list)
     turns: int = 0  # the model calls merged into the row
     tool_calls: int = 0
     failures: int = 0
@@ -73,8 +74,8 @@ class AgentRunner:
         pending, attempt = list(range(len(rows))), 0
         while pending:
             seeds_now = [(seeds[i] + 7_919 * attempt) % (2**31 - 1) for i in pending]
-            outcomes = asyncio.run(run_agents(self.endpoint, self.agent, [rows[i] for i in pending], seeds_now,
-                                              self.settings.timeout_s))
+            outcomes = asyncio.run(run_agents(self.endpoint, self.agent, [rows[i] for i in pending],
+                                              seeds_now, self.settings.timeout_s))
             failed = []
             for i, outcome in zip(pending, outcomes, strict=True):
                 error = outcome.error or (None if outcome.calls else "made no model call")
@@ -85,9 +86,9 @@ class AgentRunner:
                 failures[i] += 1
                 failed.append(i)
                 if self.failures > self.settings.max_failures:
-                    raise AgentFailure(self.settings.agent, f"{error} ({self.failures} failed episodes on this "
-                                       f"engine, more than rollout.agent_max_failures={self.settings.max_failures})",
-                                       row_index[i])
+                    raise AgentFailure(self.settings.agent, f"{error} ({self.failures} failed episodes on "
+                                       "this engine, more than rollout.agent_max_failures="
+                                       f"{self.settings.max_failures})", row_index[i])
             pending, attempt = failed, attempt + 1
         return [row for i, outcome in enumerate(results) for row in self._rows(i, outcome, failures[i])]
 
@@ -96,7 +97,8 @@ class AgentRunner:
         from services.experience import FINISH_LENGTH
 
         limit = self.settings.max_trajectory_tokens
-        tool_calls = sum(len(parse_tool_calls(self.tokenizer.decode(c.completion_ids, skip_special_tokens=True))[1])
+        tool_calls = sum(len(parse_tool_calls(self.tokenizer.decode(c.completion_ids,
+                                                                    skip_special_tokens=True))[1])
                          for c in outcome.calls)
         rows = []
         trajectories = merge_calls(outcome.calls)
@@ -109,7 +111,8 @@ class AgentRunner:
             if n == rewarded:
                 rewards[max(t for t, sampled in enumerate(mask) if sampled)] = outcome.reward
             rows.append(AgentRow(episode, trajectory.prompt_ids, trajectory.ids[:limit], mask,
-                                 trajectory.logprobs[:limit], FINISH_LENGTH if cut else trajectory.finish_reason,
+                                 trajectory.logprobs[:limit],
+                                 FINISH_LENGTH if cut else trajectory.finish_reason,
                                  rewards, trajectory.versions[:limit], trajectory.calls,
                                  tool_calls if n == 0 else 0, failures if n == 0 else 0))
         return rows

@@ -64,7 +64,8 @@ def lost_to_dead_actor(err: Exception) -> bool:
 
     if isinstance(err, RayActorError | ObjectLostError):
         return True
-    return isinstance(err, RayTaskError) and isinstance(getattr(err, "cause", None), RayActorError | ObjectLostError)
+    return (isinstance(err, RayTaskError)
+            and isinstance(getattr(err, "cause", None), RayActorError | ObjectLostError))
 
 
 def _in_an_actor() -> bool:
@@ -111,14 +112,16 @@ class VersionedActor:
             self.busy_seconds += time.perf_counter() - start
 
     def take_counts(self) -> dict[str, float]:
-        """What this actor counts since the driver last asked (then zero): its busy seconds, and a role's own."""
+        """What this actor counts since the driver last asked (then zero): its busy seconds, and a role's
+        own."""
         busy, self.busy_seconds = self.busy_seconds, 0.0
         return {"busy_seconds": busy}
 
     def set_state(self, policy_version: int, kl_coef: float) -> dict:
         self.policy_version, self.kl_coef = int(policy_version), float(kl_coef)
         if self.metrics:
-            self.metrics.record(self.policy_version, self.kl_coef, getattr(self, "last_tokens_per_second", None))
+            self.metrics.record(self.policy_version, self.kl_coef,
+                                getattr(self, "last_tokens_per_second", None))
         return self.get_state()
 
     def get_state(self) -> dict:

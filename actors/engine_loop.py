@@ -1,5 +1,5 @@
-"""In-flight weight updates (``rollout.in_flight_updates``): vLLM's engine stepped by one thread of the rollout
-actor, so that a new policy version loads between two decoding steps while requests are in flight.
+"""In-flight weight updates (``rollout.in_flight_updates``): vLLM's engine stepped by one thread of the
+rollout actor, so that a new policy version loads between two decoding steps while requests are in flight.
 
 Why a loop of our own: vLLM's offline ``LLM.generate`` steps every unfinished request until all are done, so
 a weight load, a probe or an evaluation issued meanwhile would wait for the whole batch; and ``AsyncLLM``'s
@@ -35,13 +35,15 @@ if TYPE_CHECKING:
 
 
 def continuation_seed(seed: int, sampled: int) -> int:
-    """A partial rollout's seed once ``sampled`` tokens are in: reproducible, and not the first part's stream."""
+    """A partial rollout's seed once ``sampled`` tokens are in: reproducible, and not the first part's
+    stream."""
     return (seed * 1_000_003 + sampled) % (2**31 - 1)
 
 
 @dataclass
 class Request:
-    """One caller's request, from submission to its result; ``done`` is set when ``result`` (or ``error``) is."""
+    """One caller's request, from submission to its result; ``done`` is set when ``result`` (or ``error``)
+    is."""
 
     kind: str  # "sample" or "score"
     prompt: list[int]
@@ -81,7 +83,8 @@ class EngineLoop:
         self.next_id = 0
         self.loads_in_flight = 0  # loads applied with a sampling request running
         self.busy_seconds = 0.0  # in steps and loads: the engine's time, whatever number of calls wait on it
-        self.failed: BaseException | None = None  # the engine's error that ended the loop: every later call raises it
+        # the engine's error that ended the loop: every later call raises it
+        self.failed: BaseException | None = None
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -181,8 +184,9 @@ class EngineLoop:
             prompt = r.prompt
         else:
             sampled = len(r.ids)
-            params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens - sampled,
-                                    logprobs=0, seed=r.seed if not sampled else continuation_seed(r.seed, sampled))
+            params = SamplingParams(temperature=r.temperature, top_p=r.top_p,
+                                    max_tokens=r.max_tokens - sampled, logprobs=0,
+                                    seed=r.seed if not sampled else continuation_seed(r.seed, sampled))
             prompt = r.prompt + r.ids
         try:
             self.llm_engine.add_request(r.vllm_id, TokensPrompt(prompt_token_ids=prompt), params)
@@ -208,15 +212,16 @@ class EngineLoop:
                 reason = FINISH_LENGTH if completion.finish_reason == "length" else FINISH_STOP
                 r.result = Generation(r.ids, r.logprobs, reason, r.versions)
         elif out.finished:
-            r.result = [out.prompt_logprobs[i][r.prompt[i]].logprob for i in range(r.scored_from, len(r.prompt))]
+            r.result = [out.prompt_logprobs[i][r.prompt[i]].logprob
+                        for i in range(r.scored_from, len(r.prompt))]
         if out.finished:
             del self.running[out.request_id]
             r.done.set()
 
 
 class InFlightEngine:
-    """The ``Engine`` of a rollout actor with in-flight updates: every call goes through one ``EngineLoop``, so
-    it is safe from any thread of the actor and a load never waits for a generation."""
+    """The ``Engine`` of a rollout actor with in-flight updates: every call goes through one ``EngineLoop``,
+    so it is safe from any thread of the actor and a load never waits for a generation."""
 
     def __init__(self, engine: VLLMEngine, mode: str, start: bool = True) -> None:
         self.inner = engine
@@ -243,4 +248,5 @@ class InFlightEngine:
         return self.loop.load(weights, version)
 
     def load_adapter(self, *args) -> None:
-        raise RuntimeError("in-flight updates load merged weights (services/job_rules.py refuses adapter-only sync)")
+        raise RuntimeError("in-flight updates load merged weights "
+                           "(services/job_rules.py refuses adapter-only sync)")

@@ -23,7 +23,8 @@ class Generation:
     response_ids: list[int]  # up to and including the first EOS
     logprobs: list[float]  # sampled-token log-probs after temperature
     finish_reason: int  # FINISH_STOP or FINISH_LENGTH
-    versions: list[int] | None = None  # in-flight updates: each token's policy version; None: the engine's one
+    # in-flight updates: each token's policy version; None: the engine's one
+    versions: list[int] | None = None
 
 
 @dataclass
@@ -49,8 +50,8 @@ class Engine(Protocol):
         ...
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int = 0) -> list[str]:
-        """New policy weights (HF names) in place, as policy ``version``; returns the model's parameters that were
-        not loaded."""
+        """New policy weights (HF names) in place, as policy ``version``; returns the model's parameters that
+        were not loaded."""
         ...
 
     # vLLM's weight transfer (learner.weight_sync nccl | ipc), in this order: init once, then per sync
@@ -74,9 +75,9 @@ def check_loaded(missing: list[str], engine: str, what: str) -> None:
     """Fail the sync when any of the engine's parameters was not loaded by it, naming them."""
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise WeightLoadError(f"{engine}: {what} did not load {len(missing)} of the engine's parameters ({shown}); "
-                              "they would keep the previous version's weights. Every parameter of the policy "
-                              "must be sent at every sync")
+        raise WeightLoadError(f"{engine}: {what} did not load {len(missing)} of the engine's parameters "
+                              f"({shown}); they would keep the previous version's weights. Every parameter "
+                              "of the policy must be sent at every sync")
 
 
 def check_device(device: str, role: str) -> str:
@@ -94,17 +95,20 @@ class VLLMEngine:
     tensor parallelism (executor 'mp') its workers run in a process per GPU of the actor."""
 
     def __init__(self, model_dir: str, spec: EngineSpec | None = None) -> None:
-        """``spec.lora_rank``: the learner trains LoRA adapters of this rank; where vLLM's model takes adapters
-        the engine starts with LoRA on and each sync loads the adapter alone (``takes_adapters``)."""
+        """``spec.lora_rank``: the learner trains LoRA adapters of this rank; where vLLM's model takes
+        adapters the engine starts with LoRA on and each sync loads the adapter alone (``takes_adapters``)."""
         from services.devices import build_llm
 
         spec = spec or EngineSpec()
         # in-flight updates load with requests running, where vLLM cannot reset its prefix cache
         self.prefix_caching = spec.in_flight == "off"
-        lora_rank, weight_transfer, engine_args, device = spec.lora_rank, spec.weight_transfer, spec.engine_args, spec.device
-        self.lora_request = None  # the adapter of the version in force (adapter-only sync); None: base weights
+        lora_rank, weight_transfer, engine_args, device = (spec.lora_rank, spec.weight_transfer,
+                                                           spec.engine_args, spec.device)
+        # the adapter of the version in force (adapter-only sync); None: base weights
+        self.lora_request = None
         self.takes_adapters = lora_rank is not None and vllm_takes_adapters(model_dir)
-        lora_args = {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1} if self.takes_adapters else {}
+        lora_args = ({"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1} if self.takes_adapters
+                     else {})
         weight_transfer_args = {}
         if weight_transfer is not None:  # vLLM's trainer-to-engine transfer: "nccl" or "ipc" (GPU)
             from vllm.config import WeightTransferConfig
@@ -115,9 +119,11 @@ class VLLMEngine:
         # warm inductor cache, a C++ build without one; steady calls and log-probs unchanged when eager)
         self.eager = device == "cpu" and bool((engine_args or {}).get("enforce_eager", True))
         self.llm = build_llm(
-            model_dir, spec.seed, spec.max_model_len, spec.kv_cache_mib, spec.dtype, device, engine_args, spec.cpu_core,
+            model_dir, spec.seed, spec.max_model_len, spec.kv_cache_mib, spec.dtype, device, engine_args,
+            spec.cpu_core,
             # log-probs of the distribution actually sampled from (after temperature)
-            logprobs_mode="processed_logprobs", **({} if self.prefix_caching else {"enable_prefix_caching": False}),
+            logprobs_mode="processed_logprobs",
+            **({} if self.prefix_caching else {"enable_prefix_caching": False}),
             worker_extension_cls="actors.vllm_extension.WeightSyncExtension",
             **weight_transfer_args, **lora_args,
         )
@@ -142,14 +148,14 @@ class VLLMEngine:
         caps = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
         params = [
             SamplingParams(
-                temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=min(cap, sampling.max_new_tokens),
-                logprobs=0, seed=seed,
+                temperature=sampling.temperature, top_p=sampling.top_p,
+                max_tokens=min(cap, sampling.max_new_tokens), logprobs=0, seed=seed,
             )
             for seed, cap in zip(seeds, caps, strict=True)
         ]
         with self.compile_stance():
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
-                                        lora_request=self.lora_request)
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                        use_tqdm=False, lora_request=self.lora_request)
         generations = []
         for out in outputs:
             completion = out.outputs[0]
@@ -167,10 +173,11 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=s) for s in sequences]
         with self.compile_stance():
             if self.takes_adapters:
-                # vLLM 0.32's CPU LoRA maps the prompt log-probs of a batch of several sequences wrongly (an einsum
-                # shape error that ends the engine; with an adapter or without): one sequence a call
+                # vLLM 0.32's CPU LoRA maps the prompt log-probs of a batch of several sequences wrongly (an
+                # einsum shape error that ends the engine; with an adapter or without): one sequence a call
                 outputs = [out for p in prompts
-                           for out in self.llm.generate([p], params, use_tqdm=False, lora_request=self.lora_request)]
+                           for out in self.llm.generate([p], params, use_tqdm=False,
+                                                        lora_request=self.lora_request)]
             else:
                 outputs = self.llm.generate(prompts, params, use_tqdm=False)
         scored = []
@@ -185,9 +192,10 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()
         return sorted(set().union(*missing))  # every worker's (tensor parallel: each holds its shard)
 
-    def load_adapter(self, weights: dict[str, torch.Tensor], adapter_config: dict, policy_version: int) -> None:
-        """Version ``policy_version``'s LoRA adapter (PEFT's names and config), loaded now and generated with from
-        here on; the previous version's goes. The base weights stay as they are."""
+    def load_adapter(self, weights: dict[str, torch.Tensor], adapter_config: dict,
+                     policy_version: int) -> None:
+        """Version ``policy_version``'s LoRA adapter (PEFT's names and config), loaded now and generated with
+        from here on; the previous version's goes. The base weights stay as they are."""
         import json
         import os
         import shutil
@@ -196,11 +204,12 @@ class VLLMEngine:
         from vllm.lora.request import LoRARequest
 
         if not self.takes_adapters:
-            raise WeightLoadError("this engine started without LoRA (its vLLM model takes no adapters): it loads "
-                                  "merged weights")
+            raise WeightLoadError("this engine started without LoRA (its vLLM model takes no adapters): it "
+                                  "loads merged weights")
         path = os.path.join(self.adapter_root, f"v{policy_version}")
         os.makedirs(path, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "adapter_model.safetensors"))
+        save_file({k: v.contiguous() for k, v in weights.items()},
+                  os.path.join(path, "adapter_model.safetensors"))
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump(adapter_config, f)
         request = LoRARequest(f"policy-v{policy_version}", policy_version, path, load_inplace=True)
@@ -264,7 +273,8 @@ class HFEngine:
         generations = []
         caps = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
         for ids, lps, cap in zip(new_tokens.tolist(), token_logprobs.tolist(), caps, strict=True):
-            ids, lps = ids[:cap], lps[:cap]  # a row's own cap: what it sampled up to there is what it would have
+            # a row's own cap: what it sampled up to there is what it would have
+            ids, lps = ids[:cap], lps[:cap]
             if self.eos_id in ids:
                 end = ids.index(self.eos_id) + 1
                 generations.append(Generation(ids[:end], lps[:end], FINISH_STOP))

@@ -44,7 +44,8 @@ class EnvironmentWorker:
         from services.environments import load_environment_factory
         from services.models import load_tokenizer
 
-        self.index, self.environment, self.kwargs = index, spec.environment, spec.kwargs  # its name, in errors
+        # its name, in errors
+        self.index, self.environment, self.kwargs = index, spec.environment, spec.kwargs
         self.step_timeout_s = spec.step_timeout_s
         self.factory = load_environment_factory(spec.environment)
         self.tokenizer = load_tokenizer(as_source(spec.policy).resolve(f"environment-{index}"))
@@ -56,7 +57,8 @@ class EnvironmentWorker:
 
     # async methods: Ray runs this worker's calls on its event loop, each call's episodes concurrently
 
-    async def reset(self, keys: list[str], rows: list[dict], row_index: list[int], seeds: list[int]) -> list[Outcome]:
+    async def reset(self, keys: list[str], rows: list[dict], row_index: list[int],
+                    seeds: list[int]) -> list[Outcome]:
         """A new environment per episode, reset to its row: the first observation's ids (the prompt)."""
         asyncio.get_running_loop().set_default_executor(self.threads)
         return await asyncio.gather(*map(self._reset, keys, rows, row_index, seeds))
@@ -84,7 +86,8 @@ class EnvironmentWorker:
             ids = encode_observation(observation, self.tokenizer, first=True)
         except Exception as err:  # noqa: BLE001 - whatever the environment does wrong fails this episode only
             self._close(key)
-            return Outcome([], seconds=time.perf_counter() - start, error=_reason("reset", err, self.step_timeout_s))
+            return Outcome([], seconds=time.perf_counter() - start,
+                           error=_reason("reset", err, self.step_timeout_s))
         return Outcome(ids, seconds=time.perf_counter() - start)
 
     async def _step(self, key: str, action: str, row_index: int, turn: int, closed: bool) -> Outcome:
@@ -95,13 +98,15 @@ class EnvironmentWorker:
         if env is None:  # this worker restarted since the reset: the episode's environment is gone
             return Outcome([], error=f"environment worker {self.index} lost the episode (it restarted)")
         try:
-            result = check_step_result(await self._call(env.step, action), self.environment, row=row_index, turn=turn)
+            result = check_step_result(await self._call(env.step, action), self.environment, row=row_index,
+                                       turn=turn)
             ids = [] if result.done else encode_observation(result.observation, self.tokenizer, first=False,
                                                             turn_closed=closed)
             tool_calls = int(result.info.get("tool_calls", 0))
         except Exception as err:  # noqa: BLE001 - as in _reset
             self._close(key)
-            return Outcome([], seconds=time.perf_counter() - start, error=_reason("step", err, self.step_timeout_s))
+            return Outcome([], seconds=time.perf_counter() - start,
+                           error=_reason("step", err, self.step_timeout_s))
         if result.done:
             self._close(key)
         return Outcome(ids, result.reward, result.done, tool_calls, time.perf_counter() - start)

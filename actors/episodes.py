@@ -4,7 +4,8 @@ Each turn is one batched engine call over every episode still running (the engin
 trajectories so far); then the environment workers step every episode's environment at once, outside the
 engine's process. Token-in/token-out: the model's ids go into the trajectory as the engine sampled them,
 never decoded and encoded again; each observation is encoded once, by the worker, and appended as ids
-(docs/agents-and-environments.md, "The KL of a trajectory"). An episode whose environment failed is generated again from its reset, and counted.
+(docs/agents-and-environments.md, "The KL of a trajectory"). An episode whose environment failed is generated
+again from its reset, and counted.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class Episode:
     ids: list[int] = field(default_factory=list)  # the trajectory after the prompt
     action_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # in-flight updates: each sampled token's version, else -1
+    # in-flight updates: each sampled token's version, else -1
+    versions: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
@@ -109,8 +111,8 @@ class EpisodeRunner:
         with self.failures_lock:
             self.failures += 1
         if self.failures > self.limits.max_failures:
-            raise EnvironmentFailure(self.limits.environment, f"{episode.failure} ({self.failures} failed episodes "
-                                     f"on this engine, more than task.environment_max_failures="
+            raise EnvironmentFailure(self.limits.environment, f"{episode.failure} ({self.failures} failed "
+                                     "episodes on this engine, more than task.environment_max_failures="
                                      f"{self.limits.max_failures})", episode.row_index, episode.failed_turn)
 
     # ------------------------------------------------------------------ one attempt of a set of episodes
@@ -139,7 +141,8 @@ class EpisodeRunner:
         for episode, outcome in zip(episodes, outcomes, strict=True):
             episode.seconds += outcome.seconds
             if outcome.error is not None:
-                episode.failure, episode.failed_turn, episode.lost_with = outcome.error, 0, outcome.lost_worker
+                episode.failure, episode.failed_turn, episode.lost_with = (outcome.error, 0,
+                                                                           outcome.lost_worker)
             elif len(outcome.ids) > self.limits.max_prompt_tokens:
                 from services.environments import EnvironmentFailure
 
@@ -170,13 +173,16 @@ class EpisodeRunner:
     def _environment_turn(self, acting: list[Episode], turn: int, last: bool) -> None:
         """Every acting episode's environment takes the model's turn as text; the turn's reward lands on the
         turn's last model token, the observation's ids follow as context."""
-        actions = {e.key: self.tokenizer.decode(e.ids[len(e.ids) - self._turn_length(e):], skip_special_tokens=True)
+        actions = {e.key: self.tokenizer.decode(e.ids[len(e.ids) - self._turn_length(e):],
+                                                skip_special_tokens=True)
                    for e in acting}
-        outcomes = self._on_workers(acting, "step", lambda e: (actions[e.key], e.row_index, turn, e.turn_closed))
+        outcomes = self._on_workers(acting, "step",
+                                    lambda e: (actions[e.key], e.row_index, turn, e.turn_closed))
         for episode, outcome in zip(acting, outcomes, strict=True):
             episode.seconds += outcome.seconds
             if outcome.error is not None:
-                episode.failure, episode.failed_turn, episode.lost_with = outcome.error, turn, outcome.lost_worker
+                episode.failure, episode.failed_turn, episode.lost_with = (outcome.error, turn,
+                                                                           outcome.lost_worker)
                 continue
             episode.turn_rewards[-1] += outcome.reward
             episode.tool_calls += outcome.tool_calls
@@ -227,8 +233,9 @@ class EpisodeRunner:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
                 what = "died" if isinstance(err, ray.exceptions.RayActorError) else "did not answer in time"
                 rows = ", ".join(str(episodes[i].row_index) for i in by_worker[worker])
-                results = [Outcome([], error=f"environment worker {worker} {what} during {method} (it held the "
-                                   f"episodes of rows {rows})", lost_worker=worker)] * len(by_worker[worker])
+                results = [Outcome([], error=f"environment worker {worker} {what} during {method} "
+                                   f"(it held the episodes of rows {rows})",
+                                   lost_worker=worker)] * len(by_worker[worker])
             for i, outcome in zip(by_worker[worker], results, strict=True):
                 outcomes[i] = outcome
         return outcomes

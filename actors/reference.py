@@ -1,5 +1,5 @@
-"""ReferenceActor: a frozen copy of the initial policy that returns ref log-probs of response tokens; TeacherActor:
-the same scoring with on-policy distillation's teacher (``distill.teacher_path``)."""
+"""ReferenceActor: a frozen copy of the initial policy that returns ref log-probs of response tokens;
+TeacherActor: the same scoring with on-policy distillation's teacher (``distill.teacher_path``)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (s
 
 
 class ReferenceModel:
-    """A frozen model and its scoring, from a ``ReferenceSpec``: a reference actor's, or (``reference.placement``
-    learner) the copy a learner rank holds and scores its own chunks with. Sets nothing process-wide."""
+    """A frozen model and its scoring, from a ``ReferenceSpec``: a reference actor's, or
+    (``reference.placement`` learner) the copy a learner rank holds and scores its own chunks with. Sets
+    nothing process-wide."""
 
     def __init__(self, spec: ReferenceSpec, device: str, where: str) -> None:
         self.backend, self.temperature, self.device = spec.backend, spec.temperature, device
@@ -26,11 +27,12 @@ class ReferenceModel:
         if spec.backend == "hf":
             from services.models import load_causal_lm
 
-            # its weights keep requires_grad: scoring runs under no_grad, so no graph or gradient is built, and
-            # on CPU in bf16 a forward over weights without it took twice as long (torch 2.13, SmolLM2-135M over
-            # 32 x 76 tokens, 2 threads: 2.3 against 1.1 s; fp32 3.4 against 3.2 s)
+            # its weights keep requires_grad: scoring runs under no_grad, so no graph or gradient is built,
+            # and on CPU in bf16 a forward over weights without it took twice as long (torch 2.13,
+            # SmolLM2-135M over 32 x 76 tokens, 2 threads: 2.3 against 1.1 s; fp32 3.4 against 3.2 s)
             self.model = load_causal_lm(model_dir, spec.dtype).to(device)
-            if spec.max_tokens_per_microbatch is not None:  # packed scoring relies on the model masking across rows
+            # packed scoring relies on the model masking across rows
+            if spec.max_tokens_per_microbatch is not None:
                 from services.packing_check import check_packing_isolation
 
                 check_packing_isolation(self.model, self.model.config.vocab_size, where)
@@ -85,9 +87,9 @@ class ReferenceActor(VersionedActor):
 
 
 def check_teacher(teacher_path: str, policy_tokenizer) -> None:
-    """Distillation compares the teacher's log-prob of each sampled token id with the student's: the two must give
-    every id the same token. Checked on the driver, before any actor starts, when it sees ``teacher_path`` (a local
-    directory); a hub id or a path only the nodes have is the user's to match."""
+    """Distillation compares the teacher's log-prob of each sampled token id with the student's: the two must
+    give every id the same token. Checked on the driver, before any actor starts, when it sees
+    ``teacher_path`` (a local directory); a hub id or a path only the nodes have is the user's to match."""
     from pathlib import Path
 
     directory = Path(teacher_path).expanduser()
@@ -104,8 +106,8 @@ def check_teacher(teacher_path: str, policy_tokenizer) -> None:
     if teacher_vocab != student_vocab:
         differing = sorted(set(teacher_vocab.items()) ^ set(student_vocab.items()))[:3]
         raise ValueError(f"{where} has another vocabulary than the policy's ({len(teacher_vocab)} against "
-                         f"{len(student_vocab)} tokens; differing (token, id) pairs such as {differing}): its "
-                         "log-probs would be of other tokens")
+                         f"{len(student_vocab)} tokens; differing (token, id) pairs such as {differing}): "
+                         "its log-probs would be of other tokens")
 
 
 class TeacherActor(ReferenceActor):

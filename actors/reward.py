@@ -1,5 +1,6 @@
 """RewardActor: scores a chunk with the task's reward function, a sequence-classification model, a
-remote reward service over HTTP (services/reward_service/), or an LLM judge (services/reward_service/judge.py)."""
+remote reward service over HTTP (services/reward_service/), or an LLM judge
+(services/reward_service/judge.py)."""
 
 from __future__ import annotations
 
@@ -41,15 +42,17 @@ def check_reward_service(reward: RewardConfig, log=print) -> None:
         client.health()
     except RewardServiceError as err:
         if err.status == 401 and token is None:
-            log(f"pre-flight: reward service {reward.url} answers and wants a bearer token; ${reward.token_env} is "
-                "not set here, so the reward actors must have it in their environment")
+            log(f"pre-flight: reward service {reward.url} answers and wants a bearer token; "
+                f"${reward.token_env} is not set here, so the reward actors must have it in their "
+                "environment")
             return
         hint = f" (the token in ${reward.token_env} was refused)" if err.status == 401 else ""
         raise RewardError(f"pre-flight: the reward service at {reward.url} (reward.url) does not answer "
                           f"GET /health: {err}{hint}") from None
     finally:
         client.close()
-    log(f"pre-flight: reward service {reward.url} answers (token {'from $' + reward.token_env if token else 'off'})")
+    log(f"pre-flight: reward service {reward.url} answers "
+        f"(token {'from $' + reward.token_env if token else 'off'})")
 
 
 def remote_scores(client: RewardClient, prompts: list[str], completions: list[str], fields: list[dict],
@@ -81,8 +84,9 @@ def check_reward_label(model_path: str, label: int | str | None) -> int | None:
 
 
 class RewardScorer:
-    """The task's reward (function, model, service or judge) over chunks, from a ``RewardSpec``: a reward actor's, or
-    (``reward.placement`` learner) the one a learner rank scores its own chunks with. Sets nothing process-wide."""
+    """The task's reward (function, model, service or judge) over chunks, from a ``RewardSpec``: a reward
+    actor's, or (``reward.placement`` learner) the one a learner rank scores its own chunks with. Sets nothing
+    process-wide."""
 
     def __init__(self, spec: RewardSpec, device: str, where: str) -> None:
         kind, model_path, remote = spec.kind, spec.model_path, spec.remote
@@ -110,7 +114,8 @@ class RewardScorer:
         elif kind == "judge":
             from services.reward_service.judge import Judge
 
-            self.judge = Judge(spec.judge, as_source(model_path).resolve(where), self.device, spec.judge_engine_args)
+            self.judge = Judge(spec.judge, as_source(model_path).resolve(where), self.device,
+                               spec.judge_engine_args)
 
     def decode(self, batch: RolloutBatch) -> tuple[list[str], list[str]]:
         prompts, completions = [], []
@@ -134,7 +139,8 @@ class RewardScorer:
         if self.kind == "model":
             scores = self.reward_model(prompts, completions)
         elif self.kind == "remote":  # the service gets each row's task.reward_fields too (a dataset's answer)
-            scores = remote_scores(self.client, prompts, completions, self.task.row_fields(rows, split), where)
+            scores = remote_scores(self.client, prompts, completions, self.task.row_fields(rows, split),
+                                   where)
         elif self.kind == "judge":  # the template may name the row's task.reward_fields too
             try:
                 scores = self.judge(prompts, completions, self.task.row_fields(rows, split))
@@ -146,7 +152,8 @@ class RewardScorer:
             except Exception as err:
                 raise RewardError(f"reward function of {where} raised {type(err).__name__}: {err}") from err
         if len(scores) != len(prompts):
-            raise RewardError(f"reward function of {where} returned {len(scores)} scores for {len(prompts)} samples")
+            raise RewardError(f"reward function of {where} returned {len(scores)} scores for {len(prompts)} "
+                              "samples")
         for i, s in enumerate(scores):
             if not isinstance(s, int | float) or not math.isfinite(s):
                 raise RewardError(f"reward function of {where} returned {s!r} for sample {i} "
@@ -155,7 +162,8 @@ class RewardScorer:
         return out.clamp(-self.score_clip, self.score_clip) if self.score_clip else out
 
     def take_counts(self) -> dict[str, float]:
-        """A judge's answers and unparseable answers since the driver last asked (none for the other kinds)."""
+        """A judge's answers and unparseable answers since the driver last asked (none for the other
+        kinds)."""
         return self.judge.take_counts() if self.judge is not None else {}
 
     def evaluate(self, batch: RolloutBatch, chunk_index: int = -1, keep_samples: int = 0) -> dict:
@@ -163,8 +171,10 @@ class RewardScorer:
         its first ``keep_samples`` samples as text with their scores, for a person to read."""
         prompts, completions = self.decode(batch)
         rows = batch.prompt_index.tolist()
-        kept = [{"prompt": p, "response": c} for p, c in zip(prompts[:keep_samples], completions[:keep_samples])]
-        if batch.turn_rewards is not None:  # an environment's episodes: the return under the task's metric name
+        kept = [{"prompt": p, "response": c}
+                for p, c in zip(prompts[:keep_samples], completions[:keep_samples])]
+        # an environment's episodes: the return under the task's metric name
+        if batch.turn_rewards is not None:
             returns = batch.turn_rewards.sum(-1)
             for sample, score in zip(kept, returns.tolist()):
                 sample["score"] = float(score)
@@ -187,7 +197,8 @@ class RewardScorer:
             metrics = {"score": float(self.scores(prompts, completions, where, rows, "eval").mean())}
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         if bad:
-            raise RewardError(f"evaluation function of task {self.task.name!r}, chunk {chunk_index} returned {bad}")
+            raise RewardError(f"evaluation function of task {self.task.name!r}, chunk {chunk_index} "
+                              f"returned {bad}")
         return {"count": float(len(prompts)), "sums": {k: v * len(prompts) for k, v in metrics.items()},
                 "samples": kept}
 

@@ -33,8 +33,8 @@ class RolloutActor(VersionedActor):
         self.max_model_len = spec.engine.max_model_len
         device = check_device(spec.engine.device, f"rollout-{index}")
         self.engine = make_engine(model_dir, replace(spec.engine, device=device))
-        # in-flight updates: calls run on several threads and reach vLLM through one loop that steps it (chunks
-        # of two batches share its steps); an agent runner serves one chunk at a time
+        # in-flight updates: calls run on several threads and reach vLLM through one loop that steps it
+        # (chunks of two batches share its steps); an agent runner serves one chunk at a time
         self.in_flight = spec.engine.in_flight != "off"
         if self.in_flight:
             from actors.engine_loop import InFlightEngine
@@ -44,7 +44,8 @@ class RolloutActor(VersionedActor):
         self.last_tokens_per_second: float | None = None  # no rate, and no gauge, before a generation
 
     def generate(self, prompts: list[list[int]], prompt_index: list[int], seeds: list[int],
-                 sampling: SamplingSettings, pad_id: int, group_index: list[int] | None = None) -> RolloutBatch:
+                 sampling: SamplingSettings, pad_id: int,
+                 group_index: list[int] | None = None) -> RolloutBatch:
         from services.experience import make_batch
 
         start = time.perf_counter()
@@ -67,9 +68,9 @@ class RolloutActor(VersionedActor):
             token_versions=[g.versions for g in generations] if self.in_flight else None,
         )
 
-    def run_episodes(self, rows: list[dict], prompt_index: list[int], seeds: list[int], sampling: SamplingSettings,
-                     pad_id: int, group_index: list[int] | None, workers: list, limits: EpisodeLimits,
-                     first_worker: int = 0) -> RolloutBatch:
+    def run_episodes(self, rows: list[dict], prompt_index: list[int], seeds: list[int],
+                     sampling: SamplingSettings, pad_id: int, group_index: list[int] | None, workers: list,
+                     limits: EpisodeLimits, first_worker: int = 0) -> RolloutBatch:
         """Multi-turn episodes with an environment, one per row, all advancing turn by turn together (one
         engine call per turn); the environments step on ``workers``. Every row is a whole trajectory of
         this engine's one policy version: the prompt, then the model's and the environment's tokens."""
@@ -82,22 +83,25 @@ class RolloutActor(VersionedActor):
                 self.episodes = EpisodeRunner(self.engine, load_tokenizer(self.model_dir), workers, limits)
             self.episodes.workers, self.episodes.limits = workers, limits
         episodes = self.episodes.run(rows, prompt_index, seeds, sampling, first_worker)
-        return self._trajectory_batch(episodes, start, prompt_index, group_index, pad_id, limits.max_trajectory_tokens)
+        return self._trajectory_batch(episodes, start, prompt_index, group_index, pad_id,
+                                      limits.max_trajectory_tokens)
 
-    def run_agents(self, rows: list[dict], prompt_index: list[int], seeds: list[int], sampling: SamplingSettings,
-                   pad_id: int, group_index: list[int] | None, settings: AgentSettings) -> RolloutBatch:
+    def run_agents(self, rows: list[dict], prompt_index: list[int], seeds: list[int],
+                   sampling: SamplingSettings, pad_id: int, group_index: list[int] | None,
+                   settings: AgentSettings) -> RolloutBatch:
         """One agent episode per row, all at once, served by this engine through its OpenAI-compatible
         endpoint. Each trajectory of an episode's model calls is a row (calls merge into one when the next
-        prompt extends the last call token for token); an episode's rows share its episode index and group, and
-        its reward lands on the last model token of its last row (the learner lays the rows end to end)."""
+        prompt extends the last call token for token); an episode's rows share its episode index and group,
+        and its reward lands on the last model token of its last row (the learner lays the rows end to
+        end)."""
         from actors.agents import AgentRunner
         from services.models import load_tokenizer
 
         start = time.perf_counter()
         with self.runners_lock:
             if self.agents is None:
-                self.agents = AgentRunner(self.engine, load_tokenizer(self.model_dir), sampling, self.max_model_len,
-                                          settings)
+                self.agents = AgentRunner(self.engine, load_tokenizer(self.model_dir), sampling,
+                                          self.max_model_len, settings)
             trajectories = self.agents.run(rows, prompt_index, seeds)
         return self._trajectory_batch(trajectories, start, prompt_index, group_index, pad_id,
                                       settings.max_trajectory_tokens)
@@ -113,11 +117,13 @@ class RolloutActor(VersionedActor):
         self.last_tokens_per_second = sum(sum(t.action_mask) for t in trajectories) / max(seconds, 1e-9)
         return make_batch(
             prompts=[t.prompt for t in trajectories], responses=[t.ids for t in trajectories],
-            logprobs=[t.logprobs for t in trajectories], finish_reasons=[t.finish_reason for t in trajectories],
+            logprobs=[t.logprobs for t in trajectories],
+            finish_reasons=[t.finish_reason for t in trajectories],
             prompt_index=[prompt_index[t.episode] for t in trajectories], pad_id=pad_id,
             policy_version=self.policy_version, kl_coef=self.kl_coef, response_width=width,
             group_index=None if group_index is None else [group_index[t.episode] for t in trajectories],
-            action_masks=[t.action_mask for t in trajectories], episode_index=[t.episode for t in trajectories],
+            action_masks=[t.action_mask for t in trajectories],
+            episode_index=[t.episode for t in trajectories],
             episodes=Episodes([t.turn_rewards for t in trajectories], [t.turns for t in trajectories],
                               [t.tool_calls for t in trajectories], [t.seconds for t in trajectories],
                               [t.failures for t in trajectories]),
@@ -129,7 +135,8 @@ class RolloutActor(VersionedActor):
         return super().take_counts()
 
     def takes_adapters(self) -> bool:
-        """learner.lora: whether this engine loads the adapter alone at each sync (else the merged weights)."""
+        """learner.lora: whether this engine loads the adapter alone at each sync (else the merged
+        weights)."""
         return self.engine.takes_adapters
 
     def update_weights(self, weights: HostWeights, policy_version: int, kl_coef: float) -> float:
@@ -140,8 +147,8 @@ class RolloutActor(VersionedActor):
         if weights.adapter_config is not None:
             self.engine.load_adapter(weights.tensors(), weights.adapter_config, policy_version)
         else:
-            check_loaded(self.engine.load_weights(weights.tensors(), policy_version), f"{self.role}-{self.index}",
-                         f"the sync of version {policy_version}")
+            check_loaded(self.engine.load_weights(weights.tensors(), policy_version),
+                         f"{self.role}-{self.index}", f"the sync of version {policy_version}")
         self.set_state(policy_version, kl_coef)
         return time.perf_counter() - start
 
@@ -171,4 +178,5 @@ class RolloutActor(VersionedActor):
     def stats(self) -> dict:
         failures = sum(runner.failures for runner in (self.episodes, self.agents) if runner is not None)
         return {**self.get_state(), "tokens_per_second": self.last_tokens_per_second,
-                "episode_failures": failures}  # what task.environment_max_failures (rollout.agent_max_failures) bounds
+                # what task.environment_max_failures (rollout.agent_max_failures) bounds
+                "episode_failures": failures}

@@ -15,7 +15,8 @@ if TYPE_CHECKING:  # the settings' classes are the driver's: an actor only carri
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One generation engine (``actors.engines.make_engine``): vLLM's in the actor's process, or transformers'."""
+    """One generation engine (``actors.engines.make_engine``): vLLM's in the actor's process, or
+    transformers'."""
 
     kind: str = "vllm"  # rollout.engine: 'vllm' or 'hf'
     seed: int = 0  # the engine's own seed (run.seed + the engine's index); each episode has a seed of its own
@@ -25,9 +26,11 @@ class EngineSpec:
     cpu_core: int | None = None  # the core vLLM's CPU worker binds to (one per engine on one machine)
     device: str = "cpu"  # the device the role reserved
     engine_args: dict | None = None  # extra vLLM ``LLM(...)`` arguments (rollout.vllm_engine_args)
-    weight_transfer: str | None = None  # learner.weight_sync 'nccl' | 'ipc': vLLM's transfer; None: object store
+    # learner.weight_sync 'nccl' | 'ipc': vLLM's transfer; None: object store
+    weight_transfer: str | None = None
     lora_rank: int | None = None  # learner.lora.rank: vLLM starts with LoRA on where its model takes adapters
-    in_flight: str = "off"  # rollout.in_flight_updates: 'keep_kv' | 'partial' step vLLM in a loop (actors/engine_loop.py)
+    # rollout.in_flight_updates: 'keep_kv' | 'partial' step vLLM in a loop (actors/engine_loop.py)
+    in_flight: str = "off"
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,10 @@ class ReferenceSpec:
     temperature: float = 1.0  # rollout.temperature: log-probs of the distribution the engines sample
     device: str = "cpu"
     torch_threads: int | None = None  # reference.torch_threads
-    engine_args: dict | None = None  # backend vllm's ``LLM(...)`` arguments (JobConfig.reference_vllm_engine_args)
-    max_tokens_per_microbatch: int | None = None  # backend hf: score rows packed in micro-batches of this many tokens
+    # backend vllm's ``LLM(...)`` arguments (JobConfig.reference_vllm_engine_args)
+    engine_args: dict | None = None
+    # backend hf: score rows packed in micro-batches of this many tokens
+    max_tokens_per_microbatch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,8 @@ class RewardSpec:
     device: str = "cpu"
     label: int | str | None = None  # kind model: the classifier's label whose logit is the score
     remote: RewardConfig | None = None  # kind remote: the service's settings
-    forwarded_token: str | None = None  # kind remote: the driver's token, for actors whose environment lacks it
+    # kind remote: the driver's token, for actors whose environment lacks it
+    forwarded_token: str | None = None
     judge: JudgeConfig | None = None  # kind judge
     judge_engine_args: dict | None = None
 

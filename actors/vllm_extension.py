@@ -38,7 +38,8 @@ class WeightSyncExtension:
 
     def begin_load_record(self) -> None:
         """From now until ``end_load_record``, record the parameter names ``model.load_weights`` loads (an
-        instance attribute over the model's method: vLLM's loaders call it, per bucket on the transfer path)."""
+        instance attribute over the model's method: vLLM's loaders call it, per bucket on the transfer
+        path)."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         loaded: set[str] = set()
         load_weights = model.load_weights

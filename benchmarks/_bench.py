@@ -17,9 +17,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # every Ray process stays on loopback and sends nothing home (learner/cluster.py's defaults)
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+           "RAY_USAGE_STATS_ENABLED": "0"}
 RESULT_PREFIX = "BENCH_RESULT "
-# learner.main's arguments of each rollout mode the benchmarks compare: sync, async, and async with in-flight updates
+# learner.main's arguments of each rollout mode the benchmarks compare: sync, async, and async with
+# in-flight updates
 ROLLOUT_MODES = {"sync": ["--rollout.mode", "sync"], "async": ["--rollout.mode", "async"],
                  "keep_kv": ["--rollout.mode", "async", "--rollout.in_flight_updates", "keep_kv"],
                  "partial": ["--rollout.mode", "async", "--rollout.in_flight_updates", "partial"]}
@@ -51,7 +53,8 @@ def machine() -> str:
 
 
 def stamp() -> dict:
-    return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "python": platform.python_version()}
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
+            "python": platform.python_version()}
 
 
 def write_results(out_dir: str | Path, name: str, results: dict, table: list[str]) -> tuple[Path, Path]:
@@ -68,7 +71,8 @@ def write_results(out_dir: str | Path, name: str, results: dict, table: list[str
 # ---------------------------------------------------------------------------------------------- models
 
 
-def gpt2_dir(path: Path, model_config: dict | None = None, vocab_size: int | None = None, seed: int = 0) -> Path:
+def gpt2_dir(path: Path, model_config: dict | None = None, vocab_size: int | None = None,
+             seed: int = 0) -> Path:
     """A random-init GPT-2 HF dir: the randomwalks recipe by default, or ``model_config`` with a char
     tokenizer of ``vocab_size`` tokens (eos included). Throughput does not depend on training."""
     from services.models import build_char_tokenizer, build_gpt2, save_model_dir
@@ -132,15 +136,16 @@ def run_worker(script: Path, args: list[str], spec: dict, log_path: Path, env: d
     spec_path.write_text(json.dumps(spec))
     cmd = [sys.executable, str(script), *args, "--spec", str(spec_path)]
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **RAY_ENV, **(env or {})}, stdout=subprocess.PIPE,
-                              stderr=log, text=True, timeout=timeout_s, check=False)
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **RAY_ENV, **(env or {})},
+                              stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout_s, check=False)
     result = None
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             result = json.loads(line[len(RESULT_PREFIX):])
     if proc.returncode != 0 or result is None:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
-        raise RuntimeError(f"worker {' '.join(args)} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
+        raise RuntimeError(f"worker {' '.join(args)} failed (exit {proc.returncode}); "
+                           f"log {log_path}:\n{tail}")
     return result
 
 
@@ -162,8 +167,8 @@ def median(values: list[float]) -> float:
 # ------------------------------------------------------------------------------------ jobs and memory
 
 # Ray sets an actor process's title to ``ray::<Class>`` (``ray::<Class>.<method>`` while it runs one)
-ROLE_OF_TITLE = {"ray::RolloutActor": "rollout", "ray::ReferenceActor": "reference", "ray::RewardActor": "reward",
-                 "ray::LearnerRank": "learner"}
+ROLE_OF_TITLE = {"ray::RolloutActor": "rollout", "ray::ReferenceActor": "reference",
+                 "ray::RewardActor": "reward", "ray::LearnerRank": "learner"}
 STEADY_PARTS = ("generate_seconds", "reference_seconds", "reward_seconds", "learner_forward_seconds",
                 "learner_update_seconds", "sync_and_probe_seconds")
 
@@ -230,8 +235,8 @@ class MeasuredJob:
 
         start = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-m", "learner.main", *self.args], cwd=ROOT,
-                                     env={**os.environ, **RAY_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+                                     env={**os.environ, **RAY_ENV}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
         sampler = threading.Thread(target=self._sample, daemon=True)
         sampler.start()
         timer = threading.Timer(timeout_s, self.proc.terminate)
@@ -250,7 +255,8 @@ class MeasuredJob:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.log_path.write_text("".join(self.lines))
         if self.returncode != 0:
-            sys.exit(f"job {' '.join(self.args)} failed (exit {self.returncode}):\n" + "".join(self.lines[-40:]))
+            sys.exit(f"job {' '.join(self.args)} failed (exit {self.returncode}):\n"
+                     + "".join(self.lines[-40:]))
         return self
 
     def _sample(self) -> None:
@@ -285,6 +291,6 @@ def steady_state(records: list[dict], warmup: int = 1) -> dict:
         "episodes_per_second": statistics.median(r["episodes"] / r["iteration_seconds"] for r in steady),
         # per token: episodes/s flatters whichever run writes shorter responses
         "response_length_mean": statistics.mean(r["response_length_mean"] for r in steady),
-        "tokens_per_second": statistics.median(r["episodes"] * r["response_length_mean"] / r["iteration_seconds"]
-                                               for r in steady),
+        "tokens_per_second": statistics.median(r["episodes"] * r["response_length_mean"]
+                                               / r["iteration_seconds"] for r in steady),
     }

@@ -11,7 +11,8 @@ the reward, so both sides are scored by the same function.
 
     <trl venv>/bin/python benchmarks/_trl_grpo.py --model SFT_DIR --steps 20 --out OUT_DIR
     <trl venv>/bin/python benchmarks/_trl_grpo.py --task smollm2-sentiment --model SMOLLM2_DIR --steps 3 \
-        --prompts-per-step 8 --samples-per-prompt 8 --beta 0.05 --max-completion-length 32 --lr 5e-5 --out OUT_DIR
+        --prompts-per-step 8 --samples-per-prompt 8 --beta 0.05 --max-completion-length 32 --lr 5e-5 \
+        --out OUT_DIR
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, help="default: the task's")
     parser.add_argument("--missing-eos-penalty", type=float, help="reward of a completion without EOS")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--lora-rank", type=int, default=0, help="> 0: train PEFT LoRA adapters of this rank on "
-                        "every linear layer (the reference is then the base model, adapters disabled)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="> 0: train PEFT LoRA adapters of this rank "
+                        "on every linear layer (the reference is then the base model, adapters disabled)")
     parser.add_argument("--lora-alpha", type=float, default=16.0)
     args = parser.parse_args()
 
@@ -128,8 +129,9 @@ def main() -> None:
     (out / "timings.json").write_text(json.dumps({
         "ready_seconds": ready, "train_seconds": train_seconds, "steps": args.steps,
         "seconds_per_step": train_seconds / args.steps, "completions_per_step": batch,
-        "step_seconds": [b - a for a, b in zip([t0, *step_ends], step_ends)], "task": args.task, "beta": args.beta,
-        "dtype": args.dtype, "max_completion_length": max_completion, "lora_rank": args.lora_rank,
+        "step_seconds": [b - a for a, b in zip([t0, *step_ends], step_ends)], "task": args.task,
+        "beta": args.beta, "dtype": args.dtype, "max_completion_length": max_completion,
+        "lora_rank": args.lora_rank,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
         "reward_by_step": [r["reward"] for r in trainer.state.log_history if "reward" in r],
         "completion_length_by_step": [r["completions/mean_length"] for r in trainer.state.log_history

@@ -110,10 +110,12 @@ def table(results: dict) -> list[str]:
     if bar is not None:
         reached = r["reached_bar"]
         head += (f"; first evaluation at or above {bar}: iteration {reached['iteration']} "
-                 f"({reached['seconds']:.0f} s after launch)." if reached else f"; no evaluation reached {bar}.")
+                 f"({reached['seconds']:.0f} s after launch)." if reached
+                 else f"; no evaluation reached {bar}.")
     else:
-        head += (f". Tool calls per episode {its[0]['tool_calls_mean']:.2f} in iteration 1 (the starting policy's "
-                 f"episodes), {its[-1]['tool_calls_mean']:.2f} in iteration {its[-1]['iteration']}.")
+        head += (f". Tool calls per episode {its[0]['tool_calls_mean']:.2f} in iteration 1 "
+                 f"(the starting policy's episodes), {its[-1]['tool_calls_mean']:.2f} in iteration "
+                 f"{its[-1]['iteration']}.")
     lines = [
         f"`python -m learner.main --config {r['preset']}` (local Ray started by the job), one run.",
         "",
@@ -122,23 +124,27 @@ def table(results: dict) -> list[str]:
         + (f"SFT warm start {sft['steps']} steps in {sft['seconds']} s, final loss {sft['final_loss']:.3f}; "
            if sft else "no SFT trained; ")
         + f"Ray and actors), {len(its)} iterations {r['iterations_seconds']:.0f} s. "
-        f"Peak RSS {r['peak_rss_gib']:.2f} GiB. Load average (1 min) {r['load_average_before'][0]:.1f} before, "
+        f"Peak RSS {r['peak_rss_gib']:.2f} GiB. "
+        f"Load average (1 min) {r['load_average_before'][0]:.1f} before, "
         f"{r['load_average_after'][0]:.1f} after (the machine's 2 cores were shared with other work).",
         "",
         f"| iteration | eval {metric} | train score | KL (nats) | turns / episode | "
         + ("tool calls / episode | " if tools else "") + "environment s | iteration s |",
         "|---|---|---|---|---|---|---|" + ("---|" if tools else ""),
-        f"| 0 (before training) | {r['eval_start'][metric]:.3f} | | | {r['eval_start']['turns']:.2f} (eval) | "
+        f"| 0 (before training) | {r['eval_start'][metric]:.3f} | | | "
+        f"{r['eval_start']['turns']:.2f} (eval) | "
         + ("| " if tools else "") + "| |",
     ]
     for it in its:
         evaluated = "" if it[f"eval_{metric}"] is None else f"{it[f'eval_{metric}']:.3f}"
-        lines.append(f"| {it['iteration']} | {evaluated} | {it['score_mean']:.3f} | {it['kl_response_mean']:.2f} | "
-                     f"{it['turns_mean']:.2f} | " + (f"{it['tool_calls_mean']:.2f} | " if tools else "")
+        lines.append(f"| {it['iteration']} | {evaluated} | {it['score_mean']:.3f} | "
+                     f"{it['kl_response_mean']:.2f} | {it['turns_mean']:.2f} | "
+                     + (f"{it['tool_calls_mean']:.2f} | " if tools else "")
                      + f"{it['environment_seconds']:.2f} | {it['iteration_seconds']:.1f} |")
-    lines += ["", (f"Train score: the mean return of the iteration's episodes ({metric}, sampled as trained); "
-                   f"eval {metric}: the evaluation's, on its own rows. Environment seconds: resets and steps, summed "
-                   f"over the iteration's episodes. Learning curve: {results['name']}.png.")]
+    lines += ["", (f"Train score: the mean return of the iteration's episodes ({metric}, sampled as "
+                   f"trained); eval {metric}: the evaluation's, on its own rows. Environment seconds: "
+                   "resets and steps, summed over the iteration's episodes. Learning curve: "
+                   f"{results['name']}.png.")]
     return lines
 
 
@@ -154,7 +160,8 @@ def plot(results: dict, path: Path) -> None:
     evals = [(0, r["eval_start"][metric])] + [(it["iteration"], it[f"eval_{metric}"]) for it in its
                                               if it[f"eval_{metric}"] is not None]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
-    top.plot(x, [it["score_mean"] for it in its], label=f"train score ({metric} of the episodes)", color="tab:blue")
+    top.plot(x, [it["score_mean"] for it in its], label=f"train score ({metric} of the episodes)",
+             color="tab:blue")
     top.plot(*zip(*evals, strict=True), "o-", label=f"eval {metric}", color="tab:green")
     if r["bar"] is not None:
         top.axhline(r["bar"], ls="--", color="grey", lw=1, label=f"bar {r['bar']}")
@@ -165,7 +172,8 @@ def plot(results: dict, path: Path) -> None:
     bottom.plot(x, [it["kl_response_mean"] for it in its], label="KL (nats)", color="tab:red")
     bottom.plot(x, [it["turns_mean"] for it in its], label="turns / episode", color="tab:purple")
     if any(it["tool_calls_mean"] for it in its):
-        bottom.plot(x, [it["tool_calls_mean"] for it in its], label="tool calls / episode", color="tab:orange")
+        bottom.plot(x, [it["tool_calls_mean"] for it in its], label="tool calls / episode",
+                    color="tab:orange")
     bottom.set_xlabel("iteration")
     bottom.legend(loc="best", fontsize=8)
     fig.tight_layout()
@@ -174,13 +182,14 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="randomwalks")
-    parser.add_argument("--cache-dir", default=None, help="model cache (default: randomwalks a fresh one, so the "
-                        "SFT warm start is trained and timed; calculator ~/.cache/tether)")
+    parser.add_argument("--cache-dir", default=None, help="model cache (default: randomwalks a fresh one, so "
+                        "the SFT warm start is trained and timed; calculator ~/.cache/tether)")
     parser.add_argument("--out", default=str(RESULTS), help="where the json, md and png go")
-    parser.add_argument("--redraw", action="store_true", help="rewrite the md and png from the json already in "
-                        "--out, running nothing")
+    parser.add_argument("--redraw", action="store_true", help="rewrite the md and png from the json already "
+                        "in --out, running nothing")
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
     args = parser.parse_args()
     preset = PRESETS[args.preset]

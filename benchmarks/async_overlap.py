@@ -36,8 +36,8 @@ def table(results: dict) -> list[str]:
     parts = sync["breakdown_seconds"]
     bound = max(parts["generate_seconds"], parts["learner_update_seconds"])
     return [
-        ("| sync iteration (s) | async iteration (s) | sync generate (s) | sync update (s) | max(generate, update) (s) "
-        "| async / sync | async / max(generate, update) |"),
+        ("| sync iteration (s) | async iteration (s) | sync generate (s) | sync update (s) "
+         "| max(generate, update) (s) | async / sync | async / max(generate, update) |"),
         "|---|---|---|---|---|---|---|",
         (f"| {sync['steady_iteration_seconds']:.2f} | {run_async['steady_iteration_seconds']:.2f} | "
         f"{parts['generate_seconds']:.2f} | {parts['learner_update_seconds']:.2f} | {bound:.2f} | "
@@ -47,7 +47,8 @@ def table(results: dict) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
@@ -57,7 +58,8 @@ def main() -> None:
         for mode in MODES:
             results[mode] = run_mode(mode, args.iterations, args.cache_dir, out, args.extra)
     results["args"] = args.extra
-    preset = next((Path(a).stem for a, prev in zip(args.extra, ["", *args.extra]) if prev == "--config"), None)
+    preset = next((Path(a).stem for a, prev in zip(args.extra, ["", *args.extra]) if prev == "--config"),
+                  None)
     write_results(RESULTS, f"async_overlap-{preset}" if preset else "async_overlap", results, table(results))
     print("\n".join(table(results)))
 

@@ -4,8 +4,8 @@ The teacher is a policy an earlier run trained: the default job (GAE, sync, 30 i
 start, exported. The students start from the same SFT model and learn from the teacher's per-token reverse KL
 alone (``--no-distill.task_reward``), with each credit (``distill.credit`` token and reward_to_go); RL is the
 default job itself. Every run is evaluated every iteration. Reports, per variant and seed, the first iteration
-whose sampled optimality came within 0.01 of the teacher's final one, and reached 0.95, the final optimality and the reverse KL to
-the teacher at the end.
+whose sampled optimality came within 0.01 of the teacher's final one, and reached 0.95, the final optimality
+and the reverse KL to the teacher at the end.
 
     .venv/bin/python benchmarks/distillation.py [--seeds 1 2 3] [--distill-iterations 15]
 
@@ -49,7 +49,8 @@ def run(name: str, args: list[str], cache_dir: str, out: str) -> dict:
     summary = json.loads((Path(out) / name / "summary.json").read_text())
     return {"args": args, "wall_seconds": job.wall_seconds, "iterations": len(records),
             "evals": [(r["iteration"], r["eval"]["optimality"]) for r in records if "eval" in r],
-            "eval_start": summary["eval_start"]["optimality"], "eval_final": summary["eval_final"]["optimality"],
+            "eval_start": summary["eval_start"]["optimality"],
+            "eval_final": summary["eval_final"]["optimality"],
             "teacher_kl": [r.get("teacher_kl_response_mean") for r in records],
             "kl_response_mean_final": summary["kl_response_mean_final"]}
 
@@ -57,8 +58,8 @@ def run(name: str, args: list[str], cache_dir: str, out: str) -> dict:
 def table(results: dict, seeds: list[int]) -> list[str]:
     teacher = results["teacher_optimality"]
     rows = [f"Teacher: the default job's export (seed {seeds[0]}), final optimality {teacher:.3f}.", "",
-            (f"| variant | iterations | reached the teacher's optimality - {TEACHER_TOLERANCE} at, per seed | mean | "
-             "reached 0.95 at, per seed | "
+            (f"| variant | iterations | reached the teacher's optimality - {TEACHER_TOLERANCE} at, "
+             "per seed | mean | reached 0.95 at, per seed | "
              "mean | final optimality (mean) | reverse KL to the teacher at the end (nats, mean) |"),
             "|---|---|---|---|---|---|---|---|"]
 
@@ -73,8 +74,8 @@ def table(results: dict, seeds: list[int]) -> list[str]:
         if not runs:
             continue
         kls = [r["teacher_kl"][-1] for r in runs if r["teacher_kl"][-1] is not None]
-        rows.append(f"| {variant} | {runs[0]['iterations']} "
-                    f"| {cells([first_reaching(r['evals'], teacher - TEACHER_TOLERANCE) for r in runs], runs)} "
+        rows.append(f"| {variant} | {runs[0]['iterations']} | "
+                    f"{cells([first_reaching(r['evals'], teacher - TEACHER_TOLERANCE) for r in runs], runs)} "
                     f"| {cells([first_reaching(r['evals'], 0.95) for r in runs], runs)} "
                     f"| {statistics.mean(r['eval_final'] for r in runs):.3f} | "
                     + (f"{statistics.mean(kls):.2f}" if kls else "—") + " |")
@@ -82,7 +83,8 @@ def table(results: dict, seeds: list[int]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--distill-iterations", type=int, default=15, help="run.iterations of the students")
@@ -93,9 +95,11 @@ def main() -> None:
     results = json.loads(earlier.read_text()) if earlier.is_file() else {}
     results |= stamp()
     with tempfile.TemporaryDirectory() as out:
-        for seed in args.seeds:  # RL: the default job; the first seed's export is the teacher (always run again)
+        # RL: the default job; the first seed's export is the teacher (always run again)
+        for seed in args.seeds:
             if seed == args.seeds[0] or f"rl (gae)/{seed}" not in results:
-                results[f"rl (gae)/{seed}"] = run(f"rl-{seed}", ["--run.seed", str(seed)], args.cache_dir, out)
+                results[f"rl (gae)/{seed}"] = run(f"rl-{seed}", ["--run.seed", str(seed)], args.cache_dir,
+                                                  out)
         teacher = Path(out) / f"rl-{args.seeds[0]}" / "export"
         results["teacher_optimality"] = results[f"rl (gae)/{args.seeds[0]}"]["eval_final"]
         for variant, extra in VARIANTS.items():

@@ -18,9 +18,10 @@ check that every actor holds the new version) as a share of the iteration.
 Alone: a fresh process with one OpenMP thread (what Ray gives an actor with less than one CPU) builds the
 engine on the job's policy directory with ``actors.engines.VLLMEngine`` (same device, dtype, seed,
 ``max_model_len``, engine arguments and KV cache or GPU share, processed log-probs), and calls its
-``vllm.LLM.generate`` directly, as many times as the job did, on ``rollout.chunk_size`` training prompts each with tether's ``SamplingParams`` (a seed per request,
-``logprobs=0``), the prefix cache reset before each call as the service must after a sync. Tokens/s is
-the generated tokens over the summed call times, after one untimed warm-up call.
+``vllm.LLM.generate`` directly, as many times as the job did, on ``rollout.chunk_size`` training prompts each
+with tether's ``SamplingParams`` (a seed per request, ``logprobs=0``), the prefix cache reset before each call
+as the service must after a sync. Tokens/s is the generated tokens over the summed call times, after one
+untimed warm-up call.
 
 Writes ``benchmarks/results/engine_in_service.json`` and ``.md``.
 """
@@ -45,7 +46,8 @@ from _bench import RAY_ENV, RESULTS, ROOT, stamp, write_results
 
 def in_service(extra: list[str], iterations: int, out: Path) -> tuple[list[float], dict, Path]:
     """Tokens/s of each iteration after the first, the medians of the weight sync and the probe over the same
-    iterations (seconds, and the probe's share of an iteration: issue 13's target 5), and the run directory."""
+    iterations (seconds, and the probe's share of an iteration: issue 13's target 5), and the run
+    directory."""
     cmd = [sys.executable, "-m", "learner.main", *extra, "--run.iterations", str(iterations),
            "--run.eval_every", str(10 * iterations), "--run.output_dir", str(out), "--run.name", "engine"]
     subprocess.run(cmd, cwd=ROOT, env={**os.environ, **RAY_ENV}, check=True)
@@ -58,7 +60,8 @@ def in_service(extra: list[str], iterations: int, out: Path) -> tuple[list[float
     sync = {"weight_sync_seconds": statistics.median(r["weight_sync_seconds"] for r in steady),
             "probe_and_checks_seconds": statistics.median(probe),
             "iteration_seconds": statistics.median(r["iteration_seconds"] for r in steady),
-            "probe_share": statistics.median(p / r["iteration_seconds"] for p, r in zip(probe, steady, strict=True)),
+            "probe_share": statistics.median(p / r["iteration_seconds"]
+                                             for p, r in zip(probe, steady, strict=True)),
             "response_length_mean": statistics.mean(r["response_length_mean"] for r in steady)}
     return rates, sync, out / "engine"
 
@@ -99,22 +102,25 @@ def alone(run_dir: Path, calls: int) -> dict:
     seconds, tokens = 0.0, 0
     for call in range(calls + 1):  # call 0: warm-up, untimed
         rows = [prompts[(call * n + i) % len(prompts)] for i in range(n)]
-        params = [SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_tokens=max_new,
-                                 logprobs=0, seed=cfg.run.seed + call * n + i) for i in range(n)]
+        params = [SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                 max_tokens=max_new, logprobs=0, seed=cfg.run.seed + call * n + i)
+                  for i in range(n)]
         llm.reset_prefix_cache()
         start = time.perf_counter()
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in rows], params, use_tqdm=False)
         if call:
             seconds += time.perf_counter() - start
             tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"tokens_per_second": tokens / seconds, "response_length_mean": tokens / (calls * n), "calls": calls,
-            "batch": n, "threads": torch.get_num_threads(), "dtype": cfg.learner.dtype, "model": str(model)}
+    return {"tokens_per_second": tokens / seconds, "response_length_mean": tokens / (calls * n),
+            "calls": calls, "batch": n, "threads": torch.get_num_threads(), "dtype": cfg.learner.dtype,
+            "model": str(model)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=8)
-    parser.add_argument("--alone", help=argparse.SUPPRESS)  # internal: the run directory, in the child process
+    # internal: the run directory, in the child process
+    parser.add_argument("--alone", help=argparse.SUPPRESS)
     parser.add_argument("--calls", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(RESULTS))
     args, extra = parser.parse_known_args()
@@ -139,13 +145,16 @@ def main() -> None:
     table = [f"`.venv/bin/python benchmarks/engine_in_service.py --iterations {args.iterations}"
              + (f" -- {' '.join(extra)}`" if extra else "`"), "",
              "| engine | tokens/s | response tokens | batch | dtype | threads |", "|---|---|---|---|---|---|",
-             (f"| inside the service (median of {len(rates)} iterations; range {min(rates):.0f}-{max(rates):.0f}) "
-             f"| {service:.0f} | {sync['response_length_mean']:.2f} | {plain['batch']} | {plain['dtype']} | 1 |"),
+             (f"| inside the service (median of {len(rates)} iterations; range "
+              f"{min(rates):.0f}-{max(rates):.0f}) | {service:.0f} | {sync['response_length_mean']:.2f} | "
+              f"{plain['batch']} | {plain['dtype']} | 1 |"),
              (f"| `vllm.LLM.generate` alone ({plain['calls']} calls) | {plain['tokens_per_second']:.0f} | "
-             f"{plain['response_length_mean']:.2f} | {plain['batch']} | {plain['dtype']} | {plain['threads']} |"),
+              f"{plain['response_length_mean']:.2f} | {plain['batch']} | {plain['dtype']} | "
+              f"{plain['threads']} |"),
              f"| in service / alone | {results['ratio']:.2f} (target >= 0.90) | | | | |", "",
              (f"Same iterations (medians): iteration {sync['iteration_seconds']:.2f} s, weight sync "
-              f"{sync['weight_sync_seconds']:.3f} s, probe and state checks {sync['probe_and_checks_seconds']:.3f} s "
+              f"{sync['weight_sync_seconds']:.3f} s, probe and state checks "
+              f"{sync['probe_and_checks_seconds']:.3f} s "
               f"= {100 * sync['probe_share']:.1f}% of an iteration (target <= 5%).")]
     write_results(args.out, "engine_in_service", results, table)
     print("\n".join(table))

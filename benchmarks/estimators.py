@@ -1,19 +1,19 @@
 """Benchmark: each advantage estimator (``ppo.advantage``), and each algorithm addition, from the cached SFT
-start on randomwalks, the default 30 iterations at 128 episodes per iteration (``rollout.samples_per_prompt`` 8
-for the group estimators, so 16 prompts per iteration; 1 otherwise), in sync and async mode (and async with
+start on randomwalks, the default 30 iterations at 128 episodes per iteration (``rollout.samples_per_prompt``
+8 for the group estimators, so 16 prompts per iteration; 1 otherwise), in sync and async mode (and async with
 in-flight updates, keep_kv or partial), over seeds.
 Reports, per run and as the mean over seeds, the first evaluation whose sampled optimality reached 0.95, the
 final one, and the wall and steady iteration time.
 
-    .venv/bin/python benchmarks/estimators.py [--only grpo gspo ...] [--mode sync async keep_kv partial] [--seeds 1 2 3]
-        [--eval-every 1] [-- extra learner.main args]
+    .venv/bin/python benchmarks/estimators.py [--only grpo gspo ...] [--mode sync async keep_kv partial]
+        [--seeds 1 2 3] [--eval-every 1] [-- extra learner.main args]
 
 The variants are the five estimators and the additions on a group estimator (``ADDITIONS``: GSPO, DAPO's
-clip-higher with dynamic sampling, the rollout correction by masking at sequence level, no correction, the CISPO
-and SAPO losses, the IcePop, geometric-mean and off-policy sequence masks).
+clip-higher with dynamic sampling, the rollout correction by masking at sequence level, no correction, the
+CISPO and SAPO losses, the IcePop, geometric-mean and off-policy sequence masks).
 Writes benchmarks/results/estimators.json and estimators.md (with other modes or seeds than the default,
-estimators-<modes>-seeds-<n>.*, or --results-name); a partial run keeps its rows, and the rows of earlier runs in
-that file stay.
+estimators-<modes>-seeds-<n>.*, or --results-name); a partial run keeps its rows, and the rows of earlier runs
+in that file stay.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from _bench import ROLLOUT_MODES as MODES
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
 SAMPLES_PER_PROMPT = 8  # for the group estimators
-# The estimators whose advantages have unit scale whatever the score differences (GRPO's group std, REINFORCE++'s
-# global whitening), and the additions on GRPO, at ppo.lr 1e-4: at the job's 3e-4 they overstep (3 seeds, eval every
-# iteration: GRPO sync reached 0.95 at 9.0 and fell back to 0.880, async reached it in 1 of 3 seeds; REINFORCE++ sync
-# at 24.3 and async never; REINFORCE++-baseline async ended at 0.69), while GRPO at 1e-4 reaches it at 8.7 in sync
-# and 12.3 in async and holds it
+# The estimators whose advantages have unit scale whatever the score differences (GRPO's group std,
+# REINFORCE++'s global whitening), and the additions on GRPO, at ppo.lr 1e-4: at the job's 3e-4 they overstep
+# (3 seeds, eval every iteration: GRPO sync reached 0.95 at 9.0 and fell back to 0.880, async reached it in 1
+# of 3 seeds; REINFORCE++ sync at 24.3 and async never; REINFORCE++-baseline async ended at 0.69), while GRPO
+# at 1e-4 reaches it at 8.7 in sync and 12.3 in async and holds it
 UNIT_SCALE_LR = "1e-4"
 UNIT_SCALE = ("grpo", "reinforce_pp", "reinforce_pp_baseline")
 # the additions, each on GRPO: what learner.main takes to turn it on
@@ -59,7 +59,8 @@ def estimator_args(variant: str) -> list[str]:
     estimator = variant if variant in ESTIMATORS else "grpo"
     n = SAMPLES_PER_PROMPT if estimator in GROUP_ESTIMATORS else 1
     lr = ["--ppo.lr", UNIT_SCALE_LR] if estimator in UNIT_SCALE else []
-    return ["--ppo.advantage", estimator, "--rollout.samples_per_prompt", str(n), *lr, *ADDITIONS.get(variant, [])]
+    return ["--ppo.advantage", estimator, "--rollout.samples_per_prompt", str(n), *lr,
+            *ADDITIONS.get(variant, [])]
 
 
 def run_estimator(variant: str, name: str, cache_dir: str, out_dir: str, extra: list[str]) -> dict:
@@ -84,12 +85,15 @@ def run_estimator(variant: str, name: str, cache_dir: str, out_dir: str, extra: 
 
 
 def table(results: dict, seeds: list[int]) -> list[str]:
-    """One row per (variant, mode) with results: the iteration at which each seed's optimality reached 0.95 and
-    their mean (a seed that never did counts as the run's length + 1, marked >), the final optimality's mean."""
-    rows = [("| variant | mode | samples per prompt | ppo.lr | optimality >= 0.95 at iteration, per seed | mean | final "
-             "optimality (mean) | KL final (nats, mean) | steady iteration (s) |"), "|---|---|---|---|---|---|---|---|---|"]
+    """One row per (variant, mode) with results: the iteration at which each seed's optimality reached 0.95
+    and their mean (a seed that never did counts as the run's length + 1, marked >), the final optimality's
+    mean."""
+    rows = [("| variant | mode | samples per prompt | ppo.lr | optimality >= 0.95 at iteration, per seed | "
+             "mean | final optimality (mean) | KL final (nats, mean) | steady iteration (s) |"),
+            "|---|---|---|---|---|---|---|---|---|"]
     for variant, mode in [(v, m) for v in VARIANTS for m in MODES]:
-        runs = [results[f"{variant}/{mode}/{seed}"] for seed in seeds if f"{variant}/{mode}/{seed}" in results]
+        runs = [results[f"{variant}/{mode}/{seed}"] for seed in seeds
+                if f"{variant}/{mode}/{seed}" in results]
         if not runs:
             continue
         reached = [r["reached_0.95_iteration"] for r in runs]
@@ -98,7 +102,8 @@ def table(results: dict, seeds: list[int]) -> list[str]:
         shown = ", ".join(str(i) if i is not None else "not reached" for i in reached)
         args = estimator_args(variant)
         lr = args[args.index("--ppo.lr") + 1] if "--ppo.lr" in args else "3e-4"
-        rows.append(f"| {variant} | {mode} | {args[3]} | {lr} | {shown} | {'>' if None in reached else ''}{mean:.1f} | "
+        rows.append(f"| {variant} | {mode} | {args[3]} | {lr} | {shown} | "
+                    f"{'>' if None in reached else ''}{mean:.1f} | "
                     f"{sum(r['eval_final']['optimality'] for r in runs) / len(runs):.3f} | "
                     f"{sum(r['kl_response_mean_final'] for r in runs) / len(runs):.2f} | "
                     f"{sum(r['steady_iteration_seconds'] for r in runs) / len(runs):.2f} |")
@@ -106,7 +111,8 @@ def table(results: dict, seeds: list[int]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=VARIANTS, default=list(ESTIMATORS))
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
     parser.add_argument("--mode", nargs="+", choices=list(MODES), default=["sync"],
@@ -119,10 +125,12 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
     args = parser.parse_args()
     default = args.mode == ["sync"] and args.seeds == [None]
-    name = args.results_name or ("estimators" if default else f"estimators-{'-'.join(args.mode)}-seeds-{len(args.seeds)}")
+    name = args.results_name or ("estimators" if default
+                                 else f"estimators-{'-'.join(args.mode)}-seeds-{len(args.seeds)}")
     # the rows of earlier runs stay (a variant run again replaces its own): one table can gather several runs
     earlier = RESULTS / f"{name}.json"
-    results = {k: v for k, v in json.loads(earlier.read_text()).items() if "/" in k} if earlier.is_file() else {}
+    results = ({k: v for k, v in json.loads(earlier.read_text()).items() if "/" in k} if earlier.is_file()
+               else {})
     results |= stamp()
     command = f"`.venv/bin/python benchmarks/estimators.py {' '.join(sys.argv[1:])}`"
     with tempfile.TemporaryDirectory() as out:
@@ -131,13 +139,14 @@ def main() -> None:
         for variant in args.only:
             for mode in args.mode:
                 if variant == "grpo_no_correction" and mode != "sync":
-                    print("grpo_no_correction: async mode needs its importance weight (ppo.correction: none is "
-                          "refused there); skipped")
+                    print("grpo_no_correction: async mode needs its importance weight (ppo.correction: none "
+                          "is refused there); skipped")
                     continue
                 if variant == "geometric_mask" and mode != "sync" and not any(
                         a.startswith("--ppo.geometric_mask_") for a in args.extra):
                     # results/losses-and-masks-sync-async-seeds-3 holds the row measured before that refusal
-                    print("geometric_mask: async mode refuses its default band (rule geometric_band_set_for_async); "
+                    print("geometric_mask: async mode refuses its default band "
+                          "(rule geometric_band_set_for_async); "
                           "skipped: pass --ppo.geometric_mask_low/high after --")
                     continue
                 for seed in args.seeds:

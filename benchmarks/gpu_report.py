@@ -77,7 +77,8 @@ def pytest_step_status(junit_xml: Path, exit_code: int) -> tuple[str, list[str]]
         kind = {None: "passed", "failure": "failed", "error": "error", "skipped": "skipped"}[tag]
         counts[kind] += 1
         if outcome is not None:
-            reason = (outcome.get("message") or (outcome.text or "").strip() or "no reason given").splitlines()[0]
+            reason = (outcome.get("message") or (outcome.text or "").strip()
+                      or "no reason given").splitlines()[0]
             lines.append(f"{kind.upper()} {name}: {reason}")
     tally = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
     if counts["failed"] or counts["error"] or exit_code == 1:
@@ -88,10 +89,13 @@ def pytest_step_status(junit_xml: Path, exit_code: int) -> tuple[str, list[str]]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run-dir", default=None, help="the run to report on (required unless --pytest-junit)")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", default=None,
+                        help="the run to report on (required unless --pytest-junit)")
     parser.add_argument("--pytest-junit", default=None, help="instead: the status of gpu.sh's pytest step")
-    parser.add_argument("--pytest-exit", type=int, default=None, help="with --pytest-junit: pytest's exit code")
+    parser.add_argument("--pytest-exit", type=int, default=None,
+                        help="with --pytest-junit: pytest's exit code")
     parser.add_argument("--rollout-json", default=None)
     parser.add_argument("--peak-flops", type=float, default=None, help="one GPU, in the learner's dtype")
     parser.add_argument("--gpu-name", default=None, help="default: torch.cuda.get_device_name(0)")
@@ -150,12 +154,13 @@ def main() -> None:
     train_tps, forward_tps = statistics.median(train_rates), statistics.median(forward_rates)
     update_s = statistics.median(r["learner_update_seconds"] for r in records)
     forward_s = statistics.median(r["learner_forward_seconds"] for r in records)
-    tokens_iter = statistics.median(r["episodes"] * (prompt_mean + r["response_length_mean"]) for r in records)
+    tokens_iter = statistics.median(r["episodes"] * (prompt_mean + r["response_length_mean"])
+                                    for r in records)
     combined_flops = (6 * params * epochs * tokens_iter + 2 * params * tokens_iter) / (update_s + forward_s)
 
     report = {
-        **stamp(), "run_dir": str(run_dir), "task": cfg.task.name, "model_dir": str(model_dir), "params": params,
-        "learner_dtype": cfg.learner.dtype, "learner_world_size": cfg.learner.world_size,
+        **stamp(), "run_dir": str(run_dir), "task": cfg.task.name, "model_dir": str(model_dir),
+        "params": params, "learner_dtype": cfg.learner.dtype, "learner_world_size": cfg.learner.world_size,
         "zero_stage": cfg.learner.zero_stage, "ppo_epochs": epochs, "iterations": len(records),
         "prompt_tokens_mean": prompt_mean,
         "response_tokens_mean": statistics.median(r["response_length_mean"] for r in records),
@@ -163,7 +168,8 @@ def main() -> None:
         "weight_sync": cfg.learner.weight_sync,
         "probe_max_abs_error": max((r["probe_max_abs_error"] for r in records
                                     if r.get("probe_max_abs_error") is not None), default=float("nan")),
-        "rollout_tokens_per_s_job": job_rollout, "rollout_tokens_per_s_job_iterations": [r["iteration"] for r in no_eval],
+        "rollout_tokens_per_s_job": job_rollout,
+        "rollout_tokens_per_s_job_iterations": [r["iteration"] for r in no_eval],
         "learner_train_tokens_per_s": train_tps, "learner_forward_tokens_per_s": forward_tps,
         "mfu_update": 6 * params * train_tps / peak_all, "mfu_forward": 2 * params * forward_tps / peak_all,
         "mfu_learner": combined_flops / peak_all,
@@ -198,7 +204,8 @@ def main() -> None:
              f"| MFU, forward (2 N tokens/s / peak) | {report['mfu_forward'] * 100:.3g}% |",
              f"| MFU, learner forward + update | {report['mfu_learner'] * 100:.3g}% |",
              f"| median iteration (s) | {report['iteration_seconds_median']:.2f} |",
-             f"| median weight sync, {cfg.learner.weight_sync} (s) | {report['weight_sync_seconds_median']:.3f} |",
+             (f"| median weight sync, {cfg.learner.weight_sync} (s) | "
+              f"{report['weight_sync_seconds_median']:.3f} |"),
              f"| largest probe error after a sync | {report['probe_max_abs_error']:.3g} |",
              "", "MFU leaves out attention FLOPs, padding and the value head."]
     json_path, md_path = write_results(args.out or run_dir, "gpu_report", report, rows)

@@ -7,8 +7,8 @@
 Runs ``python -m learner.main`` once per task (randomwalks: the embedded default; smollm2-sentiment:
 ``deploy/configs/smollm2-sentiment.yaml``) for ``--iterations`` iterations with evaluation only at the end
 (or every ``--eval-every``), each job starting its own local Ray as its children; ``--runs-dir`` keeps
-the run directories (curves.png, samples/, metrics.jsonl), which otherwise go to a temporary folder. From metrics.jsonl, medians over the iterations
-after the first (warm-up) without an evaluation:
+the run directories (curves.png, samples/, metrics.jsonl), which otherwise go to a temporary folder. From
+metrics.jsonl, medians over the iterations after the first (warm-up) without an evaluation:
 
 - the breakdown of an iteration into generate (rollout engines' busy time), score (reference), reward,
   learner forward, PPO update and sync (weight broadcast, state check and probe);
@@ -38,12 +38,14 @@ ROLES = ("rollout", "reference", "reward", "learner", "driver", "ray")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=list(TASK_ARGS), choices=list(TASK_ARGS))
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
     parser.add_argument("--eval-every", type=int, default=None, help="default: only after the last iteration")
-    parser.add_argument("--runs-dir", default=None, help="keep the run directories here (default: a temp dir)")
+    parser.add_argument("--runs-dir", default=None,
+                        help="keep the run directories here (default: a temp dir)")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
     args = parser.parse_args()
@@ -56,15 +58,17 @@ def main() -> None:
         for task in args.tasks:
             job = MeasuredJob([*TASK_ARGS[task], "--model.cache_dir", args.cache_dir, "--run.output_dir", out,
                                "--run.name", task, "--run.iterations", str(args.iterations),
-                               "--run.eval_every", str(args.eval_every or args.iterations), *args.extra]).run()
+                               "--run.eval_every", str(args.eval_every or args.iterations),
+                               *args.extra]).run()
             results["tasks"][task] = {
                 "wall_seconds": job.wall_seconds,
                 **steady_state(read_records(Path(out) / task)),
                 "peak_rss_gib": {r: job.peak_rss.get(r, 0) / 2**30 for r in ROLES},
                 "peak_rss_total_gib": job.peak_rss_total / 2**30,
             }
-    rows = [("| task | episodes/iter | iteration (s) | generate | score | reward | learner fwd | PPO update | sync | "
-            "overhead ratio | samples/s |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [("| task | episodes/iter | iteration (s) | generate | score | reward | learner fwd | "
+             "PPO update | sync | overhead ratio | samples/s |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for task, r in results["tasks"].items():
         b = r["breakdown_seconds"]
         rows.append(f"| {task} | {r['episodes_per_iteration']:.0f} | {r['steady_iteration_seconds']:.2f} | "

@@ -1,20 +1,20 @@
-"""Benchmark: where the seconds of a whole job go, from ``python -m learner.main`` starting to its exit, in every
-process it starts (the driver, the Ray it starts, the engines, the reference, the reward, the learner ranks, idle
-Ray workers), phase by phase.
+"""Benchmark: where the seconds of a whole job go, from ``python -m learner.main`` starting to its exit, in
+every process it starts (the driver, the Ray it starts, the engines, the reference, the reward, the learner
+ranks, idle Ray workers), phase by phase.
 
     .venv/bin/python benchmarks/job_profile.py [--cold] [--runs 1] [--name NAME] [-- extra learner.main args]
 
-Warm (default): the models are cached (one job first warms the cache and the page cache) and no Ray head is up, so
-the job starts its own local Ray, as ``make run`` does. ``--cold``: each run gets an empty model cache and empty
-compile caches (``TORCH_EXTENSIONS_DIR``, Triton's, vLLM's), as the first run of a fresh clone; the SFT warm start
-it then trains is timed on its own and reported apart (the goal leaves it apart).
+Warm (default): the models are cached (one job first warms the cache and the page cache) and no Ray head is
+up, so the job starts its own local Ray, as ``make run`` does. ``--cold``: each run gets an empty model cache
+and empty compile caches (``TORCH_EXTENSIONS_DIR``, Triton's, vLLM's), as the first run of a fresh clone; the
+SFT warm start it then trains is timed on its own and reported apart (the goal leaves it apart).
 
 Every ``--interval`` seconds a thread reads the CPU time of each process under the driver (Ray's daemons and
-workers are its descendants here), by role from the process title (``ray::RolloutActor`` ...). The phases are cut
-at the driver's own lines (``PHASES``): config and imports until it logs its first line, Ray started, the rest of
-the plan (cold: the SFT warm start), pre-flight, actors ready, the evaluation before training, the iterations, the
-final evaluation and summary, and the exit. Each phase's wall seconds and CPU seconds by role go into
-``benchmarks/results/job_profile-<name>.md`` and ``.json`` (name: ``warm`` or ``cold`` by default).
+workers are its descendants here), by role from the process title (``ray::RolloutActor`` ...). The phases are
+cut at the driver's own lines (``PHASES``): config and imports until it logs its first line, Ray started, the
+rest of the plan (cold: the SFT warm start), pre-flight, actors ready, the evaluation before training, the
+iterations, the final evaluation and summary, and the exit. Each phase's wall seconds and CPU seconds by role
+go into ``benchmarks/results/job_profile-<name>.md`` and ``.json`` (name: ``warm`` or ``cold`` by default).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from _bench import RAY_ENV, RESULTS, ROOT, processes_by_role, stamp, write_resul
 ROLES = ("driver", "ray", "workers", "rollout", "reference", "reward", "learner")
 ACTOR_ROLES = ("rollout", "reference", "reward", "learner")
 # (phase, the driver's line that ends it). The driver starts Ray on its main thread while a second one imports
-# the loop and runs the plan (with the SFT warm start, cold): the first phases overlap Ray's start. A line that
-# comes before the one its phase waits for ends that phase and folds the phases between into it.
+# the loop and runs the plan (with the SFT warm start, cold): the first phases overlap Ray's start. A line
+# that comes before the one its phase waits for ends that phase and folds the phases between into it.
 PHASES = (
     ("config and imports (Ray starting beside them)", "[tether] KL accounting"),
     ("Ray started (the plan beside it)", "[tether] ray:"),
@@ -97,10 +97,12 @@ def one_job(args: list[str], env: dict, interval: float) -> dict:
     marks: list[tuple[str, float, dict]] = []  # (phase, wall at its end, CPU by role at its end)
     pending = list(PHASES)
     lines = []
-    sft: dict[str, float] = {}  # the SFT warm start's training, cold: its start and end (the goal leaves it apart)
+    # the SFT warm start's training, cold: its start and end (the goal leaves it apart)
+    sft: dict[str, float] = {}
     for line in proc.stdout:
         lines.append(line)
-        for event, prefix in (("start", "[tether] SFT warm start: training"), ("end", "[tether] SFT warm start: saved")):
+        for event, prefix in (("start", "[tether] SFT warm start: training"),
+                              ("end", "[tether] SFT warm start: saved")):
             if line.startswith(prefix):
                 sft[event] = time.perf_counter() - start
         for i, (phase, prefix) in enumerate(pending):
@@ -142,20 +144,22 @@ def table(runs: list[dict]) -> list[str]:
                 + " / ".join(f"{total[r]:.1f}" for r in ROLES) + f" | {sum(total.values()):.1f} |")
     rows.append("")
     sft = med([r.get("sft_seconds", 0.0) for r in runs])
-    apart = (f", {med([r['actors_ready_seconds'] - r.get('sft_seconds', 0.0) for r in runs]):.1f} s with the SFT "
-             f"warm start's training ({sft:.1f} s) apart" if sft else "")
-    rows.append(f"Actors ready after {med([r['actors_ready_seconds'] for r in runs]):.1f} s{apart} (median of "
-                f"{len(runs)}); {runs[0]['iterations']} iterations; {runs[-1]['summary']}")
+    apart = (f", {med([r['actors_ready_seconds'] - r.get('sft_seconds', 0.0) for r in runs]):.1f} s with "
+             f"the SFT warm start's training ({sft:.1f} s) apart" if sft else "")
+    rows.append(f"Actors ready after {med([r['actors_ready_seconds'] for r in runs]):.1f} s{apart} "
+                f"(median of {len(runs)}); {runs[0]['iterations']} iterations; {runs[-1]['summary']}")
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cold", action="store_true", help="empty model and compile caches for each run")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--name", help="results/job_profile-NAME (default: warm or cold)")
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between CPU readings")
-    parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()), help="warm runs' cache")
+    parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()),
+                        help="warm runs' cache")
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
     args = parser.parse_args()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | RAY_ENV
@@ -163,8 +167,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="profile-") as out:
         base = ["--run.output_dir", out, "--checkpoint.every", "0", *args.extra]
         if not args.cold:  # the cache and the page cache warm
-            one_job([*base, "--model.cache_dir", args.cache_dir, "--run.name", "warm-up", "--run.iterations", "1"],
-                    env, args.interval)
+            one_job([*base, "--model.cache_dir", args.cache_dir, "--run.name", "warm-up",
+                     "--run.iterations", "1"], env, args.interval)
         for i in range(args.runs):
             run_env, cache = dict(env), args.cache_dir
             if args.cold:
@@ -172,12 +176,14 @@ def main() -> None:
                 cache = str(fresh / "tether")
                 run_env |= {"TORCH_EXTENSIONS_DIR": str(fresh / "torch_extensions"),
                             "TRITON_CACHE_DIR": str(fresh / "triton"), "VLLM_CACHE_ROOT": str(fresh / "vllm")}
-            runs.append(one_job([*base, "--model.cache_dir", cache, "--run.name", f"run-{i}"], run_env, args.interval))
+            runs.append(one_job([*base, "--model.cache_dir", cache, "--run.name", f"run-{i}"], run_env,
+                                args.interval))
             print("\n".join(table(runs[-1:])), flush=True)
     name = args.name or ("cold" if args.cold else "warm")
     results = {**stamp(), "cold": args.cold, "args": args.extra, "runs": runs}
-    command = (f"`.venv/bin/python benchmarks/job_profile.py{' --cold' if args.cold else ''} --runs {args.runs}"
-               f"{' --name ' + args.name if args.name else ''}{' -- ' + ' '.join(args.extra) if args.extra else ''}`")
+    command = (f"`.venv/bin/python benchmarks/job_profile.py{' --cold' if args.cold else ''} "
+               f"--runs {args.runs}{' --name ' + args.name if args.name else ''}"
+               f"{' -- ' + ' '.join(args.extra) if args.extra else ''}`")
     write_results(RESULTS, f"job_profile-{name}", results, [command, "", *table(runs)])
     print("\n".join(table(runs)))
 

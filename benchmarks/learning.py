@@ -46,7 +46,8 @@ def run_job(cache_dir: str, out_dir: str, extra: list[str], analyse: bool = True
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cold", action="store_true", help="also run once from an empty SFT cache")
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
@@ -56,7 +57,8 @@ def main() -> None:
         if args.cold:
             with tempfile.TemporaryDirectory() as cold_cache:
                 results["cold"] = run_job(cold_cache, str(Path(out) / "cold"), args.extra)
-        run_job(args.cache_dir, str(Path(out) / "warmup"), ["--run.iterations", "1"], analyse=False)  # fill the cache
+        # fill the cache
+        run_job(args.cache_dir, str(Path(out) / "warmup"), ["--run.iterations", "1"], analyse=False)
         results["cached"] = run_job(args.cache_dir, str(Path(out) / "cached"), args.extra)
     rows = [("| run | reached 0.95 at (s) | final optimality | wall (s) | steady iter (s) | overhead ratio | "
              "episodes/s | peak RSS (GiB) |"), "|---|---|---|---|---|---|---|---|"]
@@ -65,9 +67,10 @@ def main() -> None:
             r = results[name]
             reached = f"{r['reached_0.95']['seconds']:.0f} (iter {r['reached_0.95']['iteration']})" \
                 if r["reached_0.95"] else "not reached"
-            rows.append(f"| {name} SFT | {reached} | {r['eval_final']['optimality']:.3f} | {r['wall_seconds']:.0f} | "
-                        f"{r['steady_iteration_seconds']:.2f} | {r['overhead_ratio']:.2f} | "
-                        f"{r['episodes_per_second']:.0f} | {r['peak_rss_gib']:.2f} |")
+            rows.append(f"| {name} SFT | {reached} | {r['eval_final']['optimality']:.3f} | "
+                        f"{r['wall_seconds']:.0f} | {r['steady_iteration_seconds']:.2f} | "
+                        f"{r['overhead_ratio']:.2f} | {r['episodes_per_second']:.0f} | "
+                        f"{r['peak_rss_gib']:.2f} |")
     b = results["cached"]["breakdown_seconds"]
     rows += ["", "Steady-state iteration breakdown (median seconds): " +
              ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in b.items())]

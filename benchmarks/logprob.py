@@ -18,7 +18,8 @@ def median(values: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=512, help="B x T positions")
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--threads", type=int, default=2)
@@ -52,9 +53,10 @@ def main() -> None:
             f(base)
             cpu[name].append(time.process_time() - start)
     m = {k: median(v[1:]) for k, v in cpu.items()}
-    print(f"{machine()}, {args.threads} threads, {args.rows} x {args.vocab} fp32 logits, median of {args.reps - 1}")
-    print(f"log-probs forward+backward CPU s: full {m['full fwd+bwd']:.3f}, chunked {m['chunked fwd+bwd']:.3f} "
-          f"({m['full fwd+bwd'] / m['chunked fwd+bwd']:.2f}x)")
+    print(f"{machine()}, {args.threads} threads, {args.rows} x {args.vocab} fp32 logits, "
+          f"median of {args.reps - 1}")
+    print(f"log-probs forward+backward CPU s: full {m['full fwd+bwd']:.3f}, "
+          f"chunked {m['chunked fwd+bwd']:.3f} ({m['full fwd+bwd'] / m['chunked fwd+bwd']:.2f}x)")
     print(f"entropy (no grad) CPU s: full {m['full entropy']:.3f}, chunked {m['chunked entropy']:.3f} "
           f"({m['full entropy'] / m['chunked entropy']:.2f}x)")
 

@@ -1,6 +1,6 @@
-"""The long-tail task of ``benchmarks/long_tail.py``: each prompt is a letter that names how many tokens its answer
-must have, from 2 to 64, most of them short (``TARGETS``); the reward is ``length_score``. Loaded by the job's
-reward actors as ``benchmarks.long_tail_task:length_score``."""
+"""The long-tail task of ``benchmarks/long_tail.py``: each prompt is a letter that names how many tokens its
+answer must have, from 2 to 64, most of them short (``TARGETS``); the reward is ``length_score``. Loaded by
+the job's reward actors as ``benchmarks.long_tail_task:length_score``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,6 @@ MAX_NEW_TOKENS = 64
 
 
 def length_score(prompt: str, completion: str, length: int) -> float:
-    """1 for an answer of exactly ``length`` tokens (one character each), falling linearly to 0 at a distance of
-    ``length``; any characters count."""
+    """1 for an answer of exactly ``length`` tokens (one character each), falling linearly to 0 at a distance
+    of ``length``; any characters count."""
     return max(0.0, 1.0 - abs(len(completion) - length) / length)

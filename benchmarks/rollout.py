@@ -91,7 +91,8 @@ def _time_calls(fn, batches: list[int], repeats: int, device: str) -> dict:
             tokens = n
         s = median(seconds)
         out[str(b)] = {"seconds": s, "tokens": tokens, "tokens_per_s": tokens / s, "all_seconds": seconds}
-        print(f"  batch {b}: {tokens} tokens in {s:.3f}s -> {tokens / s:.1f} tokens/s", file=sys.stderr, flush=True)
+        print(f"  batch {b}: {tokens} tokens in {s:.3f}s -> {tokens / s:.1f} tokens/s", file=sys.stderr,
+              flush=True)
     return out
 
 
@@ -119,10 +120,11 @@ def worker_vllm(spec: dict) -> dict:
 
     def generate(b: int, r: int) -> int:
         engine.llm.reset_prefix_cache()
-        params = [SamplingParams(temperature=spec["temperature"], top_p=spec["top_p"], max_tokens=n_new, logprobs=0,
-                                 seed=spec["seed"] + 1000 * (r + 1) + i, ignore_eos=True) for i in range(b)]
-        outs = engine.llm.generate([TokensPrompt(prompt_token_ids=prompts[i % len(prompts)]) for i in range(b)],
-                                   params, use_tqdm=False)
+        params = [SamplingParams(temperature=spec["temperature"], top_p=spec["top_p"], max_tokens=n_new,
+                                 logprobs=0, seed=spec["seed"] + 1000 * (r + 1) + i, ignore_eos=True)
+                  for i in range(b)]
+        outs = engine.llm.generate([TokensPrompt(prompt_token_ids=prompts[i % len(prompts)])
+                                    for i in range(b)], params, use_tqdm=False)
         tokens = 0
         for out in outs:  # read the sampled-token log-probs, as VLLMEngine.generate does
             ids = list(out.outputs[0].token_ids)
@@ -164,9 +166,10 @@ def worker_hf(spec: dict) -> dict:
         input_ids = pad_left(rows, engine.pad_id).to(engine.device)
         attention_mask = pad_left([[1] * len(p) for p in rows], 0).to(engine.device)
         out = engine.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=spec["temperature"],
-            top_p=spec["top_p"], top_k=0, max_new_tokens=n_new, min_new_tokens=n_new, eos_token_id=engine.eos_id,
-            pad_token_id=engine.pad_id, output_scores=True, return_dict_in_generate=True,
+            input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+            temperature=spec["temperature"], top_p=spec["top_p"], top_k=0, max_new_tokens=n_new,
+            min_new_tokens=n_new, eos_token_id=engine.eos_id, pad_token_id=engine.pad_id, output_scores=True,
+            return_dict_in_generate=True,
         )
         new_tokens = out.sequences[:, input_ids.shape[1]:]
         logprobs = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], dim=1)
@@ -178,7 +181,8 @@ def worker_hf(spec: dict) -> dict:
         seqs, plens = spec["score_sequences"][:b], spec["score_prompt_lengths"][:b]
         ps = [s[:p] for s, p in zip(seqs, plens, strict=True)]
         rs = [s[p:] for s, p in zip(seqs, plens, strict=True)]
-        batch = make_batch(ps, rs, [[0.0] * len(x) for x in rs], [0] * b, list(range(b)), engine.pad_id, 0, 0.0)
+        batch = make_batch(ps, rs, [[0.0] * len(x) for x in rs], [0] * b, list(range(b)), engine.pad_id,
+                           0, 0.0)
         logprobs, _, _ = response_forward(engine.model, batch.to(engine.device))
         _ = (logprobs * batch.response_mask.to(engine.device)).cpu()
         return sum(len(s) for s in seqs)
@@ -235,18 +239,22 @@ def build_prompts(model_name: str, model_dir: Path) -> list[list[int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke mode: batches 1 and 4, 8 tokens, 1 repeat")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke mode: batches 1 and 4, 8 tokens, 1 repeat")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", choices=("auto", "smollm2", "tiny"), default="auto")
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 8 32 64")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default 32")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per batch size (default 3)")
-    parser.add_argument("--dtype", default="float32", help="both engines (the service's rollouts run float32)")
+    parser.add_argument("--dtype", default="float32",
+                        help="both engines (the service's rollouts run float32)")
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="vLLM's KV cache on CPU (on CUDA: "
                         "rollout.gpu_memory_utilization's default share of the GPU)")
-    parser.add_argument("--cores", type=int, nargs="+", default=None, help="CPU cores for both engines (default: the first core this process may use)")
+    parser.add_argument("--cores", type=int, nargs="+", default=None,
+                        help="CPU cores for both engines (default: the first core this process may use)")
     parser.add_argument("--engines", nargs="+", choices=("vllm", "hf"), default=["vllm", "hf"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
@@ -262,7 +270,8 @@ def main() -> None:
     batches = args.batches or ([1, 4] if args.quick else [1, 8, 32, 64])
     max_new = args.max_new_tokens or (8 if args.quick else 32)
     repeats = args.repeats or (1 if args.quick else 3)
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    allowed = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else list(range(os.cpu_count() or 1)))
     cores = args.cores or allowed[:1]
     name = args.name or ("rollout-cuda" if args.device == "cuda" else "rollout")
     out = Path(args.out)
@@ -284,34 +293,39 @@ def main() -> None:
             plens.append(len(p))
         max_prompt = max(len(p) for p in prompts)
         spec = {
-            "model_dir": str(model_dir), "prompts": prompts, "batches": batches, "score_batches": score_batches,
-            "max_new_tokens": max_new, "repeats": repeats, "dtype": args.dtype, "device": args.device,
-            "cores": cores, "kv_cache_mib": args.kv_cache_mib, "seed": args.seed, "temperature": 1.0, "top_p": 1.0,
-            "max_model_len": max_prompt + max_new + 1, "score_sequences": seqs, "score_prompt_lengths": plens,
+            "model_dir": str(model_dir), "prompts": prompts, "batches": batches,
+            "score_batches": score_batches, "max_new_tokens": max_new, "repeats": repeats,
+            "dtype": args.dtype, "device": args.device, "cores": cores, "kv_cache_mib": args.kv_cache_mib,
+            "seed": args.seed, "temperature": 1.0, "top_p": 1.0, "max_model_len": max_prompt + max_new + 1,
+            "score_sequences": seqs, "score_prompt_lengths": plens,
         }
         results.update({
-            "model": model_name, "model_dir": str(model_dir), "params": count_params(model_dir), "dtype": args.dtype,
-            "max_new_tokens": max_new, "repeats": repeats, "cores": cores, "batches": batches,
-            "prompt_tokens_mean": sum(len(p) for p in prompts) / len(prompts), "prompt_tokens_max": max_prompt,
+            "model": model_name, "model_dir": str(model_dir), "params": count_params(model_dir),
+            "dtype": args.dtype, "max_new_tokens": max_new, "repeats": repeats, "cores": cores,
+            "batches": batches, "prompt_tokens_mean": sum(len(p) for p in prompts) / len(prompts),
+            "prompt_tokens_max": max_prompt,
             "sampling": {"temperature": 1.0, "top_p": 1.0, "fixed_length": True},
             "quick": args.quick,
         })
-        print(f"[rollout] {model_name} ({results['params'] / 1e6:.1f}M params, {args.dtype}) on {args.device}, "
-              f"cores {cores}, batches {batches}, {max_new} new tokens, {repeats} repeat(s)", flush=True)
+        print(f"[rollout] {model_name} ({results['params'] / 1e6:.1f}M params, {args.dtype}) on "
+              f"{args.device}, cores {cores}, batches {batches}, {max_new} new tokens, {repeats} repeat(s)",
+              flush=True)
         engines = {}
         for kind in args.engines:
             print(f"[rollout] {kind} worker (log: {out / 'logs' / f'{name}-{kind}.log'})", flush=True)
-            engines[kind] = run_worker(Path(__file__), ["--worker", kind], spec, out / "logs" / f"{name}-{kind}.log")
+            engines[kind] = run_worker(Path(__file__), ["--worker", kind], spec,
+                                       out / "logs" / f"{name}-{kind}.log")
             print(f"[rollout] {kind}: " + ", ".join(
-                f"b{b} {v['tokens_per_s']:.0f}" for b, v in engines[kind]["generate"].items()) + " gen tokens/s",
-                flush=True)
+                f"b{b} {v['tokens_per_s']:.0f}" for b, v in engines[kind]["generate"].items())
+                + " gen tokens/s", flush=True)
     results["engines"] = engines
     results["loadavg_after"] = os.getloadavg()
     ratios = {"generate": {}, "score": {}}
     if "vllm" in engines and "hf" in engines:
         for part, by_batch in ratios.items():
             for b in engines["vllm"][part]:
-                by_batch[b] = engines["vllm"][part][b]["tokens_per_s"] / engines["hf"][part][b]["tokens_per_s"]
+                by_batch[b] = (engines["vllm"][part][b]["tokens_per_s"]
+                               / engines["hf"][part][b]["tokens_per_s"])
     results["speedup_vllm_over_hf"] = ratios
 
     def cell(kind: str, part: str, b: str) -> str:
@@ -319,9 +333,9 @@ def main() -> None:
 
     rows = [f"Model {model_name}, {results['params'] / 1e6:.1f}M params, {args.dtype}, device {args.device}, "
             f"cores {cores}; {max_new} new tokens per sequence (EOS ignored), temperature 1, top-p 1; "
-            f"prompts {results['prompt_tokens_mean']:.0f} tokens on average; median of {repeats} timed call(s) "
-            "after a warm-up." + (" QUICK SMOKE RUN: sizes shrunk, numbers are not representative." if args.quick
-                                  else ""),
+            f"prompts {results['prompt_tokens_mean']:.0f} tokens on average; median of {repeats} timed "
+            "call(s) after a warm-up."
+            + (" QUICK SMOKE RUN: sizes shrunk, numbers are not representative." if args.quick else ""),
             "",
             ("| batch | vLLM generate tok/s | transformers generate tok/s | speedup | vLLM score tok/s "
             "(prompt_logprobs) | transformers forward tok/s | speedup |"),
@@ -331,11 +345,12 @@ def main() -> None:
         rows.append(f"| {b} | {cell('vllm', 'generate', b)} | {cell('hf', 'generate', b)} | "
                     f"{f'{g:.2f}x' if g else '-'} | {cell('vllm', 'score', b)} | {cell('hf', 'score', b)} | "
                     f"{f'{s:.2f}x' if s else '-'} |")
-    rows += ["", "Engine start (s): " + ", ".join(f"{k} {v['startup_seconds']:.1f}" for k, v in engines.items()),
+    rows += ["", "Engine start (s): " + ", ".join(f"{k} {v['startup_seconds']:.1f}"
+                                                  for k, v in engines.items()),
              (f"Load average (1 min) before {results['loadavg_before'][0]:.1f}, after "
              f"{results['loadavg_after'][0]:.1f}, on {os.cpu_count()} CPUs."),
-             ("Generate tokens/s counts new tokens; score tokens/s counts every token of every scored sequence "
-             f"(prompt + {max_new}).")]
+             ("Generate tokens/s counts new tokens; score tokens/s counts every token of every scored "
+              f"sequence (prompt + {max_new}).")]
     json_path, md_path = write_results(out, name, results, rows)
     print("\n".join(rows))
     print(f"[rollout] wrote {json_path} and {md_path}")

@@ -55,7 +55,8 @@ def run_layout(engines: int, ranks: int, iterations: int, cache_dir: str, out_di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke mode: 2 iterations, 1 vs 2 engines only")
     parser.add_argument("--iterations", type=int, default=None, help="iterations per run (default 8)")
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
@@ -74,7 +75,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
         for engines, ranks in layouts:
             print(f"[scaling] {engines} engine(s), {ranks} rank(s), {iterations} iterations", flush=True)
-            r = run_layout(engines, ranks, iterations, args.cache_dir, Path(tmp), extra, out / "logs", args.timeout)
+            r = run_layout(engines, ranks, iterations, args.cache_dir, Path(tmp), extra, out / "logs",
+                           args.timeout)
             runs.append(r)
             print(f"[scaling]   {r['episodes_per_second']:.1f} episodes/s steady "
                   f"(iterations {r['steady_iterations']}, wall {r['wall_seconds']:.0f}s)", flush=True)
@@ -86,28 +88,32 @@ def main() -> None:
         r["efficiency"] = r["throughput_ratio"] / 2
 
     note = (f"This machine has {cores} cores. "
-            + (f"With {cores} cores, 2 engines or 2 learner ranks compete with each other and with the reference, "
-               "reward and driver processes for the same cores: these figures show contention, not scaling."
-               if cores <= 4 else "Every process still shares the machine's cores; read the ratios with that in mind.")
+            + (f"With {cores} cores, 2 engines or 2 learner ranks compete with each other and with the "
+               "reference, reward and driver processes for the same cores: these figures show contention, "
+               "not scaling."
+               if cores <= 4
+               else "Every process still shares the machine's cores; read the ratios with that in mind.")
             + f" Load average (1 min) before {results['loadavg_before'][0]:.1f}, after "
             f"{results['loadavg_after'][0]:.1f}.")
-    rows = [f"randomwalks, {iterations} iterations per run, {runs[0]['episodes_per_iteration']:.0f} episodes per "
-            "iteration; steady episodes/s = median over iterations after the first of episodes / (iteration time "
-            "without evaluation)." + (" QUICK SMOKE RUN: 2 iterations, small batch; not representative."
-                                      if args.quick else ""),
+    rows = [f"randomwalks, {iterations} iterations per run, {runs[0]['episodes_per_iteration']:.0f} episodes "
+            "per iteration; steady episodes/s = median over iterations after the first of episodes / "
+            "(iteration time without evaluation)."
+            + (" QUICK SMOKE RUN: 2 iterations, small batch; not representative." if args.quick else ""),
             "", f"**{note}**", "",
-            ("| machine cores | engines | learner ranks | episodes/s | ratio vs 1x1 | efficiency (ratio / 2) | generate (s) | "
-            "learner update (s) | iteration w/o eval (s) |"),
+            ("| machine cores | engines | learner ranks | episodes/s | ratio vs 1x1 | "
+             "efficiency (ratio / 2) | generate (s) | learner update (s) | iteration w/o eval (s) |"),
             "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         m = r["median_seconds"]
         ratio = f"{r['throughput_ratio']:.2f}" if "throughput_ratio" in r else "1 (base)"
         eff = f"{r['efficiency']:.2f}" if "efficiency" in r else "-"
-        rows.append(f"| {cores} (shared) | {r['engines']} | {r['ranks']} | {r['episodes_per_second']:.1f} | {ratio} | {eff} | "
-                    f"{m.get('generate_seconds', float('nan')):.2f} | {m.get('learner_update_seconds', float('nan')):.2f} "
+        rows.append(f"| {cores} (shared) | {r['engines']} | {r['ranks']} | {r['episodes_per_second']:.1f} | "
+                    f"{ratio} | {eff} | {m.get('generate_seconds', float('nan')):.2f} | "
+                    f"{m.get('learner_update_seconds', float('nan')):.2f} "
                     f"| {m['learner_seconds'] + m['sync_and_probe_seconds']:.2f} |")
-    rows += ["", ("generate (s) is the rollout engines' busy time summed over engines (evaluation included), so it "
-             "does not shrink with more engines; the iteration time is what a second engine or rank should shorten.")]
+    rows += ["", ("generate (s) is the rollout engines' busy time summed over engines (evaluation included), "
+                  "so it does not shrink with more engines; the iteration time is what a second engine or "
+                  "rank should shorten.")]
     json_path, md_path = write_results(out, "scaling", results, rows)
     print("\n".join(rows))
     print(f"[scaling] wrote {json_path} and {md_path}")

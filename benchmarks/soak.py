@@ -32,7 +32,8 @@ VICTIMS = ("rollout-0", "reference-0", "reward-0")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=25.0)
     parser.add_argument("--kill-every", type=float, nargs=2, default=(120.0, 180.0), help="seconds, min max")
     parser.add_argument("--seed", type=int, default=0)
@@ -42,12 +43,14 @@ def main() -> None:
     os.environ.update(RAY_ENV)
     state_dir = tempfile.mkdtemp(prefix="soak-cluster-")
     env = {**os.environ, "TETHER_CLUSTER_DIR": state_dir}
-    up = subprocess.run(["bash", "deploy/local-cluster.sh", "up"], cwd=ROOT, env=env, capture_output=True, text=True,
-                        check=False)
+    up = subprocess.run(["bash", "deploy/local-cluster.sh", "up"], cwd=ROOT, env=env, capture_output=True,
+                        text=True, check=False)
     if up.returncode != 0:
         sys.exit(up.stdout + up.stderr)
-    address = next(line.split("=", 1)[1] for line in up.stdout.splitlines() if line.startswith("RAY_ADDRESS="))
-    state = dict(line.split("=", 1) for line in (Path(state_dir) / "state.env").read_text().splitlines() if "=" in line)
+    address = next(line.split("=", 1)[1] for line in up.stdout.splitlines()
+                   if line.startswith("RAY_ADDRESS="))
+    state = dict(line.split("=", 1) for line in (Path(state_dir) / "state.env").read_text().splitlines()
+                 if "=" in line)
     head_pid = int(state["PID"])
     out_dir = tempfile.mkdtemp(prefix="soak-run-")
     import ray
@@ -67,7 +70,8 @@ def main() -> None:
         next_kill = start + rng.uniform(*args.kill_every)
         while time.monotonic() - start < args.minutes * 60 and job.poll() is None:
             now = time.monotonic()
-            memory.append({"t": now - start, "rss_gib": sum(rss_by_role([job.pid, head_pid]).values()) / 2**30})
+            memory.append({"t": now - start,
+                           "rss_gib": sum(rss_by_role([job.pid, head_pid]).values()) / 2**30})
             if now >= next_kill:
                 victim = rng.choice(VICTIMS)
                 try:

@@ -1,7 +1,8 @@
 """Benchmark: start-up, from ``python -m learner.main`` starting to its first generation, with cached models,
 against a running Ray head (as under ``ray job submit``); and the CPU seconds each process spent until then.
 
-    .venv/bin/python benchmarks/startup.py [--runs 3] [--cache-dir ~/.cache/tether] [-- extra learner.main args]
+    .venv/bin/python benchmarks/startup.py [--runs 3] [--cache-dir ~/.cache/tether]
+        [-- extra learner.main args]
 
 Starts a head with ``deploy/local-cluster.sh up`` (stopped by its own PID at the end), runs one job to warm
 the page cache, then ``--runs`` jobs of the default randomwalks config for one iteration. For each it
@@ -84,7 +85,8 @@ def table(runs: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
@@ -96,8 +98,10 @@ def main() -> None:
                         text=True, check=False)
     if up.returncode != 0:
         sys.exit(up.stdout + up.stderr)
-    address = next(line.split("=", 1)[1] for line in up.stdout.splitlines() if line.startswith("RAY_ADDRESS="))
-    state = dict(line.split("=", 1) for line in (Path(state_dir) / "state.env").read_text().splitlines() if "=" in line)
+    address = next(line.split("=", 1)[1] for line in up.stdout.splitlines()
+                   if line.startswith("RAY_ADDRESS="))
+    state = dict(line.split("=", 1) for line in (Path(state_dir) / "state.env").read_text().splitlines()
+                 if "=" in line)
     try:
         with tempfile.TemporaryDirectory() as out:
             one_job(address, int(state["PID"]), args.cache_dir, out, "warm-up", args.extra)

@@ -44,8 +44,8 @@ from trl_compare import TRL_VERSION, cpu_flags, parse_args, timed, trl_python
 
 PROMPTS, SAMPLES, NEW_TOKENS, BETA, LR, LORA_LR = 8, 8, 32, 0.05, 5e-5, 5e-4
 PEFT_VERSION = version("peft")  # the project's, in TRL's virtualenv too
-# tether's default layout, padded: packing (--pack-tokens N, learner.max_tokens_per_microbatch) pays where padding is
-# large; here it is ~10% and SDPA on CPU runs a pack as one masked block (benchmarks/packing.py)
+# tether's default layout, padded: packing (--pack-tokens N, learner.max_tokens_per_microbatch) pays where
+# padding is large; here it is ~10% and SDPA on CPU runs a pack as one masked block (benchmarks/packing.py)
 PACK_TOKENS = 0
 
 
@@ -91,69 +91,86 @@ def run_trl(python: Path, model: Path, steps: int, dtype: str, lora_rank: int, w
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
     seconds = timed([str(python), str(ROOT / "benchmarks" / "_trl_grpo.py"), "--task", "smollm2-sentiment",
                      "--model", str(model), "--steps", str(steps), "--prompts-per-step", str(PROMPTS),
-                     "--samples-per-prompt", str(SAMPLES), "--beta", str(BETA), "--lr", str(LORA_LR if lora_rank else LR),
-                     "--max-completion-length", str(NEW_TOKENS), "--missing-eos-penalty", "-1", "--dtype", dtype,
-                     "--out", str(out), *lora], work / f"trl-{dtype}.log", env=env)
+                     "--samples-per-prompt", str(SAMPLES), "--beta", str(BETA),
+                     "--lr", str(LORA_LR if lora_rank else LR), "--max-completion-length", str(NEW_TOKENS),
+                     "--missing-eos-penalty", "-1", "--dtype", dtype, "--out", str(out), *lora],
+                    work / f"trl-{dtype}.log", env=env)
     timings = json.loads((out / "timings.json").read_text())
     step = statistics.median(timings["step_seconds"][1:])
     length = statistics.mean(timings["completion_length_by_step"][1:])
     return {"side": "TRL GRPO", "dtype": dtype, "lora_rank": lora_rank, "whole_process_seconds": seconds,
             "step_seconds": timings["step_seconds"], "steady_step_seconds": step,
             "episodes_per_second": PROMPTS * SAMPLES / step, "response_length_mean": length,
-            "tokens_per_second": PROMPTS * SAMPLES * length / step, "peak_rss_gib": timings["peak_rss_bytes"] / 2**30}
+            "tokens_per_second": PROMPTS * SAMPLES * length / step,
+            "peak_rss_gib": timings["peak_rss_bytes"] / 2**30}
 
 
-def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: Path, lora_sync: str = "auto") -> dict:
+def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: Path,
+               lora_sync: str = "auto") -> dict:
     args = ["--config", str(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml"),
             "--rollout.batch_size", str(PROMPTS * SAMPLES), "--rollout.samples_per_prompt", str(SAMPLES),
             "--rollout.chunk_size", str(PROMPTS * SAMPLES // 2), "--rollout.max_new_tokens", str(NEW_TOKENS),
             "--ppo.advantage", "grpo", "--ppo.epochs", "1", "--ppo.minibatch_size", str(PROMPTS * SAMPLES),
             "--kl.init_kl_coef", str(BETA), "--learner.dtype", dtype, "--run.iterations", str(steps + 1),
-            "--run.eval_every", str(100 * steps), "--run.output_dir", str(work), "--run.name", f"tether-{dtype}"]
+            "--run.eval_every", str(100 * steps), "--run.output_dir", str(work),
+            "--run.name", f"tether-{dtype}"]
     if pack_tokens:
         args += ["--learner.max_tokens_per_microbatch", str(pack_tokens)]
     if lora_rank:
-        # the base model is the reference: no reference actor, so the preset's reference threads go back to default
+        # the base model is the reference: no reference actor, so the preset's reference threads go
+        # back to default
         args += ["--learner.lora.rank", str(lora_rank), "--learner.lora.alpha", str(2 * lora_rank),
-                 "--ppo.lr", str(LORA_LR), "--reference.torch_threads", "null", "--learner.lora.sync", lora_sync]
+                 "--ppo.lr", str(LORA_LR), "--reference.torch_threads", "null",
+                 "--learner.lora.sync", lora_sync]
     job = MeasuredJob(args, log_path=work / f"tether-{dtype}.log").run()
     records = read_records(work / f"tether-{dtype}")
     steady = steady_state(records)
     synced = [r for r in records[1:] if "eval" not in r] or records[-1:]
     weight_sync = statistics.median(r["weight_sync_seconds"] for r in synced)
     probe = statistics.median(r["sync_and_probe_seconds"] - r["weight_sync_seconds"] for r in synced)
-    return {"side": "tether", "dtype": dtype, "lora_rank": lora_rank, "whole_process_seconds": job.wall_seconds, "args": args,
+    return {"side": "tether", "dtype": dtype, "lora_rank": lora_rank,
+            "whole_process_seconds": job.wall_seconds, "args": args,
             "iteration_seconds": [r["iteration_seconds"] for r in records],
-            "steady_step_seconds": steady["steady_iteration_seconds"], "breakdown_seconds": steady["breakdown_seconds"],
+            "steady_step_seconds": steady["steady_iteration_seconds"],
+            "breakdown_seconds": steady["breakdown_seconds"],
             "episodes_per_second": steady["episodes_per_second"], "weight_sync_seconds": weight_sync,
             "probe_and_checks_seconds": probe, "probe_share": probe / steady["steady_iteration_seconds"],
-            "response_length_mean": steady["response_length_mean"], "tokens_per_second": steady["tokens_per_second"],
+            "response_length_mean": steady["response_length_mean"],
+            "tokens_per_second": steady["tokens_per_second"],
             "weight_sync_bytes": records[-1].get("weight_sync_bytes"),
             "learner_padding_fraction": statistics.mean(r["learner_padding_fraction"] for r in records),
-            "peak_rss_gib": job.peak_rss_total / 2**30, "peak_rss_gib_by_role": {k: v / 2**30 for k, v in job.peak_rss.items()}}
+            "peak_rss_gib": job.peak_rss_total / 2**30,
+            "peak_rss_gib_by_role": {k: v / 2**30 for k, v in job.peak_rss.items()}}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4, help="steady steps (iterations) per side, after one warm-up")
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4,
+                        help="steady steps (iterations) per side, after one warm-up")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16"])
     parser.add_argument("--sides", nargs="+", default=["tether", "trl"], choices=["tether", "trl"])
-    parser.add_argument("--lora-rank", type=int, default=0, help="> 0: both sides train LoRA adapters of this rank")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="> 0: both sides train LoRA adapters of this rank")
     parser.add_argument("--lora-sync", choices=["auto", "adapter", "merged"], default="auto",
                         help="tether's learner.lora.sync (auto: merged weights on CPU)")
     parser.add_argument("--pack-tokens", type=int, default=PACK_TOKENS,
                         help="tether's learner.max_tokens_per_microbatch; 0: the padded layout")
     args, cache = parse_args(parser)
-    python = trl_python(cache, extra=("vadersentiment>=3.3", f"peft=={PEFT_VERSION}")) if "trl" in args.sides else None
+    python = (trl_python(cache, extra=("vadersentiment>=3.3", f"peft=={PEFT_VERSION}")) if "trl" in args.sides
+              else None)
     model = smollm2_model()
     params, prompt_len = count_params(model), prompt_tokens_mean(model)
     runs = []
     with tempfile.TemporaryDirectory(prefix="trl-smollm2-", dir=cache) as tmp:
         for dtype in args.dtypes:
             for side in args.sides:
-                run = (run_tether(args.steps, dtype, args.lora_rank, args.pack_tokens, Path(tmp), args.lora_sync) if side == "tether"
+                run = (run_tether(args.steps, dtype, args.lora_rank, args.pack_tokens, Path(tmp),
+                                  args.lora_sync) if side == "tether"
                        else run_trl(python, model, args.steps + 1, dtype, args.lora_rank, Path(tmp)))
-                print(f"[trl_smollm2] {json.dumps({k: v for k, v in run.items() if k != 'args'})}", flush=True)
+                print(f"[trl_smollm2] {json.dumps({k: v for k, v in run.items() if k != 'args'})}",
+                      flush=True)
                 runs.append(run)
     bounds = {dtype: matmul_gflops(dtype) for dtype in args.dtypes}
     for run in runs:
@@ -163,23 +180,27 @@ def main() -> None:
         run["times_the_bound"] = run["flop_bound_episodes_per_second"] / run["episodes_per_second"]
     trl = {r["dtype"]: r for r in runs if r["side"] == "TRL GRPO"}
     results = {**stamp(), "cpu_flags": cpu_flags(), "parameters": params, "prompt_tokens_mean": prompt_len,
-               "matmul_gflops": bounds, "lora_rank": args.lora_rank, "pack_tokens": args.pack_tokens, "runs": runs}
-    lora = (f"LoRA rank {args.lora_rank} (alpha {2 * args.lora_rank}, every linear layer, lr {LORA_LR}) on both "
-            f"sides, reference = the base model, tether's learner.lora.sync {args.lora_sync}; TRL with peft "
-            f"{PEFT_VERSION}" if args.lora_rank else
+               "matmul_gflops": bounds, "lora_rank": args.lora_rank, "pack_tokens": args.pack_tokens,
+               "runs": runs}
+    lora = (f"LoRA rank {args.lora_rank} (alpha {2 * args.lora_rank}, every linear layer, lr {LORA_LR}) on "
+            f"both sides, reference = the base model, tether's learner.lora.sync {args.lora_sync}; TRL with "
+            f"peft {PEFT_VERSION}" if args.lora_rank else
             f"full fine-tuning, lr {LR}")
-    packing = (f"tether packed ({args.pack_tokens}-token micro-batches)" if args.pack_tokens else "tether padded")
+    packing = (f"tether packed ({args.pack_tokens}-token micro-batches)" if args.pack_tokens
+               else "tether padded")
     table = [
-        (f"smollm2-sentiment, {PROMPTS} prompts x {SAMPLES} completions of <= {NEW_TOKENS} tokens a step, one "
-         f"gradient pass, beta {BETA} with a reference model; {lora}; tether (GRPO estimator, its own local Ray, "
-         f"{packing}) against TRL {TRL_VERSION} GRPOTrainer (its defaults: gradient checkpointing), 2 threads; "
-         f"median step after the first; FLOP bound: {', '.join(f'{d} {g:.0f} GFLOP/s' for d, g in bounds.items())} "
-         f"(best SmolLM2-shaped matmul, 2 threads) over 5 forward passes of {params / 1e6:.0f}M parameters per "
-         f"episode; {results['date']}, {results['machine']}, CPU flags: {results['cpu_flags']}; "
-         f"`.venv/bin/python benchmarks/trl_smollm2.py{f' --lora-rank {args.lora_rank}' if args.lora_rank else ''}`"),
+        (f"smollm2-sentiment, {PROMPTS} prompts x {SAMPLES} completions of <= {NEW_TOKENS} tokens a step, "
+         f"one gradient pass, beta {BETA} with a reference model; {lora}; tether (GRPO estimator, its own "
+         f"local Ray, {packing}) against TRL {TRL_VERSION} GRPOTrainer "
+         "(its defaults: gradient checkpointing), 2 threads; median step after the first; FLOP bound: "
+         f"{', '.join(f'{d} {g:.0f} GFLOP/s' for d, g in bounds.items())} "
+         f"(best SmolLM2-shaped matmul, 2 threads) over 5 forward passes of {params / 1e6:.0f}M parameters "
+         f"per episode; {results['date']}, {results['machine']}, CPU flags: {results['cpu_flags']}; "
+         "`.venv/bin/python benchmarks/trl_smollm2.py"
+         f"{f' --lora-rank {args.lora_rank}' if args.lora_rank else ''}`"),
         "",
-        ("| side | dtype | steady step | response tokens | trained tokens/s | tether / TRL per token | episodes/s | "
-         "times the FLOP bound | peak RSS | step: generate / reference / update |"),
+        ("| side | dtype | steady step | response tokens | trained tokens/s | tether / TRL per token | "
+         "episodes/s | times the FLOP bound | peak RSS | step: generate / reference / update |"),
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:

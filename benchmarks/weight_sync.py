@@ -1,7 +1,8 @@
 """Benchmark: the cost of one weight broadcast (learner -> vLLM engine) on the object-store path, per
 stage, against what copying the same bytes once costs on this machine.
 
-    .venv/bin/python benchmarks/weight_sync.py [--quick] [--models tiny mid smollm2] [--stages 0 3] [--out DIR]
+    .venv/bin/python benchmarks/weight_sync.py [--quick] [--models tiny mid smollm2] [--stages 0 3]
+        [--out DIR]
 
 Models: the randomwalks GPT-2 (``services.tasks.get_task("randomwalks").model_config``, char tokenizer),
 a ~16M-parameter GPT-2 (8 layers, n_embd 384, 6 heads of 64, vocab 8192) and SmolLM2-135M-Instruct
@@ -38,8 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import RAY_ENV, RESULTS, emit, gpt2_dir, median, read_spec, run_worker, stamp, write_results
 
-MID_GPT2 = {"n_layer": 8, "n_embd": 384, "n_head": 6, "n_positions": 128, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0}
+MID_GPT2 = {"n_layer": 8, "n_embd": 384, "n_head": 6, "n_positions": 128, "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 MID_VOCAB = 8192
 
 
@@ -70,7 +71,7 @@ def worker(spec: dict) -> dict:
     start = time.perf_counter()
     rank.setup("127.0.0.1", spec["master_port"], RankSpec.of(cfg, spec["model_dir"]))
     setup_s = time.perf_counter() - start
-    lm = rank.engine.module.lm
+    lm = rank.engine.lm
     params = list(lm.parameters())
     partitioned = all(hasattr(p, "ds_numel") and p.numel() == 0 for p in params)
     if stage == 3 and not partitioned:
@@ -129,7 +130,8 @@ def worker(spec: dict) -> dict:
     ray.kill(fetcher)
 
     result = {
-        "params": n_params, "state_dict_bytes": nbytes, "tensors": len(weights), "zero3_partitioned": partitioned,
+        "params": n_params, "state_dict_bytes": nbytes, "tensors": len(weights),
+        "zero3_partitioned": partitioned,
         "setup_seconds": setup_s, "gather_seconds": gather_s, "put_seconds": put_s, "get_seconds": get_s,
         "policy_state_dict_seconds": psd_s,
     }
@@ -142,7 +144,8 @@ def worker(spec: dict) -> dict:
         engine = VLLMEngine(spec["model_dir"], EngineSpec(max_model_len=spec["max_model_len"],
                                                           kv_cache_mib=spec["kv_cache_mib"]))
         result["vllm_start_seconds"] = time.perf_counter() - t0
-        weights = ray.get(ray.put(weights)).tensors()  # over the object store's bytes, as the engine reads them
+        # over the object store's bytes, as the engine reads them
+        weights = ray.get(ray.put(weights)).tensors()
         engine.load_weights(weights)  # warm-up (first reload builds the loader's bookkeeping)
         rpc_s, reset_s = [], []
         print(f"vLLM load x{repeats}", file=sys.stderr, flush=True)
@@ -192,7 +195,8 @@ def model_dirs(names: list[str], work: Path, cache_dir: str) -> dict[str, tuple[
         elif name == "smollm2":
             from services.smollm2 import smollm2_dir
 
-            out[name] = ("SmolLM2-135M-Instruct", smollm2_dir(cache_dir, log=lambda m: print(m, file=sys.stderr)))
+            out[name] = ("SmolLM2-135M-Instruct",
+                         smollm2_dir(cache_dir, log=lambda m: print(m, file=sys.stderr)))
         else:
             raise ValueError(f"unknown model {name!r}")
     return out
@@ -204,7 +208,8 @@ def max_positions(model_dir: Path) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke mode: tiny model, ZeRO-0, 2 repeats")
     parser.add_argument("--models", nargs="+", choices=("tiny", "mid", "smollm2"), default=None)
     parser.add_argument("--stages", type=int, nargs="+", choices=(0, 3), default=None)
@@ -212,7 +217,8 @@ def main() -> None:
     parser.add_argument("--memcpy-mib", type=int, default=None, help="memcpy probe size (default 512)")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM load")
     parser.add_argument("--kv-cache-mib", type=int, default=128)
-    parser.add_argument("--object-store-mib", type=int, default=None, help="default 4x the largest state dict")
+    parser.add_argument("--object-store-mib", type=int, default=None,
+                        help="default 4x the largest state dict")
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/tether").expanduser()))
     parser.add_argument("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -251,8 +257,9 @@ def main() -> None:
                 label, model_dir = dirs[key]
                 for stage in stages:
                     print(f"[weight_sync] {label}, ZeRO-{stage} (log: {out / 'logs'})", flush=True)
-                    spec = {"model_dir": str(model_dir), "stage": stage, "repeats": repeats, "ray_address": address,
-                            "master_port": free_port(), "vllm": not args.no_vllm, "kv_cache_mib": args.kv_cache_mib,
+                    spec = {"model_dir": str(model_dir), "stage": stage, "repeats": repeats,
+                            "ray_address": address, "master_port": free_port(), "vllm": not args.no_vllm,
+                            "kv_cache_mib": args.kv_cache_mib,
                             "max_model_len": min(max_positions(model_dir), 64)}
                     r = run_worker(Path(__file__), ["--worker"], spec,
                                    out / "logs" / f"weight_sync-{key}-zero{stage}.log",
@@ -270,7 +277,8 @@ def main() -> None:
                     rows_out.append(r)
                     print(f"[weight_sync]   {r['state_dict_bytes'] / 2**20:.1f} MiB: gather "
                           f"{r['gather_median_seconds']:.4f}s put {r['put_median_seconds']:.4f}s get "
-                          f"{r['get_median_seconds']:.4f}s vLLM load {r.get('vllm_load_median_seconds', float('nan')):.4f}s"
+                          f"{r['get_median_seconds']:.4f}s vLLM load "
+                          f"{r.get('vllm_load_median_seconds', float('nan')):.4f}s"
                           f" | bound {bound:.4f}s", flush=True)
         finally:
             ray.shutdown()
@@ -285,20 +293,22 @@ def main() -> None:
 
     rows = [f"One broadcast on the object-store path, fp32, 1 DeepSpeed rank on gloo; median of {repeats}. "
             f"Bound = state-dict bytes / memcpy bandwidth ({bw / 2**30:.2f} GiB/s: best of {memcpy['tries']} "
-            f"torch copy_ of {memcpy['mib']} MiB, {memcpy['threads']} threads, this run); (Nx) = seconds / bound."
+            f"torch copy_ of {memcpy['mib']} MiB, {memcpy['threads']} threads, this run); "
+            "(Nx) = seconds / bound."
             + (" QUICK SMOKE RUN: not representative." if args.quick else ""),
             "",
             ("| model | params | MiB | ZeRO | bound (s) | gather (s) | ray.put (s) | ray.get in actor (s) | "
             "policy_state_dict (s) | vLLM load: rpc + reset (s) | total gather+put+get+load (s) |"),
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows_out:
-        rows.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['state_dict_bytes'] / 2**20:.1f} | {r['stage']} | "
-                    f"{r['bound_seconds']:.4f} | {s_and_x(r, 'gather')} | {s_and_x(r, 'put')} | {s_and_x(r, 'get')} | "
+        rows.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['state_dict_bytes'] / 2**20:.1f} | "
+                    f"{r['stage']} | {r['bound_seconds']:.4f} | {s_and_x(r, 'gather')} | "
+                    f"{s_and_x(r, 'put')} | {s_and_x(r, 'get')} | "
                     f"{s_and_x(r, 'policy_state_dict')} | {s_and_x(r, 'vllm_load')} | "
                     f"{r['total_median_seconds']:.4f} ({r['total_over_bound']:.0f}x) |")
     rows += ["", (f"Load average (1 min) before {results['loadavg_before'][0]:.1f}, after "
-             f"{results['loadavg_after'][0]:.1f}, on {os.cpu_count()} CPUs. The engine's vLLM load runs on the one "
-             "core the engine is pinned to (VLLM_CPU_OMP_THREADS_BIND, as in the service).")]
+             f"{results['loadavg_after'][0]:.1f}, on {os.cpu_count()} CPUs. The engine's vLLM load runs on "
+             "the one core the engine is pinned to (VLLM_CPU_OMP_THREADS_BIND, as in the service).")]
     json_path, md_path = write_results(out, "weight_sync", results, rows)
     print("\n".join(rows))
     print(f"[weight_sync] wrote {json_path} and {md_path}")

@@ -43,9 +43,10 @@ container has resource requests and limits.
   custom resource of ``cluster.<role>.resources`` is declared by a worker group, one with GPUs where the role
   asks for GPUs.
 
-CLI: ``python deploy/validate.py [--security] [--policy] FILE...`` prints every problem with its JSON path and exits 1
-if there was any (2 on a usage problem, such as a missing CRD directory). The CRD directory is
-``deploy/kuberay/crds`` (KubeRay v1.7, copied verbatim: deploy/kuberay/SOURCE.txt) unless ``TETHER_KUBERAY_CRDS`` names another.
+CLI: ``python deploy/validate.py [--security] [--policy] FILE...`` prints every problem with its JSON path and
+exits 1 if there was any (2 on a usage problem, such as a missing CRD directory). The CRD directory is
+``deploy/kuberay/crds`` (KubeRay v1.7, copied verbatim: deploy/kuberay/SOURCE.txt) unless
+``TETHER_KUBERAY_CRDS`` names another.
 """
 
 from __future__ import annotations
@@ -202,8 +203,8 @@ CORE_SCHEMAS: dict[str, dict[str, Any]] = {
                         "required": ["requests"],
                         "additionalProperties": False,
                         "properties": {
-                            "requests": {"type": "object", "required": ["storage"], "additionalProperties": False,
-                                         "properties": {"storage": QUANTITY}},
+                            "requests": {"type": "object", "required": ["storage"],
+                                         "additionalProperties": False, "properties": {"storage": QUANTITY}},
                             "limits": {"type": "object", "additionalProperties": False,
                                        "properties": {"storage": QUANTITY}},
                         },
@@ -250,8 +251,10 @@ def _load_crd_schemas(directory: str, version: str) -> dict[str, dict[str, Any]]
     return schemas
 
 
-def load_crd_schemas(crd_dir_: str | Path | None = None, version: str = CRD_VERSION) -> dict[str, dict[str, Any]]:
-    """``{kind: JSON Schema}`` for every CRD in ``crd_dir_`` (default: :func:`crd_dir`). Cached: do not mutate."""
+def load_crd_schemas(crd_dir_: str | Path | None = None,
+                     version: str = CRD_VERSION) -> dict[str, dict[str, Any]]:
+    """``{kind: JSON Schema}`` for every CRD in ``crd_dir_`` (default: :func:`crd_dir`). Cached: do not
+    mutate."""
     return _load_crd_schemas(str(Path(crd_dir_ or crd_dir()).resolve()), version)
 
 
@@ -269,7 +272,8 @@ def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bo
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise yaml.constructor.ConstructorError(
-                "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark
+                "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}",
+                key_node.start_mark
             )
         seen[key] = loader.construct_object(value_node, deep=deep)
     return seen
@@ -327,7 +331,8 @@ def schema_errors(doc: dict[str, Any], schema: dict[str, Any]) -> list[str]:
         if err.validator == "additionalProperties" and isinstance(err.instance, dict):
             allowed = set(err.schema.get("properties", {}))
             for extra in sorted(k for k in err.instance if k not in allowed):
-                found.append(([*path, extra], f"unknown field {extra!r} (not in the {doc.get('kind')} schema)"))
+                found.append(([*path, extra],
+                              f"unknown field {extra!r} (not in the {doc.get('kind')} schema)"))
             continue
         found.append((path, _short(err.message)))
     found.sort(key=lambda item: [str(p) for p in item[0]])
@@ -405,7 +410,8 @@ def entrypoint_overrides(entrypoint: str) -> dict[str, Any]:
 
 
 def load_job_config(path: Path, overrides: dict[str, Any] | None = None):
-    """``services.config.load_config(path, overrides)``, importing the project from ``REPO_ROOT`` if need be."""
+    """``services.config.load_config(path, overrides)``, importing the project from ``REPO_ROOT`` if need
+    be."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     from services.config import load_config
@@ -475,7 +481,8 @@ def rayjob_checks(
         if "rayClusterSpec" in spec:
             errors += capacity_errors(cfg, spec["rayClusterSpec"], "$.spec.rayClusterSpec")
         elif notes is not None:
-            notes.append(f"{_label(doc)}: uses an existing cluster; its room for --config {config} is not checked")
+            notes.append(f"{_label(doc)}: uses an existing cluster; "
+                         f"its room for --config {config} is not checked")
     return errors
 
 
@@ -496,7 +503,8 @@ def parse_quantity(value: Any) -> float:
 
 
 def _ray_resources_param(value: str) -> dict[str, float]:
-    """rayStartParams ``resources``: JSON, possibly shell-quoted as a JSON string (the KubeRay samples' form)."""
+    """rayStartParams ``resources``: JSON, possibly shell-quoted as a JSON string (the KubeRay samples'
+    form)."""
     parsed: Any = value
     for _ in range(3):
         if not isinstance(parsed, str):
@@ -537,7 +545,8 @@ def cluster_nodes(cluster_spec: dict[str, Any]) -> list[dict[str, float]]:
     for group in cluster_spec.get("workerGroupSpecs") or []:
         if group.get("suspend"):
             continue
-        count = group.get("maxReplicas", 0) if autoscaling else group.get("replicas", group.get("minReplicas", 0))
+        count = (group.get("maxReplicas", 0) if autoscaling
+                 else group.get("replicas", group.get("minReplicas", 0)))
         nodes += [group_node_resources(group)] * (int(count or 0) * int(group.get("numOfHosts", 1) or 1))
     return nodes
 
@@ -547,7 +556,8 @@ def job_bundles(cfg: Any) -> list[tuple[str, dict[str, float]]]:
     roles = [
         ("rollout", cfg.cluster.rollout, cfg.rollout.num_engines),
         ("reference", cfg.cluster.reference,  # none where the learner ranks score the reference themselves
-         0 if cfg.learner.reference_in_learner or cfg.reference_copy_in_learner else cfg.reference.num_actors),
+         (0 if cfg.learner.reference_in_learner or cfg.reference_copy_in_learner
+          else cfg.reference.num_actors)),
         ("reward", cfg.cluster.reward, 0 if cfg.reward_in_learner else cfg.reward.num_actors),
         ("learner", cfg.cluster.learner, cfg.learner.world_size),
     ]
@@ -565,7 +575,8 @@ def capacity_errors(cfg: Any, cluster_spec: dict[str, Any], where: str) -> list[
         nodes = [dict(n) for n in cluster_nodes(cluster_spec)]
     except (TypeError, ValueError) as err:  # json.JSONDecodeError is a ValueError
         return [f"{where}: cannot read the Ray resources of its groups (rayStartParams, resources): {err}"]
-    bundles = sorted(job_bundles(cfg), key=lambda rb: (rb[1].get("GPU", 0), rb[1].get("CPU", 0)), reverse=True)
+    bundles = sorted(job_bundles(cfg), key=lambda rb: (rb[1].get("GPU", 0), rb[1].get("CPU", 0)),
+                     reverse=True)
     errors = []
     for role, bundle in bundles:
         for node in nodes:
@@ -574,7 +585,8 @@ def capacity_errors(cfg: Any, cluster_spec: dict[str, Any], where: str) -> list[
                     node[k] -= v
                 break
         else:
-            total = {k: sum(n.get(k, 0) for n in cluster_nodes(cluster_spec)) for k in bundle}  # before placing
+            # before placing
+            total = {k: sum(n.get(k, 0) for n in cluster_nodes(cluster_spec)) for k in bundle}
             errors.append(f"{where}: no pod has room for a {role} actor {bundle} "
                           f"(cluster totals for these: {total}; see cluster.{role} in the --config)")
     return errors
@@ -603,7 +615,8 @@ def _pod_templates(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
 
 def _head_groups(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     spec = doc.get("spec") or {}
-    key = {"RayCluster": None, "RayJob": "rayClusterSpec", "RayService": "rayClusterConfig"}.get(doc.get("kind"))
+    key = {"RayCluster": None, "RayJob": "rayClusterSpec",
+           "RayService": "rayClusterConfig"}.get(doc.get("kind"))
     cluster = spec if key is None else spec.get(key)
     if isinstance(cluster, dict) and "headGroupSpec" in cluster:
         prefix = "$.spec" if key is None else f"$.spec.{key}"
@@ -611,7 +624,8 @@ def _head_groups(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def security_findings(doc: dict[str, Any]) -> list[str]:
-    """This project's policy: ClusterIP only, no ingress, non-root, no privilege escalation, requests+limits."""
+    """This project's policy: ClusterIP only, no ingress, non-root, no privilege escalation,
+    requests+limits."""
     findings: list[str] = []
     for where, head in _head_groups(doc):
         if head.get("serviceType") != "ClusterIP":
@@ -659,11 +673,12 @@ def security_findings(doc: dict[str, Any]) -> list[str]:
             limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
             for name, amount in requests.items():
                 if name not in ("cpu", "memory", "ephemeral-storage") and limits.get(name) != amount:
-                    findings.append(f"{at}.resources: extended resource {name!r} needs equal requests and limits")
+                    findings.append(f"{at}.resources: extended resource {name!r} "
+                                    "needs equal requests and limits")
     return findings
 
 
-# ====================================================================== across pods: storage, auth, stop, metrics
+# ================================================================== across pods: storage, auth, stop, metrics
 
 MIN_TOKEN_AUTH_RAY = (2, 52, 0)  # KubeRay refuses authOptions.mode token below this rayVersion
 MIN_STOP_WAIT_S = 30  # Ray's default of 3 s kills the job before its SIGTERM checkpoint is written
@@ -672,7 +687,8 @@ METRICS_ENV = ("RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST")
 
 def _cluster_specs(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     spec = doc.get("spec") or {}
-    key = {"RayCluster": None, "RayJob": "rayClusterSpec", "RayService": "rayClusterConfig"}.get(doc.get("kind"), "-")
+    key = {"RayCluster": None, "RayJob": "rayClusterSpec",
+           "RayService": "rayClusterConfig"}.get(doc.get("kind"), "-")
     cluster = spec if key is None else spec.get(key)
     if isinstance(cluster, dict):
         yield ("$.spec" if key is None else f"$.spec.{key}"), cluster
@@ -715,8 +731,9 @@ def shared_volume(cluster: dict[str, Any], where: str = "$") -> tuple[tuple[str,
         return min(common), []
     seen = "; ".join(f"{name}: {', '.join(f'{c} at {p}' for c, p in sorted(m)) or 'none'}"
                      for name, m in mounts.items())
-    message = (f"{where}: no PersistentVolumeClaim is mounted read-write at the same path in the head and every "
-               f"worker group (tether passes paths between pods: model cache, runs, checkpoints); mounts: {seen}")
+    message = (f"{where}: no PersistentVolumeClaim is mounted read-write at the same path in the head and "
+               "every worker group (tether passes paths between pods: model cache, runs, checkpoints); "
+               f"mounts: {seen}")
     return None, [message]
 
 
@@ -731,11 +748,13 @@ def _auth_findings(doc: dict[str, Any], where: str, cluster: dict[str, Any]) -> 
     findings = []
     auth = cluster.get("authOptions") or {}
     if auth.get("mode") != "token":
-        findings.append(f"{where}.authOptions.mode: must be 'token' (Ray token auth); got {auth.get('mode')!r}")
+        findings.append(f"{where}.authOptions.mode: must be 'token' (Ray token auth); "
+                        f"got {auth.get('mode')!r}")
     else:
         version = _version_tuple(cluster.get("rayVersion"))
         if version is None or version < MIN_TOKEN_AUTH_RAY:
-            findings.append(f"{where}.rayVersion: token auth needs Ray >= 2.52.0; got {cluster.get('rayVersion')!r}")
+            findings.append(f"{where}.rayVersion: token auth needs Ray >= 2.52.0; "
+                            f"got {cluster.get('rayVersion')!r}")
     if auth.get("enableK8sTokenAuth") and doc.get("kind") != "RayCluster":
         findings.append(f"{where}.authOptions.enableK8sTokenAuth: KubeRay supports it for a RayCluster only")
     return findings
@@ -753,11 +772,11 @@ def _env_findings(doc: dict[str, Any]) -> list[str]:
             at = f"{where}.spec.{group}[{i}].env"
             mode = env.get("RAY_AUTH_MODE", {})
             if "RAY_AUTH_MODE" in env and mode.get("value") != "token":
-                findings.append(f"{at}.RAY_AUTH_MODE: {mode.get('value')!r} turns token auth off for this container; "
-                                "leave it unset (KubeRay sets 'token')")
+                findings.append(f"{at}.RAY_AUTH_MODE: {mode.get('value')!r} turns token auth off for this "
+                                "container; leave it unset (KubeRay sets 'token')")
             if "value" in env.get("RAY_AUTH_TOKEN", {}):
-                findings.append(f"{at}.RAY_AUTH_TOKEN: a token written into the manifest; KubeRay injects it from "
-                                "the Secret (authOptions.secretName, or the one it generates)")
+                findings.append(f"{at}.RAY_AUTH_TOKEN: a token written into the manifest; KubeRay injects it "
+                                "from the Secret (authOptions.secretName, or the one it generates)")
     runtime_env = (doc.get("spec") or {}).get("runtimeEnvYAML")
     if isinstance(runtime_env, str):
         try:
@@ -765,8 +784,8 @@ def _env_findings(doc: dict[str, Any]) -> list[str]:
         except (yaml.YAMLError, AttributeError):
             env_vars = {}  # reported by rayjob_checks
         if isinstance(env_vars, dict) and env_vars.get("RAY_AUTH_MODE", "token") != "token":
-            findings.append(f"$.spec.runtimeEnvYAML.env_vars.RAY_AUTH_MODE: {env_vars['RAY_AUTH_MODE']!r} turns "
-                            "token auth off for the job's workers")
+            findings.append(f"$.spec.runtimeEnvYAML.env_vars.RAY_AUTH_MODE: {env_vars['RAY_AUTH_MODE']!r} "
+                            "turns token auth off for the job's workers")
     return findings
 
 
@@ -777,8 +796,9 @@ def _node_env_findings(where: str, cluster: dict[str, Any]) -> list[str]:
     for at, name, group in _groups(cluster, where):
         value = _env(_ray_container(group)).get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", {}).get("value")
         if value != "1":
-            findings.append(f"{at}.template.spec.containers[0].env.RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: must be '1' "
-                            f"in the {name} pod (got {value!r}); tether defaults it to 0, which makes Ray use 127.0.0.1")
+            findings.append(f"{at}.template.spec.containers[0].env.RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: "
+                            f"must be '1' in the {name} pod (got {value!r}); tether defaults it to 0, which "
+                            "makes Ray use 127.0.0.1")
     return findings
 
 
@@ -792,14 +812,16 @@ def _head_env_findings(where: str, cluster: dict[str, Any]) -> list[str]:
     except (TypeError, ValueError):
         wait_s = None
     if wait_s is None or wait_s < MIN_STOP_WAIT_S:
-        findings.append(f"{at}.RAY_JOB_STOP_WAIT_TIME_S: must be whole seconds >= {MIN_STOP_WAIT_S} (got {wait!r}): "
-                        "`ray job stop` sends SIGTERM and kills the job this long after; tether checkpoints in between")
+        findings.append(f"{at}.RAY_JOB_STOP_WAIT_TIME_S: must be whole seconds >= {MIN_STOP_WAIT_S} "
+                        f"(got {wait!r}): `ray job stop` sends SIGTERM and kills the job this long after; "
+                        "tether checkpoints in between")
     for name in (*METRICS_ENV, "RAY_GRAFANA_IFRAME_HOST"):
         value = env.get(name, {}).get("value")
         if value is None and name not in METRICS_ENV:
             continue
         if not (isinstance(value, str) and value.startswith(("http://", "https://"))):
-            findings.append(f"{at}.{name}: must be an http(s) URL for the dashboard's metrics view (got {value!r})")
+            findings.append(f"{at}.{name}: must be an http(s) URL for the dashboard's metrics view "
+                            f"(got {value!r})")
     return findings
 
 
@@ -810,8 +832,9 @@ def _gpu_findings(where: str, cluster: dict[str, Any]) -> list[str]:
         limit = sum(parse_quantity(v) for k, v in limits.items() if k.endswith("gpu"))
         params = group.get("rayStartParams") or {}
         if "num-gpus" in params and float(params["num-gpus"]) != limit:
-            findings.append(f"{at}.rayStartParams.num-gpus: {params['num-gpus']} but the {name} pod's GPU limit is "
-                            f"{limit:g}: Ray would schedule on GPUs the pod does not have (or leave some idle)")
+            findings.append(f"{at}.rayStartParams.num-gpus: {params['num-gpus']} but the {name} pod's GPU "
+                            f"limit is {limit:g}: Ray would schedule on GPUs the pod does not have "
+                            "(or leave some idle)")
     return findings
 
 
@@ -830,15 +853,16 @@ def job_storage_findings(cfg: Any, cluster: dict[str, Any], where: str = "$") ->
     local_output = rest if sep and scheme == "file" else output
     if not remote:
         if mount is None:
-            findings.append(f"{where}: run.output_dir {output!r} is a local path but the pods share no volume; "
-                            "mount a ReadWriteMany claim in every group or use a URI (s3://, gs://)")
+            findings.append(f"{where}: run.output_dir {output!r} is a local path but the pods share no "
+                            "volume; mount a ReadWriteMany claim in every group or use a URI (s3://, gs://)")
         elif not (local_output.startswith("/") and _under(local_output, mount)):
-            findings.append(f"{where}: run.output_dir {output!r} is not on the shared volume ({mount}): the "
-                            "learner's checkpoint shards and the driver's manifest would land on different pods")
+            findings.append(f"{where}: run.output_dir {output!r} is not on the shared volume ({mount}): "
+                            "the learner's checkpoint shards and the driver's manifest would land on "
+                            "different pods")
     cache = cfg.model.cache_dir
     if mount is not None and not (cache.startswith("/") and _under(cache, mount)):
-        findings.append(f"{where}: model.cache_dir {cache!r} is not on the shared volume ({mount}): actors on other "
-                        "pods cannot open what the driver caches there")
+        findings.append(f"{where}: model.cache_dir {cache!r} is not on the shared volume ({mount}): actors "
+                        "on other pods cannot open what the driver caches there")
     return findings
 
 
@@ -852,11 +876,11 @@ def job_resource_findings(cfg: Any, cluster: dict[str, Any], where: str = "$") -
         for name in res.resources:
             owners = [(g, node) for g, node in groups if node.get(name)]
             if not owners:
-                findings.append(f"{where}: cluster.{role}.resources names {name!r}, which no worker group declares "
-                                f"(declared: {declared}); the {role} actors would wait for ever")
+                findings.append(f"{where}: cluster.{role}.resources names {name!r}, which no worker group "
+                                f"declares (declared: {declared}); the {role} actors would wait for ever")
             elif res.num_gpus and not any(node.get("GPU") for _, node in owners):
-                findings.append(f"{where}: cluster.{role} asks for {res.num_gpus:g} GPU on {name!r}, but the groups "
-                                f"declaring it ({', '.join(g for g, _ in owners)}) have no GPUs")
+                findings.append(f"{where}: cluster.{role} asks for {res.num_gpus:g} GPU on {name!r}, but the "
+                                f"groups declaring it ({', '.join(g for g, _ in owners)}) have no GPUs")
     return findings
 
 
@@ -865,8 +889,8 @@ def policy_findings(doc: dict[str, Any], repo_root: str | Path = REPO_ROOT) -> l
     if doc.get("kind") == "PersistentVolumeClaim":
         modes = (doc.get("spec") or {}).get("accessModes") or []
         if "ReadWriteMany" not in modes:
-            return [(f"$.spec.accessModes: must include ReadWriteMany (got {modes}): the head and the GPU workers "
-                     "run on different nodes and all write to the shared volume")]
+            return [(f"$.spec.accessModes: must include ReadWriteMany (got {modes}): the head and the GPU "
+                     "workers run on different nodes and all write to the shared volume")]
         return []
     findings: list[str] = []
     for where, cluster in _cluster_specs(doc):
@@ -879,7 +903,8 @@ def policy_findings(doc: dict[str, Any], repo_root: str | Path = REPO_ROOT) -> l
         findings += _env_findings(doc)
     spec = doc.get("spec") or {}
     entrypoint = spec.get("entrypoint")
-    config = entrypoint_config(entrypoint) if doc.get("kind") == "RayJob" and isinstance(entrypoint, str) else None
+    config = (entrypoint_config(entrypoint) if doc.get("kind") == "RayJob" and isinstance(entrypoint, str)
+              else None)
     if config is not None and isinstance(spec.get("rayClusterSpec"), dict):
         _, cfg = check_job_config(config, Path(repo_root), entrypoint_overrides(entrypoint))
         if cfg is not None:  # a bad config is already an error of validate_manifest
@@ -938,10 +963,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="+", type=Path, help="YAML manifests (multi-document files allowed)")
     parser.add_argument("--crds", type=Path, default=None, help=f"CRD directory (default: ${CRD_DIR_ENV} or "
                         f"{DEFAULT_CRD_DIR})")
-    parser.add_argument("--repo-root", type=Path, default=REPO_ROOT, help="where entrypoint --config paths start")
+    parser.add_argument("--repo-root", type=Path, default=REPO_ROOT,
+                        help="where entrypoint --config paths start")
     parser.add_argument("--security", action="store_true", help="also check this project's deployment policy")
-    parser.add_argument("--policy", action="store_true", help="also check what a tether job needs across pods: "
-                        "shared volume, token auth, stop wait, metrics env, its --config's paths and resources")
+    parser.add_argument("--policy", action="store_true", help="also check what a tether job needs across "
+                        "pods: shared volume, token auth, stop wait, metrics env, its --config's paths and "
+                        "resources")
     args = parser.parse_args(argv)
     try:
         schemas = load_crd_schemas(args.crds)

@@ -21,8 +21,8 @@ PYTHON = ROOT / ".venv-verifiers" / "bin" / "python"
 RUNNER = HERE / "run_episode.py"
 
 if not PYTHON.is_file() or not any(ROOT.glob(".venv-verifiers/lib/python*/site-packages/verifiers/v1")):
-    raise FileNotFoundError(f"the verifiers recipe runs its episodes with {PYTHON}, which is not there or has no "
-                            f"verifiers: run `make verifiers` in {ROOT} (verifiers==0.4.0 in a virtualenv of its "
-                            "own: it needs openai<3, tether installs 3.x)")
+    raise FileNotFoundError(f"the verifiers recipe runs its episodes with {PYTHON}, which is not there or "
+                            f"has no verifiers: run `make verifiers` in {ROOT} (verifiers==0.4.0 in a "
+                            "virtualenv of its own: it needs openai<3, tether installs 3.x)")
 
 agent = command_agent(PYTHON, RUNNER)

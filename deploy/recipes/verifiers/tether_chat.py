@@ -4,7 +4,8 @@ episode's own process.
 verifiers' own tool-less chat loop, the ``null`` harness, launches a PEP 723 script that ``uv`` installs
 (openai, mcp, ...) from the network; this one needs nothing but the model. It keeps verifiers' contract for an
 in-process harness (``vf.Harness.launch``): its one model call goes to the rollout's interception endpoint
-with the rollout's secret, which records the turn on the trace and relays it to the model's endpoint (tether's).
+with the rollout's secret, which records the turn on the trace and relays it to the model's endpoint
+(tether's).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ class TetherChatHarness(vf.Harness[TetherChatHarnessConfig]):
     EXECUTES_CODE = False
     NEEDS_CONTAINER = False
 
-    async def launch(self, ctx: vf.ModelContext, trace: vf.Trace, runtime: vf.Runtime, endpoint: str, secret: str,
-                     mcp_urls: dict[str, str], data: vf.TaskData) -> vf.ProgramResult:
+    async def launch(self, ctx: vf.ModelContext, trace: vf.Trace, runtime: vf.Runtime, endpoint: str,
+                     secret: str, mcp_urls: dict[str, str], data: vf.TaskData) -> vf.ProgramResult:
         system_prompt, prompt = self.resolve_prompt(data)
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         if isinstance(prompt, str):
