@@ -22,8 +22,8 @@ from pydantic import BaseModel, ValidationError
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.config import FOLLOWED_DEFAULTS, JobConfig, _section, load_config  # noqa: E402
-from services.rules import BOOKS  # noqa: E402
+from services.config import FOLLOWED_DEFAULTS, JobConfig, _section, load_config
+from services.rules import BOOKS
 
 PAGE = ROOT / "docs" / "settings.md"
 HEAD = """# Settings reference

@@ -48,14 +48,16 @@ def check_whole_groups(group_index: Tensor, samples_per_prompt: int, where: str 
     ``samples_per_prompt`` episodes: a group split over chunks or ranks would get a baseline from part of its
     samples."""
     if bool((group_index < 0).any()):
-        raise ValueError(f"{where}{int((group_index < 0).sum())} rows carry no group (group_index -1): a group "
-                         "estimator needs the prompt group of every row (rollout.samples_per_prompt)")
+        raise ValueError(f"{where}{int((group_index < 0).sum())} rows carry no group (group_index -1): a "
+                         "group estimator needs the prompt group of every row (rollout.samples_per_prompt)")
     ids, counts = torch.unique(group_index, return_counts=True)
     bad = counts != samples_per_prompt
     if bool(bad.any()):
-        shown = ", ".join(f"group {int(g)}: {int(c)} rows" for g, c in zip(ids[bad][:5], counts[bad][:5], strict=True))
+        shown = ", ".join(f"group {int(g)}: {int(c)} rows"
+                          for g, c in zip(ids[bad][:5], counts[bad][:5], strict=True))
         raise ValueError(f"{where}a prompt group is split or incomplete ({shown}; rollout.samples_per_prompt="
-                         f"{samples_per_prompt}): every group must be whole on the rank that computes its baseline")
+                         f"{samples_per_prompt}): every group must be whole on the rank that computes its "
+                         "baseline")
 
 
 def _group_moments(x: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -90,24 +92,27 @@ def differing_groups(scores: Tensor, group_index: Tensor) -> int:
 def dynamic_sampling_rows(scores: Tensor, group_index: Tensor, groups: int) -> tuple[Tensor, dict[str, int]]:
     """DAPO's dynamic sampling on one rank's rows: the whole groups it trains on.
 
-    A group whose scores all tie (max == min) has no score signal for a group baseline: it is dropped. The first
-    ``groups`` groups whose scores differ, in row order (collection order), are kept, later ones are surplus; when
-    fewer differ (the rounds' bound was reached), the first tied groups fill the rest, so the batch stays full.
+    A group whose scores all tie (max == min) has no score signal for a group baseline: it is dropped. The
+    first ``groups`` groups whose scores differ, in row order (collection order), are kept, later ones are
+    surplus; when fewer differ (the rounds' bound was reached), the first tied groups fill the rest, so the
+    batch stays full.
 
     Args: scores: [B] the scores the advantages read (penalties applied); group_index: [B] whole groups;
-        groups: how many groups to keep. Returns: (keep [B] bool, {"tied", "filled", "surplus"}: group counts).
+        groups: how many groups to keep. Returns: (keep [B] bool, {"tied", "filled", "surplus"}: group
+        counts).
     """
     if scores.shape != group_index.shape or scores.dim() != 1:
-        raise ValueError(f"scores {tuple(scores.shape)} and group_index {tuple(group_index.shape)} must share one "
-                         "[B] shape")
+        raise ValueError(f"scores {tuple(scores.shape)} and group_index {tuple(group_index.shape)} must "
+                         "share one [B] shape")
     ids, inverse = torch.unique(group_index, return_inverse=True)
     if ids.numel() < groups:
         raise ValueError(f"dynamic sampling keeps {groups} groups but the rows hold {ids.numel()}")
     rows = torch.arange(group_index.numel())
-    first_row = torch.full((ids.numel(),), group_index.numel(), dtype=torch.long).scatter_reduce(0, inverse, rows,
-                                                                                               "amin")
+    first_row = torch.full((ids.numel(),), group_index.numel(), dtype=torch.long).scatter_reduce(0, inverse,
+                                                                                               rows, "amin")
     order = first_row.argsort()  # groups in collection order
-    tied = torch.zeros(ids.numel(), dtype=torch.bool).scatter_(0, inverse, _group_all_equal(scores, group_index))
+    tied = torch.zeros(ids.numel(), dtype=torch.bool).scatter_(0, inverse,
+                                                               _group_all_equal(scores, group_index))
     differing, tied_order = order[~tied[order]], order[tied[order]]
     kept = torch.cat([differing[:groups], tied_order[: max(groups - differing.numel(), 0)]])
     keep = torch.zeros(ids.numel(), dtype=torch.bool)
@@ -155,8 +160,8 @@ def grpo_advantages(rewards: Tensor, mask: Tensor, group_index: Tensor, kl_rewar
     if normalize == "return" or kl_rewards is None:
         return grpo_sequence_advantages(sequence_returns(rewards, mask), group_index).unsqueeze(-1) * mask
     if kl_rewards.shape != rewards.shape:
-        raise ValueError(f"kl_rewards {tuple(kl_rewards.shape)} and rewards {tuple(rewards.shape)} must share one "
-                         "[B, T] shape")
+        raise ValueError(f"kl_rewards {tuple(kl_rewards.shape)} and rewards {tuple(rewards.shape)} must "
+                         "share one [B, T] shape")
     scores = sequence_returns(rewards - kl_rewards, mask)
     return grpo_sequence_advantages(scores, group_index).unsqueeze(-1) * mask + reward_to_go(kl_rewards, mask)
 
@@ -186,7 +191,8 @@ def reward_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
     return out
 
 
-def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0, reducer: Reducer = LOCAL) -> Tensor:
+def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0,
+                            reducer: Reducer = LOCAL) -> Tensor:
     """REINFORCE++: the reward-to-go of the per-token rewards (score at the last token, ``-beta * kl_t``
     on every token) with discount ``gamma``, whitened (zero mean, unit variance over every response token)
     over the global batch: all ranks ``reducer`` sums over, so W ranks compute what one would
@@ -208,9 +214,9 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, mask: Tensor, group_index:
     Args: rewards, mask: [B, T]; group_index: [B], groups of size >= 2. Returns: [B, T] advantages.
     """
     if gamma != 1.0:
-        raise ValueError(f"reinforce_pp_baseline needs ppo.gamma = 1, got {gamma}: the group baseline subtracted "
-                         "at the last token and discounted would reach token t as -gamma^(L-1-t) * baseline, a "
-                         "bias by the response's length L")
+        raise ValueError(f"reinforce_pp_baseline needs ppo.gamma = 1, got {gamma}: the group baseline "
+                         "subtracted at the last token and discounted would reach token t "
+                         "as -gamma^(L-1-t) * baseline, a bias by the response's length L")
     returns = sequence_returns(rewards, mask)
     count, total, _ = _group_moments(returns, group_index)
     _check_group_sizes(count, "REINFORCE++-baseline")
@@ -238,8 +244,8 @@ class Settings:
     grpo_normalize: str = "score"
 
 
-# (rewards [B, T], mask [B, T], values [B, T] | None, group_index [B] | None, kl_rewards [B, T] | None, settings)
-# -> (advantages, returns)
+# (rewards [B, T], mask [B, T], values [B, T] | None, group_index [B] | None, kl_rewards [B, T] | None,
+# settings) -> (advantages, returns)
 EstimatorFn = Callable[[Tensor, Tensor, "Tensor | None", "Tensor | None", "Tensor | None", Settings],
                        tuple[Tensor, "Tensor | None"]]
 
@@ -267,7 +273,8 @@ def _per_sequence(fn: Callable[[Tensor, Tensor], Tensor]) -> EstimatorFn:
 
 def _grpo(rewards: Tensor, mask: Tensor, _values, group_index: Tensor | None, kl_rewards: Tensor | None,
           s: Settings) -> tuple[Tensor, None]:
-    return grpo_advantages(rewards, mask, _checked_groups(group_index, rewards), kl_rewards, s.grpo_normalize), None
+    return grpo_advantages(rewards, mask, _checked_groups(group_index, rewards), kl_rewards,
+                           s.grpo_normalize), None
 
 
 def _reinforce_pp(rewards: Tensor, mask: Tensor, _values, _groups, _kl, s: Settings) -> tuple[Tensor, None]:
@@ -284,7 +291,8 @@ def _checked_groups(group_index: Tensor | None, rewards: Tensor) -> Tensor:
     if group_index is None:
         raise ValueError("a group estimator needs group_index [B]")
     if group_index.shape != rewards.shape[:1]:
-        raise ValueError(f"group_index has shape {tuple(group_index.shape)}, expected [B] = [{rewards.shape[0]}]")
+        raise ValueError(f"group_index has shape {tuple(group_index.shape)}, expected "
+                         f"[B] = [{rewards.shape[0]}]")
     return group_index
 
 
@@ -314,22 +322,25 @@ def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values:
         reducer: the ranks the global whitening sums its moments over (``learner.ppo.Reducer``).
         kl_rewards: [B, T] the KL penalty's share of ``rewards`` (``-beta * kl_t``), None when the KL is in
             the loss; read by ``grpo`` alone, which normalises the score without it (``grpo_normalize``).
-        teacher: [B, T] on-policy distillation's per-token penalties (``learner.kl.teacher_penalties``) or None.
-        teacher_credit: ``reward_to_go`` (``distill.credit``): the penalties join ``rewards`` as the KL penalty
-            does, and GRPO keeps them outside its normalisation as it keeps the KL; ``token``: each token's advantage
-            gets its own penalty, after the estimator (no critic learns it, no normalisation scales it).
+        teacher: [B, T] on-policy distillation's per-token penalties (``learner.kl.teacher_penalties``) or
+            None.
+        teacher_credit: ``reward_to_go`` (``distill.credit``): the penalties join ``rewards`` as the KL
+            penalty does, and GRPO keeps them outside its normalisation as it keeps the KL; ``token``: each
+            token's advantage gets its own penalty, after the estimator (no critic learns it, no normalisation
+            scales it).
     Returns:
         (advantages [B, T], returns [B, T] for the critic or None), 0 where ``mask`` is 0.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown ppo.advantage {estimator!r}; expected one of {sorted(ESTIMATORS)}")
     if rewards.shape != mask.shape:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must share one [B, T] shape")
+        raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must share one "
+                         "[B, T] shape")
     if teacher_credit not in ("token", "reward_to_go"):
         raise ValueError(f"unknown distill.credit {teacher_credit!r}; expected 'token' or 'reward_to_go'")
     if teacher is not None and teacher.shape != rewards.shape:
-        raise ValueError(f"teacher {tuple(teacher.shape)} and rewards {tuple(rewards.shape)} must share one [B, T] "
-                         "shape")
+        raise ValueError(f"teacher {tuple(teacher.shape)} and rewards {tuple(rewards.shape)} must share one "
+                         "[B, T] shape")
     settings = Settings(gamma, lam, whiten_advantages, whiten_rewards, reducer, grpo_normalize)
     if teacher is not None and teacher_credit == "reward_to_go":
         rewards = rewards + teacher * mask

@@ -1,9 +1,10 @@
 """The rollout correction: the detached factor on each token's policy term that corrects for the engine having
-sampled the rows (``pi_old / pi_behav``, truncated, masked or banded), and the masks against training-inference
-mismatch (IcePop, the geometric-mean sequence mask, DeepSeek-V3.2's off-policy sequence mask).
+sampled the rows (``pi_old / pi_behav``, truncated, masked or banded), and the masks against
+training-inference mismatch (IcePop, the geometric-mean sequence mask, DeepSeek-V3.2's off-policy sequence
+mask).
 
-Pure torch, part of the algorithm layer (``learner.algorithm`` calls it). Shapes: B rows, T response positions;
-``mask`` [B, T] float 0/1, the action mask.
+Pure torch, part of the algorithm layer (``learner.algorithm`` calls it). Shapes: B rows, T response
+positions; ``mask`` [B, T] float 0/1, the action mask.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ SEQUENCE_STATS = frozenset({"masked_sequence_fraction"})
 
 def importance_log_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor,
                            level: CorrectionLevel = "token") -> Tensor:
-    """[B, T] detached ``log(pi_old / pi_behav)``: per token (``token``), or the row's sum over its masked tokens
-    on each of them (``sequence``: the log-likelihood ratio of the whole response); 0 outside ``mask``.
+    """[B, T] detached ``log(pi_old / pi_behav)``: per token (``token``), or the row's sum over its masked
+    tokens on each of them (``sequence``: the log-likelihood ratio of the whole response); 0 outside ``mask``.
 
-    Args: old_logprobs: [B, T] the learner's at the start of the update; behaviour_logprobs: [B, T] the engine's
-        sampled-token log-probs; mask: [B, T].
+    Args: old_logprobs: [B, T] the learner's at the start of the update; behaviour_logprobs: [B, T] the
+        engine's sampled-token log-probs; mask: [B, T].
     """
     log_w = ((old_logprobs - behaviour_logprobs) * mask).detach()
     if level == "sequence":

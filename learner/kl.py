@@ -1,6 +1,7 @@
 """KL estimators, response-level KL penalties and rewards, and the KL controllers.
 
-Pure torch: this module imports neither Ray nor DeepSpeed. It implements the KL accounting of docs/kl-accounting.md exactly.
+Pure torch: this module imports neither Ray nor DeepSpeed. It implements the KL accounting of
+docs/kl-accounting.md exactly.
 
 Every per-token tensor is *response-aligned*, shape [B, T]: position t is the t-th token after the prompt
 of sequence b, and ``mask[b, t] = 1`` for the tokens the model sampled (up to and including the first
@@ -73,11 +74,13 @@ def check_response_mask(mask: Tensor, shape: torch.Size | tuple[int, ...], prefi
     tokens); with ``prefix`` it must be a prefix in each row (no 1 after a 0), as a single response's is.
     """
     if tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(shape)} (response-aligned [B, T])")
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(shape)} (response-aligned "
+                         "[B, T])")
     m = mask.to(torch.float32) if mask.dtype == torch.bool else mask
     not_binary = (m != 0) & (m != 1)
     if not_binary.any():
-        raise ValueError(f"mask must hold only 0/1; first other value at (row, token) = {_first_index(not_binary)}")
+        raise ValueError("mask must hold only 0/1; first other value at "
+                         f"(row, token) = {_first_index(not_binary)}")
     if prefix and m.shape[-1] > 1:
         gap = m[:, 1:] > m[:, :-1]
         if gap.any():
@@ -182,12 +185,14 @@ def kl_penalized_rewards(
     rewards = -beta * kl
     if turn_rewards is not None:
         if turn_rewards.shape != kl.shape:
-            raise ValueError(f"turn_rewards has shape {tuple(turn_rewards.shape)}, expected {tuple(kl.shape)}")
+            raise ValueError(f"turn_rewards has shape {tuple(turn_rewards.shape)}, expected "
+                             f"{tuple(kl.shape)}")
         check_finite("turn_rewards", turn_rewards)
         off_model = (turn_rewards != 0) & (mask == 0)
         if off_model.any():
             raise ValueError(f"turn_rewards has a reward on a token the model did not sample, first at (row, "
-                             f"token) = {_first_index(off_model)}: a turn's reward lands on its last model token")
+                             f"token) = {_first_index(off_model)}: a turn's reward lands on its last model "
+                             "token")
         return rewards + turn_rewards.to(rewards.dtype), kl
     last = last_token_index(mask)
     rows = (last >= 0).nonzero().squeeze(-1)
@@ -195,16 +200,19 @@ def kl_penalized_rewards(
     return rewards, kl
 
 
-def kl_logprob_roles(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, off_policy: bool) -> tuple[Tensor, Tensor]:
+def kl_logprob_roles(proximal_logprobs: Tensor, behaviour_logprobs: Tensor,
+                     off_policy: bool) -> tuple[Tensor, Tensor]:
     """Which sampled-token log-probs each KL role takes: ``(penalised, sampler)``.
 
     - ``penalised``: the penalty in the reward and the controller's statistic. The policy gradient of
-      ``E[score] - beta * KL(pi || pi_ref)`` needs the log-probs of the policy being optimised, which the learner
-      holds for these rows at the start of the update: ``proximal_logprobs`` (its own forward at collection), in
-      both modes. The engine's are an older version's in async mode (biased: tests/test_kl_loss.py enumerates).
-    - ``sampler``: the old policy of the KL loss term's prefix importance weights (``response_kl_loss``), exact
-      only against the policy that sampled the rows: async (``off_policy``), the engine's ``behaviour_logprobs``;
-      sync, the learner's own of that same version (their numeric difference is left to the probe).
+      ``E[score] - beta * KL(pi || pi_ref)`` needs the log-probs of the policy being optimised, which the
+      learner holds for these rows at the start of the update: ``proximal_logprobs`` (its own forward at
+      collection), in both modes. The engine's are an older version's in async mode (biased:
+      tests/test_kl_loss.py enumerates).
+    - ``sampler``: the old policy of the KL loss term's prefix importance weights (``response_kl_loss``),
+      exact only against the policy that sampled the rows: async (``off_policy``), the engine's
+      ``behaviour_logprobs``; sync, the learner's own of that same version (their numeric difference is left
+      to the probe).
 
     Args: proximal_logprobs, behaviour_logprobs: [B, T]; off_policy: rollout.mode async.
     Returns: two [B, T] tensors, each one of the inputs.
@@ -219,10 +227,11 @@ def kl_logprob_roles(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, off_
 
 
 def teacher_penalties(logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, coef: float) -> Tensor:
-    """On-policy distillation's per-token signal: ``-coef * (log pi(y_t) - log pi_teacher(y_t))`` on the ``mask``,
-    the k1 estimate of the reverse KL(pi || teacher) at the token the student sampled, weighed by the fixed
-    ``coef`` (``distill.coef``). Its expectation over the student's own token is ``-coef * KL(pi || teacher)`` at
-    that state, whose gradient (through the score function) is the per-state reverse KL's.
+    """On-policy distillation's per-token signal: ``-coef * (log pi(y_t) - log pi_teacher(y_t))`` on the
+    ``mask``, the k1 estimate of the reverse KL(pi || teacher) at the token the student sampled, weighed by
+    the fixed ``coef`` (``distill.coef``). Its expectation over the student's own token is
+    ``-coef * KL(pi || teacher)`` at that state, whose gradient (through the score function) is the per-state
+    reverse KL's.
 
     Args: logprobs, teacher_logprobs: [B, T] the student's (the learner's, as for the reference KL) and the
         teacher's sampled-token log-probs; mask: [B, T]; coef > 0. Returns: [B, T], 0 where ``mask`` is 0.
@@ -234,12 +243,12 @@ def teacher_penalties(logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, 
 
 def kl_loss_aggregation(aggregation: Aggregation) -> Aggregation:
     """The count ``response_kl_loss``'s gradient divides by (its ``denominator``) under the policy term's
-    ``ppo.loss_aggregation``: that policy term's tokens, so that beta weighs the KL against it as the KL in the
-    reward does (with GAE at gamma = lambda = 1, unwhitened, both placements give one gradient).
+    ``ppo.loss_aggregation``: that policy term's tokens, so that beta weighs the KL against it as the KL in
+    the reward does (with GAE at gamma = lambda = 1, unwhitened, both placements give one gradient).
 
-    ``token_mean``: the tokens; ``seq_mean_token_sum_norm``: B * T; ``sequence_mean``: the tokens too, its rows
-    times their mean length (per row, the 1 / length weights would make the KL's gradient length-biased; the
-    reward's KL takes them, so the placements differ by them where lengths differ)."""
+    ``token_mean``: the tokens; ``seq_mean_token_sum_norm``: B * T; ``sequence_mean``: the tokens too, its
+    rows times their mean length (per row, the 1 / length weights would make the KL's gradient length-biased;
+    the reward's KL takes them, so the placements differ by them where lengths differ)."""
     if aggregation not in ("token_mean", "sequence_mean", "seq_mean_token_sum_norm"):
         raise ValueError(f"unknown loss aggregation {aggregation!r}")
     return "seq_mean_token_sum_norm" if aggregation == "seq_mean_token_sum_norm" else "token_mean"
@@ -289,7 +298,8 @@ def response_kl_loss(
         raise ValueError(f"response_kl_loss form must be one of {EXACT_LOSS_FORMS}, got {form!r}")
     _check_logprob_pair(logprobs, ref_logprobs)
     if old_logprobs.shape != logprobs.shape:
-        raise ValueError(f"old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}")
+        raise ValueError(f"old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape "
+                         f"{tuple(logprobs.shape)}")
     check_finite("old_logprobs", old_logprobs)
     m = check_response_mask(mask, logprobs.shape).to(logprobs.dtype)
     log_ratio = (logprobs - ref_logprobs) * m
@@ -340,13 +350,13 @@ def prefix_log_weights(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tenso
 
 def episode_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1",
                behaviour_logprobs: Tensor | None = None) -> Tensor:
-    """[B] float64 ``x_b = sum_t W_t k(r_t)`` over the ``mask`` of each row, one row an episode (an agent's several
-    rows laid end to end: ``learner.algorithm.EpisodeView``).
+    """[B] float64 ``x_b = sum_t W_t k(r_t)`` over the ``mask`` of each row, one row an episode (an agent's
+    several rows laid end to end: ``learner.algorithm.EpisodeView``).
 
     ``behaviour_logprobs`` None (the rows were sampled by ``logprobs``' own policy): W = 1, and ``x_b`` is the
-    response KL the reward penalises. Given (async: the engine's, an older version's): W is the prefix likelihood
-    ratio pi / pi_behav (``prefix_log_weights``), so ``E_behav[x_b]`` is KL(pi || pi_ref) exactly for k1 and k3:
-    the KL of the policy being optimised, not of the sampler.
+    response KL the reward penalises. Given (async: the engine's, an older version's): W is the prefix
+    likelihood ratio pi / pi_behav (``prefix_log_weights``), so ``E_behav[x_b]`` is KL(pi || pi_ref) exactly
+    for k1 and k3: the KL of the policy being optimised, not of the sampler.
     """
     m = check_response_mask(mask, logprobs.shape)
     per_token = kl_estimate(logprobs, ref_logprobs, estimator).double() * m
@@ -398,12 +408,14 @@ def kl_stats_from_sums(sums: dict[str, float]) -> dict[str, float]:
     }
     for k in ESTIMATORS:
         stats[f"{k}_response_mean"] = sums[f"{k}_response_sum"] / n
-    if sums.get("penalty_episodes"):  # the unweighted response KL of the trained episodes: what the reward penalised
+    # the unweighted response KL of the trained episodes: what the reward penalised
+    if sums.get("penalty_episodes"):
         stats["penalty_mean"] = sums["penalty_sum"] / sums["penalty_episodes"]
     return stats
 
 
-def kl_stats(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1") -> dict[str, float]:
+def kl_stats(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
+             estimator: Estimator = "k1") -> dict[str, float]:
     """Batch KL statistics.
 
     Returns a dict with ``response_mean`` (the controller's statistic: mean_b KL_b with the configured

@@ -20,11 +20,12 @@ def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum()
 
 
-def loss_denominator(mask: Tensor, aggregation: Aggregation = "token_mean", width: int | None = None) -> Tensor:
+def loss_denominator(mask: Tensor, aggregation: Aggregation = "token_mean",
+                     width: int | None = None) -> Tensor:
     """Scalar count a mean over ``mask`` [B, T] divides by: its tokens (``token_mean``), its rows with
     any token (``sequence_mean``), or B * T (``seq_mean_token_sum_norm``: Dr. GRPO's constant normaliser T
-    per row, every row counted; T is the response width, which the engines pad to rollout.max_new_tokens; ``width``
-    gives it where the rows are an episode's laid end to end, wider than one response).
+    per row, every row counted; T is the response width, which the engines pad to rollout.max_new_tokens;
+    ``width`` gives it where the rows are an episode's laid end to end, wider than one response).
     Additive, so W ranks all-reduce theirs into the global count."""
     if aggregation == "token_mean":
         return mask.sum()
@@ -151,7 +152,8 @@ def global_whiten(x: Tensor, mask: Tensor, reducer: Reducer = LOCAL, shift_mean:
     return whiten_from_moments(x, mask, moments, shift_mean=shift_mean)
 
 
-def penalize_missing_eos(scores: Tensor, finish_reason: Tensor, penalty: float | None) -> tuple[Tensor, Tensor]:
+def penalize_missing_eos(scores: Tensor, finish_reason: Tensor,
+                         penalty: float | None) -> tuple[Tensor, Tensor]:
     """lm-human-preferences' ``penalty_reward_value``: a response that reached the length cap without
     EOS (``finish_reason`` FINISH_LENGTH) scores ``penalty`` instead of its own score.
 
@@ -178,8 +180,8 @@ def overlong_penalty(lengths: Tensor, max_length: int, buffer: int, penalty: flo
         buffer: B, 0 < B < Lmax; penalty: > 0. Returns: [B] float32, <= 0.
     """
     if not 0 < buffer < max_length:
-        raise ValueError(f"overlong buffer {buffer} must be in (0, {max_length}): reward.overlong_buffer below "
-                         "rollout.max_new_tokens")
+        raise ValueError(f"overlong buffer {buffer} must be in (0, {max_length}): reward.overlong_buffer "
+                         "below rollout.max_new_tokens")
     if not penalty > 0:
         raise ValueError(f"overlong penalty {penalty} must be > 0 (reward.overlong_penalty)")
     into_buffer = (lengths.double() - (max_length - buffer)) / buffer
@@ -188,15 +190,18 @@ def overlong_penalty(lengths: Tensor, max_length: int, buffer: int, penalty: flo
 
 def truncated_loss_mask(mask: Tensor, finish_reason: Tensor) -> Tensor:
     """DAPO's overlong filtering: the loss mask without the responses cut at the cap (``finish_reason``
-    FINISH_LENGTH). Args: mask: [B, T] action mask; finish_reason: [B] long. Returns: [B, T], ``mask``'s dtype."""
+    FINISH_LENGTH). Args: mask: [B, T] action mask; finish_reason: [B] long. Returns: [B, T], ``mask``'s
+    dtype."""
     from services.experience import FINISH_LENGTH
 
     if finish_reason.shape != mask.shape[:1]:
-        raise ValueError(f"finish_reason {tuple(finish_reason.shape)} must be [B] of mask {tuple(mask.shape)}")
+        raise ValueError(f"finish_reason {tuple(finish_reason.shape)} must be [B] of mask "
+                         f"{tuple(mask.shape)}")
     return mask * (finish_reason != FINISH_LENGTH).unsqueeze(-1).to(mask.dtype)
 
 
-def scheduled_lr(lr: float, schedule: Literal["constant", "linear"], iteration: int, iterations: int) -> float:
+def scheduled_lr(lr: float, schedule: Literal["constant", "linear"], iteration: int,
+                 iterations: int) -> float:
     """The learning rate of 1-based ``iteration`` of ``iterations``: ``lr`` (constant), or annealed
     linearly to 0 over the run, one step per iteration, as lm-human-preferences' ``lr * (1 - step /
     nupdates)``: ``lr * (1 - (iteration - 1) / iterations)``, from ``lr`` down to ``lr / iterations``.
@@ -268,8 +273,10 @@ def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> 
     return ((logprobs - old_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
-def policy_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, ratio_level: RatioLevel = "token") -> Tensor:
-    """[B, T] log of the ratio each token's clipped term takes (``logprobs``, ``old_logprobs``, ``mask``: [B, T]).
+def policy_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor,
+                     ratio_level: RatioLevel = "token") -> Tensor:
+    """[B, T] log of the ratio each token's clipped term takes (``logprobs``, ``old_logprobs``, ``mask``:
+    [B, T]).
 
     ``token`` (PPO): ``log pi_t - log pi_old_t``. ``sequence`` (GSPO): the row's ``log s_b`` on each of its
     tokens, ``s_b = (pi(y_b) / pi_old(y_b))^(1 / |y_b|)``. ``sequence_token`` (GSPO-token): ``s_bt = sg[s_b] *
@@ -300,7 +307,8 @@ def sapo_gate(log_ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: fl
     is the policy gradient's, and smoothly down to 0 as r leaves 1, the faster the larger tau.
 
     Args: log_ratio, advantages: [B, T] (``log_ratio`` with grad). Returns: ([B, T] f(r), with grad; [B, T]
-    its derivative in ``log r``, ``4 s (1 - s) r``, detached: the factor the gate puts on the policy gradient).
+    its derivative in ``log r``, ``4 s (1 - s) r``, detached: the factor the gate puts on the policy
+    gradient).
     """
     tau = torch.where(advantages > 0, torch.full_like(log_ratio, tau_pos),
                       torch.full_like(log_ratio, tau_neg))
@@ -347,11 +355,11 @@ def policy_loss(
     ``ratio_level`` (``policy_log_ratio``): ``token`` is PPO; ``sequence`` is GSPO (Zheng et al. 2025): one
     length-normalised ratio s_b per row, clipped per row; with a constant advantage per row and
     ``sequence_mean`` it is the paper's ``-1/G sum_b min(s_b A_b, clip(s_b) A_b)``; ``sequence_token`` is
-    GSPO-token, whose gradient equals GSPO's when the advantage is constant per row. GSPO in async mode and with
-    the rollout correction: s_b against pi_old (pi_prox), each row's term times its detached sequence weight
-    ``W_b = pi_old(y_b) / pi_behav(y_b)`` (``correction_level: sequence``; not length-normalised: it is the
-    likelihood ratio that makes the expectation under pi_behav the one under pi_old, exactly, while under its
-    bound). CISPO and SAPO take the token ratio.
+    GSPO-token, whose gradient equals GSPO's when the advantage is constant per row. GSPO in async mode and
+    with the rollout correction: s_b against pi_old (pi_prox), each row's term times its detached sequence
+    weight ``W_b = pi_old(y_b) / pi_behav(y_b)`` (``correction_level: sequence``; not length-normalised: it is
+    the likelihood ratio that makes the expectation under pi_behav the one under pi_old, exactly, while under
+    its bound). CISPO and SAPO take the token ratio.
 
     Args:
         logprobs: [B, T] current policy log-probs of the sampled tokens (with grad).
@@ -480,7 +488,8 @@ def ppo_stats_from_sums(parts: list[dict]) -> dict[str, float]:
             acc[1] += count
     stats = {name: total / count if count else float("nan") for name, (total, count) in totals.items()}
     if all("explained_variance_moments" in part for part in parts):  # absent without a critic
-        moments = torch.tensor([part["explained_variance_moments"] for part in parts], dtype=torch.float64).sum(0)
+        moments = torch.tensor([part["explained_variance_moments"] for part in parts],
+                               dtype=torch.float64).sum(0)
         stats["explained_variance"] = explained_variance_from_moments(moments)
     stats["optimizer_steps"] = max(part["optimizer_steps"] for part in parts)
     return stats

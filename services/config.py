@@ -45,7 +45,8 @@ from services.settings_training import (
     RunConfig,
 )
 
-# the settings that follow others when unset (JobConfig._defaults_follow): (section, field, the settings it follows)
+# the settings that follow others when unset (JobConfig._defaults_follow): (section, field, the settings it
+# follows)
 FOLLOWED_DEFAULTS = (("ppo", "minibatch_size", ("rollout.batch_size",)),
                      ("rollout", "chunk_size", ("rollout.batch_size",)),
                      ("ppo", "lr", ("ppo.advantage",)),
@@ -54,8 +55,8 @@ FOLLOWED_DEFAULTS = (("ppo", "minibatch_size", ("rollout.batch_size",)),
 
 
 def follow(holder: BaseModel, name: str, value: Any) -> None:
-    """``holder.name = value`` for a setting the user left unset, which stays unset: a dumped config records the
-    value, and a resume of the run takes it back (``learner.checkpoint.keep_followed_defaults``)."""
+    """``holder.name = value`` for a setting the user left unset, which stays unset: a dumped config records
+    the value, and a resume of the run takes it back (``learner.checkpoint.keep_followed_defaults``)."""
     setattr(holder, name, value)
     holder.model_fields_set.discard(name)
 
@@ -71,8 +72,9 @@ class JobConfig(BaseSettings):
     model_config = SettingsConfigDict(
         extra="forbid",
         validate_assignment=True,
-        # no cli_parse_args: set (even to False) it makes every JobConfig build an argparse parser of the whole tree
-        # (pydantic-settings 2.x, 40 ms a config); the command line is learner.main's CliSettingsSource
+        # no cli_parse_args: set (even to False) it makes every JobConfig build an argparse parser of the
+        # whole tree (pydantic-settings 2.x, 40 ms a config); the command line is learner.main's
+        # CliSettingsSource
         cli_implicit_flags=True,
         nested_model_default_partial_update=True,
     )
@@ -97,10 +99,12 @@ class JobConfig(BaseSettings):
     @model_validator(mode="after")
     def _defaults_follow(self) -> JobConfig:
         """Unset settings that depend on others take a value that fits what the user did set (listed by
-        ``followed_defaults``); they stay unset, so a dumped config records the value and a resume keeps it."""
+        ``followed_defaults``); they stay unset, so a dumped config records the value and a resume keeps
+        it."""
         r, p, w = self.rollout, self.ppo, self.learner.world_size
         if "minibatch_size" not in p.model_fields_set:
-            follow(p, "minibatch_size", _largest_divisor(r.batch_size, PPOConfig.model_fields["minibatch_size"].default,
+            follow(p, "minibatch_size", _largest_divisor(r.batch_size,
+                                                         PPOConfig.model_fields["minibatch_size"].default,
                                                          lambda d: d % w == 0) or p.minibatch_size)
         if "chunk_size" not in r.model_fields_set:
             follow(r, "chunk_size", _largest_divisor(
@@ -111,7 +115,8 @@ class JobConfig(BaseSettings):
             if "lr_schedule" not in p.model_fields_set:
                 follow(p, "lr_schedule", ADVANTAGE_LR_SCHEDULE.get(p.advantage, p.lr_schedule))
         if "epochs" not in p.model_fields_set and r.mode == "async" and (
-                p.policy_loss in ASYNC_FEWER_EPOCHS["policy_loss"] or p.correction in ASYNC_FEWER_EPOCHS["correction"]):
+                p.policy_loss in ASYNC_FEWER_EPOCHS["policy_loss"]
+                or p.correction in ASYNC_FEWER_EPOCHS["correction"]):
             follow(p, "epochs", ASYNC_EPOCHS)
         return self
 
@@ -120,7 +125,8 @@ class JobConfig(BaseSettings):
         followed = []
         for section, name, sources in FOLLOWED_DEFAULTS:
             holder = getattr(self, section)
-            if name not in holder.model_fields_set and getattr(holder, name) != type(holder).model_fields[name].default:
+            if (name not in holder.model_fields_set
+                    and getattr(holder, name) != type(holder).model_fields[name].default):
                 shown = ", ".join(f"{source}={attrgetter(source)(self)}" for source in sources)
                 value = getattr(holder, name)
                 followed.append(f"{section}.{name}={value if isinstance(value, str) else format(value, 'g')} "
@@ -135,16 +141,16 @@ class JobConfig(BaseSettings):
 
     def tiny_model_settings_notice(self, parameters: int | None) -> str | None:
         """A line for the start of a job whose policy is a pretrained model (``parameters`` or more) while
-        ``ppo.lr`` is still the default, which is sized for the embedded randomwalks GPT-2 trained from scratch.
-        None otherwise, and when the count is unknown."""
+        ``ppo.lr`` is still the default, which is sized for the embedded randomwalks GPT-2 trained from
+        scratch. None otherwise, and when the count is unknown."""
         if parameters is None or parameters < PRETRAINED_PARAMETERS or "lr" in self.ppo.model_fields_set:
             return None
         lr = self.ppo.lr
-        return (f"note: ppo.lr={lr:g} is the default for the embedded randomwalks model (about 1M parameters, "
-                f"trained from scratch); this policy has {parameters / 1e6:.0f}M. A pretrained model moves far "
-                f"at that rate (a dataset job on SmolLM2-135M reached a response KL of 6.2 nats in 3 iterations "
-                f"while its reward fell); the presets on SmolLM2 train at 5e-5, and RL on larger models "
-                f"usually takes 1e-6 to 1e-5. Set ppo.lr to silence this")
+        return (f"note: ppo.lr={lr:g} is the default for the embedded randomwalks model (about 1M "
+                f"parameters, trained from scratch); this policy has {parameters / 1e6:.0f}M. A pretrained "
+                "model moves far at that rate (a dataset job on SmolLM2-135M reached a response KL of 6.2 "
+                "nats in 3 iterations while its reward fell); the presets on SmolLM2 train at 5e-5, and RL "
+                "on larger models usually takes 1e-6 to 1e-5. Set ppo.lr to silence this")
 
     @property
     def probe_tolerance(self) -> float:
@@ -152,9 +158,10 @@ class JobConfig(BaseSettings):
         return self.run.probe_tolerance or PROBE_TOLERANCE[self.learner.dtype]
 
     def _in_learner(self, role: str, auto_fits: bool) -> bool:
-        """``<role>.placement``: learner, or auto where the learner and the role are both on CPU, no cluster.<role>
-        setting asks for actors and ``auto_fits`` (what the role itself needs). There the role's own process takes a
-        share of the same cores, and its start-up was a fifth of the default job's."""
+        """``<role>.placement``: learner, or auto where the learner and the role are both on CPU, no
+        cluster.<role> setting asks for actors and ``auto_fits`` (what the role itself needs). There the
+        role's own process takes a share of the same cores, and its start-up was a fifth of the default
+        job's."""
         placement = getattr(self, role).placement
         if placement != "auto":
             return placement == "learner"
@@ -163,18 +170,18 @@ class JobConfig(BaseSettings):
 
     @property
     def reference_copy_in_learner(self) -> bool:
-        """reference.placement: each learner rank holds a copy of the initial policy as the reference and no reference
-        actor starts. auto: with the transformers forward, no other reference setting changed and LoRA off (its
-        learner.lora.reference 'actor' asks for an actor). Never with learner.lora.reference 'base': the ranks score
-        the base model itself."""
+        """reference.placement: each learner rank holds a copy of the initial policy as the reference and no
+        reference actor starts. auto: with the transformers forward, no other reference setting changed and
+        LoRA off (its learner.lora.reference 'actor' asks for an actor). Never with learner.lora.reference
+        'base': the ranks score the base model itself."""
         return not self.learner.reference_in_learner and self._in_learner(
             "reference", self.reference.backend == "hf" and not self.learner.lora.rank
             and set(self.reference.changed_fields()) <= {"placement"})
 
     @property
     def reward_in_learner(self) -> bool:
-        """reward.placement: each learner rank scores its chunks with the task's function and no reward actor starts.
-        auto: for kind function with reward.num_actors unchanged."""
+        """reward.placement: each learner rank scores its chunks with the task's function and no reward actor
+        starts. auto: for kind function with reward.num_actors unchanged."""
         return self._in_learner("reward", self.reward.kind == "function"
                                 and "num_actors" not in self.reward.changed_fields())
 
@@ -188,7 +195,8 @@ class JobConfig(BaseSettings):
 
     @property
     def engine_lora_rank(self) -> int | None:
-        """The engines' max_lora_rank: ``learner.vllm_lora_rank`` with ``adapter_sync``, else None (no LoRA)."""
+        """The engines' max_lora_rank: ``learner.vllm_lora_rank`` with ``adapter_sync``, else None (no
+        LoRA)."""
         return self.learner.vllm_lora_rank if self.adapter_sync else None
 
     def device(self, role: str) -> str:
@@ -196,17 +204,18 @@ class JobConfig(BaseSettings):
         return "cuda" if getattr(self.cluster, role).num_gpus > 0 else "cpu"
 
     def reference_vllm_engine_args(self) -> dict[str, Any]:
-        """The ``LLM(...)`` arguments of a reference with backend vllm. It only scores (prompt log-probs), so it
-        starts eager; on a GPU it takes reference.gpu_memory_utilization, or else 0.9 of the GPU share its role
-        reserved: vLLM's own default (0.92 of the whole GPU) fails where the GPU is shared, and on a GPU of its
-        own holds a KV cache no scoring call fills."""
+        """The ``LLM(...)`` arguments of a reference with backend vllm. It only scores (prompt log-probs), so
+        it starts eager; on a GPU it takes reference.gpu_memory_utilization, or else 0.9 of the GPU share its
+        role reserved: vLLM's own default (0.92 of the whole GPU) fails where the GPU is shared, and on a GPU
+        of its own holds a KV cache no scoring call fills."""
         args: dict[str, Any] = {"enforce_eager": True, "distributed_executor_backend": "uni"}
         if share := min(1.0, self.cluster.reference.num_gpus):
             args["gpu_memory_utilization"] = self.reference.gpu_memory_utilization or round(0.9 * share, 4)
         return args
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"),
+                                         sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _section(model: type[BaseModel], key: str) -> type[BaseModel] | None:
@@ -248,7 +257,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except yaml.YAMLError as err:
         raise ValueError(f"config file {path} is not valid YAML: {err}") from err
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping at the top, got {type(data).__name__}")  # noqa: TRY004 - main reports ValueError as bad config
+        raise ValueError(  # noqa: TRY004 - main reports ValueError as bad config
+            f"config file {path} must hold a mapping at the top, got {type(data).__name__}")
     return data
 
 
@@ -264,7 +274,7 @@ def config_to_yaml(cfg: JobConfig) -> str:
 
 # the sections live in services/settings_sampling.py and services/settings_training.py; they are named here,
 # the one place settings come from
-__all__ = ["PROBE_TOLERANCE", "VLLM_LORA_RANKS", "CheckpointConfig", "ClusterConfig", "DistillConfig", "JobConfig",
-           "JudgeConfig", "KLConfig", "LearnerConfig", "LoraConfig", "MetricsConfig", "ModelConfig", "PPOConfig",
-           "ReferenceConfig", "RewardConfig", "RoleResources", "RolloutConfig", "RunConfig", "TaskConfig",
-           "config_to_yaml", "load_config", "merge_settings", "read_yaml"]
+__all__ = ["PROBE_TOLERANCE", "VLLM_LORA_RANKS", "CheckpointConfig", "ClusterConfig", "DistillConfig",
+           "JobConfig", "JudgeConfig", "KLConfig", "LearnerConfig", "LoraConfig", "MetricsConfig",
+           "ModelConfig", "PPOConfig", "ReferenceConfig", "RewardConfig", "RoleResources", "RolloutConfig",
+           "RunConfig", "TaskConfig", "config_to_yaml", "load_config", "merge_settings", "read_yaml"]

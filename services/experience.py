@@ -6,10 +6,11 @@ response-aligned [B, T]. A multi-turn episode's response is its whole trajectory
 token as it happened: the model's turns (ids the engine sampled) and the environment's (observation ids),
 ``response_mask`` marks every real token of it (the attention), ``action_mask`` the ones the model sampled
 (the only ones with log-probs, ratios, advantages and KL). A single response is a
-trajectory of one turn, where the two masks are equal. Each row carries the ``policy_version`` and ``kl_coef`` it was produced under,
-so concatenating chunks keeps the stamps. The learner fills the optional fields (reference log-probs,
-scores, its own old log-probs and values, advantages, returns), so one container reaches the loss. ``tensordict``'s tensorclass gives indexing, ``torch.cat``,
-``torch.stack`` and device moves for free.
+trajectory of one turn, where the two masks are equal. Each row carries the ``policy_version`` and ``kl_coef``
+it was produced under, so concatenating chunks keeps the stamps. The learner fills the optional fields
+(reference log-probs, scores, its own old log-probs and values, advantages, returns), so one container reaches
+the loss. ``tensordict``'s tensorclass gives indexing, ``torch.cat``, ``torch.stack`` and device moves for
+free.
 
 The driver never imports this module: tensordict imports ``torch._dynamo`` at import (about 1.3 CPU s), so
 the actor and rank modules that the driver imports for their classes import it inside the methods that
@@ -37,28 +38,34 @@ class RolloutBatch:
     prompt_mask: Tensor  # [B, P] float 0/1
     response_ids: Tensor  # [B, T] long, right-padded
     response_mask: Tensor  # [B, T] float 0/1: every real token after the prompt (a prefix); the attention
-    action_mask: Tensor  # [B, T] float 0/1: the tokens the model sampled (each turn up to its EOS); the losses
+    # [B, T] float 0/1: the tokens the model sampled (each turn up to its EOS); the losses
+    action_mask: Tensor
     rollout_logprobs: Tensor  # [B, T] the engine's sampled-token log-probs (diagnostic only)
     finish_reason: Tensor  # [B] long: FINISH_STOP or FINISH_LENGTH
     policy_version: Tensor  # [B] long: weights version that generated the row
     kl_coef: Tensor  # [B] float: beta in force when the row was generated
     prompt_index: Tensor  # [B] long: index into the task's prompt list
     group_index: Tensor  # [B] long: the episodes of one prompt's samples_per_prompt group share it; -1: none
-    episode_index: Tensor  # [B] long: the rows of one episode share it (an agent's calls may give several rows)
+    # [B] long: the rows of one episode share it (an agent's calls may give several rows)
+    episode_index: Tensor
     # multi-turn episodes only (an environment's task); None for single responses
-    turn_rewards: Tensor | None = None  # [B, T] each turn's reward at the turn's last model token (0 elsewhere)
+    # [B, T] each turn's reward at the turn's last model token (0 elsewhere)
+    turn_rewards: Tensor | None = None
     num_turns: Tensor | None = None  # [B] long: the model's turns in the episode
     tool_calls: Tensor | None = None  # [B] long: tool calls the environment executed
     environment_seconds: Tensor | None = None  # [B] float: seconds the episode's environment steps took
     environment_failures: Tensor | None = None  # [B] long: failed attempts at the row before it succeeded
     # in-flight updates (rollout.in_flight_updates) only: a response may span versions
-    token_version: Tensor | None = None  # [B, T] long: the version each sampled token was sampled under; -1 elsewhere
+    # [B, T] long: the version each sampled token was sampled under; -1 elsewhere
+    token_version: Tensor | None = None
     # filled by the learner rank; None until then
     ref_logprobs: Tensor | None = None  # [B, T] the reference model's log-probs of the sampled tokens
-    teacher_logprobs: Tensor | None = None  # [B, T] on-policy distillation: the teacher's (distill.teacher_path)
+    # [B, T] on-policy distillation: the teacher's (distill.teacher_path)
+    teacher_logprobs: Tensor | None = None
     scores: Tensor | None = None  # [B] sequence scores (the reward function's or model's)
     old_logprobs: Tensor | None = None  # [B, T] the learner's log-probs before the update
-    old_values: Tensor | None = None  # [B, T] the critic's values before the update ("values" is tensordict's)
+    # [B, T] the critic's values before the update ("values" is tensordict's)
+    old_values: Tensor | None = None
     advantages: Tensor | None = None  # [B, T]
     returns: Tensor | None = None  # [B, T] the value targets
 
@@ -105,24 +112,25 @@ def make_batch(
     """Assemble engine outputs into a RolloutBatch (``response_width`` pads T to a fixed size, so chunks
     of one iteration concatenate; ``group_index`` None: the rows belong to no group, -1). A trajectory
     gives ``action_masks`` (1 on the ids the model sampled; ``logprobs`` 0 elsewhere) and ``episodes``;
-    without them every response token is the model's. ``episode_index`` None: every row is an episode of its own.
-    ``token_versions`` (in-flight updates): each sampled token's version (-1 on the environment's); a row is
-    stamped with its oldest, so the staleness it is admitted by is its oldest token's."""
+    without them every response token is the model's. ``episode_index`` None: every row is an episode of its
+    own. ``token_versions`` (in-flight updates): each sampled token's version (-1 on the environment's); a row
+    is stamped with its oldest, so the staleness it is admitted by is its oldest token's."""
     b = len(prompts)
     batch = RolloutBatch(
         prompt_ids=pad_left(prompts, pad_id),
         prompt_mask=pad_left([[1] * len(p) for p in prompts], 0, dtype=torch.float32),
         response_ids=pad_right(responses, pad_id, response_width),
         response_mask=pad_right([[1] * len(r) for r in responses], 0, response_width, dtype=torch.float32),
-        action_mask=pad_right(action_masks if action_masks is not None else [[1] * len(r) for r in responses], 0,
-                              response_width, dtype=torch.float32),
+        action_mask=pad_right(action_masks if action_masks is not None else [[1] * len(r) for r in responses],
+                              0, response_width, dtype=torch.float32),
         rollout_logprobs=pad_right(logprobs, 0.0, response_width, dtype=torch.float32),
         finish_reason=torch.tensor(finish_reasons, dtype=torch.long),
         policy_version=torch.full((b,), policy_version, dtype=torch.long),
         kl_coef=torch.full((b,), kl_coef, dtype=torch.float32),
         prompt_index=torch.tensor(prompt_index, dtype=torch.long),
         group_index=torch.tensor(group_index if group_index is not None else [-1] * b, dtype=torch.long),
-        episode_index=torch.tensor(episode_index if episode_index is not None else range(b), dtype=torch.long),
+        episode_index=torch.tensor(episode_index if episode_index is not None else range(b),
+                                   dtype=torch.long),
         batch_size=[b],
     )
     if token_versions is not None:
@@ -150,8 +158,9 @@ class Episodes:
 
 
 def stale_tokens(batch: RolloutBatch, mask: Tensor, version: int | None) -> Tensor:
-    """[B, T] float: 1 on the tokens of ``mask`` sampled by a version other than the learner's ``version`` (None:
-    unknown, none counted); token by token with in-flight updates, where a response may span versions."""
+    """[B, T] float: 1 on the tokens of ``mask`` sampled by a version other than the learner's ``version``
+    (None: unknown, none counted); token by token with in-flight updates, where a response may span
+    versions."""
     if version is None:
         return torch.zeros_like(mask)
     if batch.token_version is not None:
@@ -160,8 +169,8 @@ def stale_tokens(batch: RolloutBatch, mask: Tensor, version: int | None) -> Tens
 
 
 def in_flight_sums(batch: RolloutBatch, mask: Tensor, version: int | None) -> dict[str, float]:
-    """With in-flight updates: the rows, the rows whose sampled tokens span versions, and the versions each token
-    of ``mask`` lags the learner's ``version``, summed; nothing otherwise."""
+    """With in-flight updates: the rows, the rows whose sampled tokens span versions, and the versions each
+    token of ``mask`` lags the learner's ``version``, summed; nothing otherwise."""
     if batch.token_version is None or version is None:
         return {}
     sampled = mask * (batch.token_version >= 0)
@@ -172,8 +181,8 @@ def in_flight_sums(batch: RolloutBatch, mask: Tensor, version: int | None) -> di
 
 
 def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
-    """Concatenate chunks, left-padding prompts to a common width first; each chunk's episode ids are moved past
-    the last chunk's, so an id names one episode of the whole batch."""
+    """Concatenate chunks, left-padding prompts to a common width first; each chunk's episode ids are moved
+    past the last chunk's, so an id names one episode of the whole batch."""
     width = max(b.prompt_ids.shape[1] for b in batches)
     aligned, episode_ids, first_id = [], [], 0
     for b in batches:
@@ -232,11 +241,13 @@ def _keeps_logits(model_class: type) -> bool:
 
 @dataclass
 class Packed:
-    """Rows of a batch packed one after another into one row, without padding (``learner.max_tokens_per_microbatch``).
+    """Rows of a batch packed one after another into one row, without padding
+    (``learner.max_tokens_per_microbatch``).
 
-    ``input_ids``, ``position_ids``: [1, N], each sequence's positions from 0 (transformers reads the restarts and
-    masks attention across sequences); ``keep``: [K] the columns that predict a response token; ``rows``, ``cols``:
-    [K] which row and response position each predicts, in the padded [b, T] layout of the rows packed."""
+    ``input_ids``, ``position_ids``: [1, N], each sequence's positions from 0 (transformers reads the restarts
+    and masks attention across sequences); ``keep``: [K] the columns that predict a response token; ``rows``,
+    ``cols``: [K] which row and response position each predicts, in the padded [b, T] layout of the rows
+    packed."""
 
     input_ids: Tensor
     position_ids: Tensor
@@ -246,7 +257,8 @@ class Packed:
     shape: tuple[int, int]  # the padded layout: [b, T]
 
     def to(self, device) -> Packed:
-        return Packed(*(x.to(device) for x in (self.input_ids, self.position_ids, self.keep, self.rows, self.cols)),
+        return Packed(*(x.to(device)
+                        for x in (self.input_ids, self.position_ids, self.keep, self.rows, self.cols)),
                       self.shape)
 
 
@@ -256,8 +268,8 @@ def sequence_lengths(batch: RolloutBatch) -> Tensor:
 
 
 def plan_micro_batches(lengths: Tensor, max_tokens: int) -> list[Tensor]:
-    """Rows into micro-batches of at most ``max_tokens`` real tokens (first fit, longest first; a row longer than
-    the budget alone). Returns each micro-batch's row indices, in row order; every row in exactly one."""
+    """Rows into micro-batches of at most ``max_tokens`` real tokens (first fit, longest first; a row longer
+    than the budget alone). Returns each micro-batch's row indices, in row order; every row in exactly one."""
     bins: list[list[int]] = []
     room: list[int] = []
     for row in sorted(range(len(lengths)), key=lambda r: (-int(lengths[r]), r)):
@@ -273,15 +285,16 @@ def plan_micro_batches(lengths: Tensor, max_tokens: int) -> list[Tensor]:
 
 
 def pack(batch: RolloutBatch) -> Packed:
-    """Every row of ``batch`` packed: its real prompt tokens then its real response tokens. A row needs a prompt
-    token: the last one predicts its first response token."""
+    """Every row of ``batch`` packed: its real prompt tokens then its real response tokens. A row needs a
+    prompt token: the last one predicts its first response token."""
     ids, positions, keep, rows, cols = [], [], [], [], []
     offset = 0
     for row in range(batch.shape[0]):
         prompt = batch.prompt_ids[row][batch.prompt_mask[row].bool()]
         length = int(batch.response_mask[row].sum())
         if prompt.numel() == 0:
-            raise ValueError(f"row {row} has no prompt token: packing needs one to predict its first response token")
+            raise ValueError(f"row {row} has no prompt token: packing needs one to predict its first "
+                             "response token")
         sequence = torch.cat([prompt, batch.response_ids[row, :length]])
         ids.append(sequence)
         positions.append(torch.arange(sequence.numel()))
@@ -289,14 +302,15 @@ def pack(batch: RolloutBatch) -> Packed:
         rows.append(torch.full((length,), row, dtype=torch.long))
         cols.append(torch.arange(length))
         offset += sequence.numel()
-    return Packed(torch.cat(ids).unsqueeze(0), torch.cat(positions).unsqueeze(0), torch.cat(keep), torch.cat(rows),
-                  torch.cat(cols), (batch.shape[0], batch.response_ids.shape[1]))
+    return Packed(torch.cat(ids).unsqueeze(0), torch.cat(positions).unsqueeze(0), torch.cat(keep),
+                  torch.cat(rows), torch.cat(cols), (batch.shape[0], batch.response_ids.shape[1]))
 
 
 def packed_logits(model, packed: Packed, hidden: bool = False) -> tuple[Tensor, Tensor | None]:
-    """One forward of a causal LM over ``packed`` sequences (on the model's device): the logits [b, T, V] predicting
-    each response token in the padded layout (0 at padding), and with ``hidden`` the last hidden states there
-    [b, T, H]. Only the kept columns go through the LM head where the model takes ``logits_to_keep``."""
+    """One forward of a causal LM over ``packed`` sequences (on the model's device): the logits [b, T, V]
+    predicting each response token in the padded layout (0 at padding), and with ``hidden`` the last hidden
+    states there [b, T, H]. Only the kept columns go through the LM head where the model takes
+    ``logits_to_keep``."""
     inputs = {"input_ids": packed.input_ids, "attention_mask": None, "position_ids": packed.position_ids,
               "output_hidden_states": hidden, "use_cache": False}
     keep = packed.keep

@@ -12,35 +12,38 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 from services.choices import GRPO_TOKEN_K3_WARNING, Estimator, LossForm
 from services.settings_sampling import Section
 
-# vLLM's max_lora_rank takes these (vllm.config.lora.MaxLoRARanks; tests/test_lora.py checks): an engine that takes
-# LoRA adapters starts with the smallest one at least learner.lora.rank
+# vLLM's max_lora_rank takes these (vllm.config.lora.MaxLoRARanks; tests/test_lora.py checks): an engine that
+# takes LoRA adapters starts with the smallest one at least learner.lora.rank
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 # a policy this large is a pretrained model, not a task's small model trained from scratch (the embedded
 # randomwalks GPT-2 has about 1M parameters)
 PRETRAINED_PARAMETERS = 20_000_000
-# ppo.lr when unset, by ppo.advantage, and with it ppo.lr_schedule when that is unset too: GAE's is tuned on the
-# embedded randomwalks model; the critic-free estimators' updates are larger at a rate (no value baseline shrinks the
-# advantages), and at 3e-4 GRPO and RLOO end below 0.9 optimality on graphs other than the default one. GRPO's
-# advantages are scaled to unit variance in each group however small its spread: at a constant 1e-4 it plateaued at
-# 0.93 on one graph, at a constant 3e-5 to 1e-4 it stayed short of 0.95 on one graph in async mode (0.939 at 5e-5);
-# annealed linearly from 1e-4 it learns early at the rate and settles late (benchmarks/advantage_lr.py)
+# ppo.lr when unset, by ppo.advantage, and with it ppo.lr_schedule when that is unset too: GAE's is tuned on
+# the embedded randomwalks model; the critic-free estimators' updates are larger at a rate (no value baseline
+# shrinks the advantages), and at 3e-4 GRPO and RLOO end below 0.9 optimality on graphs other than the default
+# one. GRPO's advantages are scaled to unit variance in each group however small its spread: at a constant
+# 1e-4 it plateaued at 0.93 on one graph, at a constant 3e-5 to 1e-4 it stayed short of 0.95 on one graph in
+# async mode (0.939 at 5e-5); annealed linearly from 1e-4 it learns early at the rate and settles late
+# (benchmarks/advantage_lr.py)
 ADVANTAGE_LR = {"gae": 3e-4, "grpo": 1e-4, "rloo": 1e-4, "reinforce_pp": 1e-4, "reinforce_pp_baseline": 1e-4}
 ADVANTAGE_LR_SCHEDULE = {"grpo": "linear"}  # the others: the field's default, constant
-# In async mode, the policy losses and the correction that let a stale row weigh more than TIS's cap of 2 (CISPO's
-# weight up to 5, SAPO's soft gate, IcePop's untruncated weight) lost learning parity over the default 4 epochs
-# (8 optimizer steps a batch); with one they held it but learned slowly (14.7 iterations to GRPO's 10.3), with two
-# they keep within 3 iterations of sync (benchmarks/results/losses-and-masks-*): an unset ppo.epochs follows
-# (JobConfig._defaults_follow)
+# In async mode, the policy losses and the correction that let a stale row weigh more than TIS's cap of 2
+# (CISPO's weight up to 5, SAPO's soft gate, IcePop's untruncated weight) lost learning parity over the
+# default 4 epochs (8 optimizer steps a batch); with one they held it but learned slowly (14.7 iterations to
+# GRPO's 10.3), with two they keep within 3 iterations of sync (benchmarks/results/losses-and-masks-*): an
+# unset ppo.epochs follows (JobConfig._defaults_follow)
 ASYNC_EPOCHS = 2
 ASYNC_FEWER_EPOCHS = {"policy_loss": ("cispo", "sapo"), "correction": ("icepop",)}
 
 
-# what only GAE reads (learner/advantages.py's _gae; the critic's value loss, learner/algorithm.py), and what it is
+# what only GAE reads (learner/advantages.py's _gae; the critic's value loss, learner/algorithm.py),
+# and what it is
 GAE_ONLY_FIELDS = {
     "lam": "GAE's lambda",
     "whiten_rewards": "the whitening of the per-token rewards GAE sees",
-    "whiten_advantages": "the whitening of GAE's advantages (the other estimators normalise theirs as they define)",
+    "whiten_advantages": "the whitening of GAE's advantages (the other estimators normalise theirs as they "
+                         "define)",
     "vf_coef": "the weight of the critic's value loss",
     "clip_range_value": "the clip of the critic's values in its value loss",
 }
@@ -81,15 +84,15 @@ def _shown(value: Any) -> str:
 
 class PPOConfig(Section):
     advantage: Estimator = Field(
-        "gae", description="advantage estimator (learner.advantages): gae (with a critic), or the critic-free "
-        "grpo, rloo, reinforce_pp, reinforce_pp_baseline")
+        "gae", description="advantage estimator (learner.advantages): gae (with a critic), or the "
+        "critic-free grpo, rloo, reinforce_pp, reinforce_pp_baseline")
     epochs: PositiveInt = Field(4, description="PPO epochs over each rollout batch")
     minibatch_size: PositiveInt = Field(64, description="episodes per optimizer step, over all ranks")
     lr: PositiveFloat = Field(3e-4, description="AdamW learning rate")
     lr_schedule: Literal["constant", "linear"] = Field(
-        "constant", description="linear: lr * (1 - (i - 1) / run.iterations) at iteration i, annealed to 0 over "
-        "the run as in lm-human-preferences; constant: lr throughout. Unset, with ppo.lr unset too: grpo's rate is "
-        "linear, the others' constant")
+        "constant", description="linear: lr * (1 - (i - 1) / run.iterations) at iteration i, annealed to 0 "
+        "over the run as in lm-human-preferences; constant: lr throughout. Unset, with ppo.lr unset too: "
+        "grpo's rate is linear, the others' constant")
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     weight_decay: float = Field(1e-6, ge=0, description="AdamW weight decay")
     clip_range: PositiveFloat = Field(0.2, description="policy ratio clip epsilon")
@@ -97,18 +100,18 @@ class PPOConfig(Section):
         None, description="lower ratio clip epsilon, the ratio's floor 1 - it (< 1); none = clip_range "
         "(policy_loss ppo)")
     clip_range_high: PositiveFloat | None = Field(
-        None, description="upper ratio clip epsilon, the ratio's ceiling 1 + it (DAPO's clip-higher: 0.28 with a "
-        "low of 0.2); none = clip_range (policy_loss ppo)")
+        None, description="upper ratio clip epsilon, the ratio's ceiling 1 + it (DAPO's clip-higher: 0.28 "
+        "with a low of 0.2); none = clip_range (policy_loss ppo)")
     policy_loss: Literal["ppo", "gspo", "gspo_token", "cispo", "sapo"] = Field(
         "ppo", description="ppo: a ratio per token; gspo: one length-normalised ratio per sequence, "
-        "(pi/pi_old)^(1/|y|), clipped per sequence (Zheng et al. 2025); gspo_token: GSPO's ratio with each token's "
-        "gradient (its per-token advantages); cispo: -sg(clip(r)) * A * log pi, the token ratio clipped "
-        "and detached, no token's gradient dropped (MiniMax-M1); sapo: -A * 4/tau * sigmoid(tau * (r - 1)), "
-        "a soft gate in place of the clip (Qwen's SAPO)")
-    gspo_clip_low: PositiveFloat = Field(3e-4, description="gspo, gspo_token: lower clip epsilon of the sequence "
-                                         "ratio (the paper's 3e-4)")
-    gspo_clip_high: PositiveFloat = Field(4e-4, description="gspo, gspo_token: upper clip epsilon of the sequence "
-                                          "ratio (the paper's 4e-4)")
+        "(pi/pi_old)^(1/|y|), clipped per sequence (Zheng et al. 2025); gspo_token: GSPO's ratio with each "
+        "token's gradient (its per-token advantages); cispo: -sg(clip(r)) * A * log pi, the token ratio "
+        "clipped and detached, no token's gradient dropped (MiniMax-M1); "
+        "sapo: -A * 4/tau * sigmoid(tau * (r - 1)), a soft gate in place of the clip (Qwen's SAPO)")
+    gspo_clip_low: PositiveFloat = Field(3e-4, description="gspo, gspo_token: lower clip epsilon of the "
+                                         "sequence ratio (the paper's 3e-4)")
+    gspo_clip_high: PositiveFloat = Field(4e-4, description="gspo, gspo_token: upper clip epsilon of the "
+                                          "sequence ratio (the paper's 4e-4)")
     cispo_clip_low: float = Field(
         1.0, gt=0, le=1, description="cispo: the weight's floor is 1 - it; 1 = no floor (the paper bounds "
         "only the top; Trinity-RFT's default)")
@@ -122,35 +125,37 @@ class PPOConfig(Section):
         "gradients fade sooner (the paper's, verl's and SkyRL's 1.05)")
     clip_range_value: PositiveFloat = Field(0.2, description="value clip around old values (gae only)")
     vf_coef: float = Field(1.0, ge=0, description="value loss weight (gae only)")
-    gamma: float = Field(1.0, gt=0, le=1, description="discount (gae, reinforce_pp; reinforce_pp_baseline takes "
-                         "only 1)")
+    gamma: float = Field(1.0, gt=0, le=1, description="discount (gae, reinforce_pp; reinforce_pp_baseline "
+                         "takes only 1)")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
     whiten_advantages: bool = Field(True, description="whiten GAE's advantages over the batch (gae only: the "
                                     "other estimators normalise as defined)")
-    whiten_rewards: bool = Field(False, description="scale the KL-penalised per-token rewards to unit variance "
-                                 "over the batch, mean kept, before GAE (lm-human-preferences: true; gae only)")
+    whiten_rewards: bool = Field(False, description="scale the KL-penalised per-token rewards to unit "
+                                 "variance over the batch, mean kept, before GAE (lm-human-preferences: "
+                                 "true; gae only)")
     loss_aggregation: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean", description="loss mean: over tokens, over sequences (each over its tokens), or "
-        "seq_mean_token_sum_norm (Dr. GRPO: each sequence's token sum over rollout.max_new_tokens, then the mean)")
+        "seq_mean_token_sum_norm (Dr. GRPO: each sequence's token sum over rollout.max_new_tokens, then the "
+        "mean)")
     max_grad_norm: PositiveFloat = Field(1.0, description="gradient clipping norm")
     mask_truncated: bool = Field(
-        False, description="DAPO's overlong filtering: responses cut at rollout.max_new_tokens without EOS leave the "
-        "policy and value losses (their advantages and the groups' baselines are computed with them, and their KL "
-        "still counts in the controller's statistic)")
+        False, description="DAPO's overlong filtering: responses cut at rollout.max_new_tokens without EOS "
+        "leave the policy and value losses (their advantages and the groups' baselines are computed with "
+        "them, and their KL still counts in the controller's statistic)")
     correction: Literal["tis", "mis", "icepop", "geometric_mask", "off_policy_mask", "none"] = Field(
-        "tis", description="rollout correction, both modes: each token's loss term times w = pi_old / pi_behav, the "
-        "learner's policy at the start of the update over the engine's sampled log-probs; tis truncates w at is_cap, "
-        "mis masks what exceeds it; icepop keeps a token's w inside [icepop_low, icepop_high] and masks it "
-        "outside (Ring-1T); geometric_mask is tis with the rows whose geometric-mean token ratio is outside "
-        "[geometric_mask_low, geometric_mask_high] masked (verl's geo mask); off_policy_mask is tis with "
-        "DeepSeek-V3.2's mask: a negative-advantage token of a row whose mean log(pi_behav / pi) exceeds "
-        "off_policy_mask_delta; none only in sync mode")
+        "tis", description="rollout correction, both modes: each token's loss term times "
+        "w = pi_old / pi_behav, the learner's policy at the start of the update over the engine's sampled "
+        "log-probs; tis truncates w at is_cap, mis masks what exceeds it; icepop keeps a token's w inside "
+        "[icepop_low, icepop_high] and masks it outside (Ring-1T); geometric_mask is tis with the rows whose "
+        "geometric-mean token ratio is outside [geometric_mask_low, geometric_mask_high] masked (verl's geo "
+        "mask); off_policy_mask is tis with DeepSeek-V3.2's mask: a negative-advantage token of a row whose "
+        "mean log(pi_behav / pi) exceeds off_policy_mask_delta; none only in sync mode")
     correction_level: Literal["token", "sequence"] = Field(
-        "token", description="the rollout correction's weight: per token, or the whole response's likelihood ratio "
-        "on each of its tokens (gspo takes sequence)")
-    is_cap: PositiveFloat = Field(2.0, description="the rollout correction's bound on w = pi_old / pi_behav (> 1): "
-                                  "tis truncates w to it, mis masks the tokens (sequence: rows) beyond it; in async "
-                                  "mode pi_old is pi_prox (decoupled PPO)")
+        "token", description="the rollout correction's weight: per token, or the whole response's likelihood "
+        "ratio on each of its tokens (gspo takes sequence)")
+    is_cap: PositiveFloat = Field(2.0, description="the rollout correction's bound on w = pi_old / pi_behav "
+                                  "(> 1): tis truncates w to it, mis masks the tokens (sequence: rows) "
+                                  "beyond it; in async mode pi_old is pi_prox (decoupled PPO)")
     icepop_low: float = Field(
         0.5, gt=0, lt=1, description="icepop: a token whose k = pi_old / pi_behav is below it is masked "
         "(Ring-1T's and OpenRLHF's 0.5)")
@@ -169,32 +174,38 @@ class PPOConfig(Section):
         "pi) over its tokens (pi the policy being trained) above which its negative-advantage tokens are "
         "masked (slime's 1e-4)")
     grpo_normalize: Literal["score", "return"] = Field(
-        "score", description="grpo with the KL in the reward: score normalises the score in its group and adds the "
-        "KL penalty to go unscaled (DeepSeekMath, OpenRLHF, TRL); return normalises score - beta * KL_b (verl's "
-        "use_kl_in_reward, only to reproduce it: where a group's scores tie, KL noise becomes unit advantages)")
+        "score", description="grpo with the KL in the reward: score normalises the score in its group and "
+        "adds the KL penalty to go unscaled (DeepSeekMath, OpenRLHF, TRL); return normalises "
+        "score - beta * KL_b (verl's use_kl_in_reward, only to reproduce it: where a group's scores tie, KL "
+        "noise becomes unit advantages)")
 
     @model_validator(mode="after")
     def _estimator_settings(self) -> PPOConfig:
         if self.advantage == "reinforce_pp_baseline" and self.gamma != 1:
-            raise ValueError(f"ppo.advantage='reinforce_pp_baseline' needs ppo.gamma=1 (got {self.gamma}): the group "
-                             "baseline subtracted at the last token and discounted reaches token t as "
-                             "-gamma^(L-1-t) * baseline, a bias by the response's length L (OpenRLHF forces 1)")
+            raise ValueError(f"ppo.advantage='reinforce_pp_baseline' needs ppo.gamma=1 (got {self.gamma}): "
+                             "the group baseline subtracted at the last token and discounted reaches token t "
+                             "as -gamma^(L-1-t) * baseline, a bias by the response's length L (OpenRLHF "
+                             "forces 1)")
         if self.grpo_normalize != "score" and self.advantage != "grpo":
             raise ValueError(f"ppo.grpo_normalize={self.grpo_normalize!r} is set but ppo.advantage="
-                             f"{self.advantage!r} ignores it; set ppo.grpo_normalize='score' or ppo.advantage='grpo'")
+                             f"{self.advantage!r} ignores it; set ppo.grpo_normalize='score' or "
+                             "ppo.advantage='grpo'")
         defaults = type(self).model_fields
         if self.advantage != "gae":
-            # by value, not by which fields were given: a dumped config (config.yaml, --print-config) holds them all
+            # by value, not by which fields were given: a dumped config (config.yaml, --print-config) holds
+            # them all
             for name, what in GAE_ONLY_FIELDS.items():
                 value, default = getattr(self, name), defaults[name].default
                 if value != default:
-                    raise ValueError(f"ppo.{name}={_shown(value)} is set but ppo.advantage={self.advantage!r} ignores "
-                                     f"it: {what} is read only by ppo.advantage='gae'; set ppo.{name}="
-                                     f"{_shown(default)} (its default) or ppo.advantage='gae'")
+                    raise ValueError(f"ppo.{name}={_shown(value)} is set but "
+                                     f"ppo.advantage={self.advantage!r} ignores it: {what} is read only by "
+                                     f"ppo.advantage='gae'; set ppo.{name}={_shown(default)} (its default) "
+                                     "or ppo.advantage='gae'")
         if self.advantage in ("grpo", "rloo") and self.gamma != defaults["gamma"].default:
-            raise ValueError(f"ppo.gamma={self.gamma} is set but ppo.advantage={self.advantage!r} ignores it: "
-                             f"{self.advantage} scores each response by its undiscounted return; set ppo.gamma=1.0 "
-                             "(its default), or ppo.advantage 'gae' or 'reinforce_pp', which discount")
+            raise ValueError(f"ppo.gamma={self.gamma} is set but ppo.advantage={self.advantage!r} ignores "
+                             f"it: {self.advantage} scores each response by its undiscounted return; set "
+                             "ppo.gamma=1.0 (its default), or ppo.advantage 'gae' or 'reinforce_pp', which "
+                             "discount")
         return self
 
     def ratio_clip_range(self) -> tuple[float, float]:
@@ -227,9 +238,9 @@ class PPOConfig(Section):
                                  "ppo.policy_loss='ppo'")
         both = self.clip_range_low is not None and self.clip_range_high is not None
         if both and self.clip_range != defaults["clip_range"].default:
-            raise ValueError(f"ppo.clip_range={self.clip_range} is set but ppo.clip_range_low and ppo.clip_range_high "
-                             "are both set, and the ratio's clip takes them alone; drop ppo.clip_range or one of "
-                             "the two bounds")
+            raise ValueError(f"ppo.clip_range={self.clip_range} is set but ppo.clip_range_low and "
+                             "ppo.clip_range_high are both set, and the ratio's clip takes them alone; drop "
+                             "ppo.clip_range or one of the two bounds")
         for name, (owners, what) in POLICY_LOSS_ONLY_FIELDS.items():
             value, default = getattr(self, name), defaults[name].default
             if loss in owners or name not in changed:
@@ -249,9 +260,10 @@ class PPOConfig(Section):
                 raise ValueError(f"ppo.{field}={low} puts the ratio's floor 1 - {low} at or below 0, where "
                                  "no ratio reaches it (a ratio is > 0): the lower clip epsilon must be < 1")
         if self.policy_loss == "gspo" and self.advantage == "gae":
-            raise ValueError("ppo.policy_loss='gspo' gives every token of a response the sequence's one ratio, so its "
-                             "gradient averages GAE's per-token advantages over the response; use "
-                             "ppo.policy_loss='gspo_token' (GSPO's ratio, each token's own advantage) with gae")
+            raise ValueError("ppo.policy_loss='gspo' gives every token of a response the sequence's one "
+                             "ratio, so its gradient averages GAE's per-token advantages over the response; "
+                             "use ppo.policy_loss='gspo_token' (GSPO's ratio, each token's own advantage) "
+                             "with gae")
         for name, (owner, what) in CORRECTION_ONLY_FIELDS.items():
             value, default = getattr(self, name), defaults[name].default
             if self.correction != owner and name in changed:
@@ -260,8 +272,8 @@ class PPOConfig(Section):
                                  f"ppo.{name}={_shown(default)} (its default)")
         if self.correction == "none":
             if self.correction_level != "token" or self.is_cap != defaults["is_cap"].default:
-                raise ValueError("ppo.correction_level or ppo.is_cap is set but ppo.correction='none' ignores them; "
-                                 "set ppo.correction to 'tis' or 'mis', or drop them")
+                raise ValueError("ppo.correction_level or ppo.is_cap is set but ppo.correction='none' "
+                                 "ignores them; set ppo.correction to 'tis' or 'mis', or drop them")
             return self
         if self.correction == "icepop":
             self._icepop_settings(defaults["is_cap"].default)
@@ -272,9 +284,10 @@ class PPOConfig(Section):
                              "where the engine and the learner agree the weight is 1, and a bound at or "
                              f"below it would {cut} the tokens the learner favours even there")
         if self.policy_loss == "gspo" and self.correction_level == "token":
-            raise ValueError("ppo.policy_loss='gspo' takes one ratio per response; its rollout correction must be one "
-                             "weight per response too, the response's likelihood ratio pi_old(y) / pi_behav(y): set "
-                             "ppo.correction_level='sequence' (or ppo.correction='none' in sync mode)")
+            raise ValueError("ppo.policy_loss='gspo' takes one ratio per response; its rollout correction "
+                             "must be one weight per response too, the response's likelihood ratio "
+                             "pi_old(y) / pi_behav(y): set ppo.correction_level='sequence' (or "
+                             "ppo.correction='none' in sync mode)")
         return self
 
     def _icepop_settings(self, default_cap: float) -> None:
@@ -299,13 +312,16 @@ class PPOConfig(Section):
 
 
 class KLConfig(Section):
-    controller: Literal["adaptive", "fixed"] = Field("adaptive", description="adaptive (Ziegler et al.) or fixed")
+    controller: Literal["adaptive", "fixed"] = Field(
+        "adaptive", description="adaptive (Ziegler et al.) or fixed")
     estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimator")
-    scope: Literal["response_sum", "token_mean"] = Field("response_sum", description="statistic fed to controller")
-    placement: Literal["reward", "loss"] = Field("reward", description="KL penalty in the reward or in the loss")
+    scope: Literal["response_sum", "token_mean"] = Field(
+        "response_sum", description="statistic fed to controller")
+    placement: Literal["reward", "loss"] = Field(
+        "reward", description="KL penalty in the reward or in the loss")
     loss_form: LossForm | None = Field(
-        None, description="KL term in the loss (placement 'loss' only): kl_to_go or response_k2 (exact gradient "
-        "of the response KL, per response), or grpo_token_k3 (GRPO's, only to reproduce it)")
+        None, description="KL term in the loss (placement 'loss' only): kl_to_go or response_k2 (exact "
+        "gradient of the response KL, per response), or grpo_token_k3 (GRPO's, only to reproduce it)")
     init_kl_coef: float = Field(0.15, ge=0, description="initial beta")
     target: PositiveFloat | None = Field(6.0, description="target response KL, nats (adaptive only)")
     horizon: PositiveInt = Field(10000, description="controller horizon, episodes")
@@ -317,13 +333,15 @@ class KLConfig(Section):
         if self.controller == "fixed" and self.target is not None:
             raise ValueError("kl.target is set but kl.controller='fixed' ignores it; set kl.target=null")
         if self.scope == "token_mean":
-            warnings.warn("kl.scope='token_mean' feeds the controller a per-token mean (other frameworks' choice)")
+            warnings.warn("kl.scope='token_mean' feeds the controller a per-token mean (other frameworks' "
+                          "choice)")
         if self.placement == "loss" and self.loss_form is None:
             raise ValueError(
                 "kl.placement='loss' needs kl.loss_form: a per-token k(r) in the loss has the wrong gradient "
-                f"whichever kl.estimator (here {self.estimator!r}) it uses (k1: 0 in expectation; k3: the reverse "
-                "KL's; k2: misses later tokens' log-ratios). Set kl.loss_form to 'kl_to_go' or 'response_k2' "
-                "(exact gradient of the response KL) or 'grpo_token_k3' (only to reproduce GRPO)")
+                f"whichever kl.estimator (here {self.estimator!r}) it uses (k1: 0 in expectation; k3: the "
+                "reverse KL's; k2: misses later tokens' log-ratios). Set kl.loss_form to 'kl_to_go' or "
+                "'response_k2' (exact gradient of the response KL) or 'grpo_token_k3' (only to reproduce "
+                "GRPO)")
         if self.placement == "reward" and self.loss_form is not None:
             raise ValueError(f"kl.loss_form={self.loss_form!r} is set but kl.placement='reward' ignores it; "
                              "set kl.loss_form=null or kl.placement='loss'")
@@ -358,25 +376,26 @@ class LoraConfig(Section):
     alpha: PositiveFloat = Field(16.0, description="the adapters' scale is alpha / rank")
     target_modules: list[str] = Field(
         default_factory=lambda: ["all-linear"], min_length=1, description="the modules that get adapters, by "
-        "name (a module matches when its dotted name ends with it: GPT-2's c_attn, c_proj, c_fc; Llama's q_proj, "
-        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), or ['all-linear'] (every linear layer but the "
-        "output head)")
+        "name (a module matches when its dotted name ends with it: GPT-2's c_attn, c_proj, c_fc; Llama's "
+        "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), or ['all-linear'] (every linear "
+        "layer but the output head)")
     sync: Literal["auto", "adapter", "merged"] = Field(
-        "auto", description="adapter: where vLLM's implementation of the model takes LoRA adapters, the engines run "
-        "with LoRA on and each sync ships the adapter alone (elsewhere the merged weights); merged: the engines run "
-        "the plain model and each sync ships the base weights with the adapters merged in (float32 only: in bf16 "
-        "W + BA rounds the adapters' updates away); auto: merged for float32 engines on CPU, where vLLM's build "
-        "generates with an adapter 3-7x slower than without (benchmarks/trl_smollm2.py), else adapter")
+        "auto", description="adapter: where vLLM's implementation of the model takes LoRA adapters, the "
+        "engines run with LoRA on and each sync ships the adapter alone (elsewhere the merged weights); "
+        "merged: the engines run the plain model and each sync ships the base weights with the adapters "
+        "merged in (float32 only: in bf16 W + BA rounds the adapters' updates away); auto: merged for "
+        "float32 engines on CPU, where vLLM's build generates with an adapter 3-7x slower than without "
+        "(benchmarks/trl_smollm2.py), else adapter")
     reference: Literal["base", "actor"] = Field(
         "base", description="base: the reference log-probs are the learner's own forward with the adapters "
-        "disabled (the base model is the initial policy), so no reference actor or second copy of the weights; "
-        "actor: the reference actors as without LoRA")
+        "disabled (the base model is the initial policy), so no reference actor or second copy of the "
+        "weights; actor: the reference actors as without LoRA")
 
     @model_validator(mode="after")
     def _all_linear_alone(self) -> LoraConfig:
         if "all-linear" in self.target_modules and len(self.target_modules) > 1:
-            raise ValueError(f"learner.lora.target_modules {self.target_modules}: 'all-linear' already takes every "
-                             "linear layer; give it alone or name the modules")
+            raise ValueError(f"learner.lora.target_modules {self.target_modules}: 'all-linear' already takes "
+                             "every linear layer; give it alone or name the modules")
         return self
 
 
@@ -384,31 +403,34 @@ class LearnerConfig(Section):
     world_size: PositiveInt = Field(1, description="DeepSpeed ranks")
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage 0-3")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
-    critic: Literal["value_head", "separate"] = Field("value_head", description="value head or a separate critic")
+    critic: Literal["value_head", "separate"] = Field(
+        "value_head", description="value head or a separate critic")
     weight_sync: Literal["object_store", "nccl", "ipc"] = Field(
         "object_store", description="weights to the engines: Ray object store (CPU or GPU), or vLLM's weight "
-        "transfer over NCCL (learner and engines on separate GPUs) or CUDA IPC (engines on the learner's GPUs)")
-    sync_bucket_mib: PositiveInt = Field(64, description="packed buffer of vLLM's NCCL/IPC weight transfer, MiB; "
-                                         "raised to the largest parameter's size when that is larger (logged)")
+        "transfer over NCCL (learner and engines on separate GPUs) or CUDA IPC (engines on the learner's "
+        "GPUs)")
+    sync_bucket_mib: PositiveInt = Field(64, description="packed buffer of vLLM's NCCL/IPC weight transfer, "
+                                         "MiB; raised to the largest parameter's size when that is larger "
+                                         "(logged)")
     collective_timeout_s: PositiveFloat = Field(
         1800.0, description="longest wait for the learner ranks in one call (rendezvous, collect, update, "
         "weight sync) before the job fails naming the ranks that did not answer")
     torch_threads: PositiveInt | None = Field(
-        None, description="CPU threads of each rank's torch; none = on a local Ray the job starts, in a sync job "
-        "on CPU, the machine's CPUs shared by the ranks (the engines and the reference idle while the ranks update), "
-        "elsewhere Ray's default (one per whole CPU of the actor)")
+        None, description="CPU threads of each rank's torch; none = on a local Ray the job starts, in a sync "
+        "job on CPU, the machine's CPUs shared by the ranks (the engines and the reference idle while the "
+        "ranks update), elsewhere Ray's default (one per whole CPU of the actor)")
     max_tokens_per_microbatch: PositiveInt | None = Field(
         None, description="pack the learner's forwards and backwards (and the reference's forward) into "
         "micro-batches of at most this many real tokens, sequences one after another without padding; one "
-        "optimizer step accumulates as many as its minibatch needs. None: padded [rows, prompt + response] blocks. "
-        "Attention without a variable-length kernel (SDPA, on CPU too) runs a micro-batch as one masked [N, N] "
-        "block, so keep N to a few sequences' length there")
+        "optimizer step accumulates as many as its minibatch needs. None: padded [rows, prompt + response] "
+        "blocks. Attention without a variable-length kernel (SDPA, on CPU too) runs a micro-batch as one "
+        "masked [N, N] block, so keep N to a few sequences' length there")
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @property
     def vllm_lora_rank(self) -> int | None:
-        """The max_lora_rank of an engine that takes the adapters: vLLM's smallest at least lora.rank (whether the
-        engines take them is ``JobConfig.adapter_sync``)."""
+        """The max_lora_rank of an engine that takes the adapters: vLLM's smallest at least lora.rank (whether
+        the engines take them is ``JobConfig.adapter_sync``)."""
         return next((r for r in VLLM_LORA_RANKS if r >= self.lora.rank), None) if self.lora.rank else None
 
     @property
@@ -427,8 +449,8 @@ class RunConfig(Section):
     resume: str | None = Field(None, description="continue from a checkpoint: 'latest' or its directory")
     eval_every: PositiveInt = Field(5, description="evaluate every N iterations (and at the end)")
     eval_before_training: bool = Field(
-        True, description="evaluate the initial policy before the first iteration: the start that curves.png and "
-        "summary.json's eval_start show (off: neither has one); a resume keeps its run's")
+        True, description="evaluate the initial policy before the first iteration: the start that curves.png "
+        "and summary.json's eval_start show (off: neither has one); a resume keeps its run's")
     probe_every: PositiveInt = Field(1, description="check engine vs learner log-probs every N syncs")
     probe_tolerance: PositiveFloat | None = Field(
         None, description="max |logp diff| allowed by the probe; none = by learner.dtype (float32 1e-4, "
@@ -455,12 +477,12 @@ class MetricsConfig(Section):
                                     "samples/iteration-NNNN.md at each evaluation (0 = none)")
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "warning", description="logging of vLLM, transformers, DeepSpeed and Ray in the driver and every actor "
-        "(tether's own lines always show); debug also shows the warnings tether knows to be harmless")
+        "warning", description="logging of vLLM, transformers, DeepSpeed and Ray in the driver and every "
+        "actor (tether's own lines always show); debug also shows the warnings tether knows to be harmless")
 
 
 class CheckpointConfig(Section):
     every: int = Field(10, ge=0, description="save every N iterations (0 = only at the end and on stop)")
     keep: PositiveInt = Field(3, description="how many checkpoints to keep")
-    export_hf: bool = Field(True, description="at the end of the run, write the policy as a Hugging Face model "
-                            "directory (safetensors, config, tokenizer) to <run directory>/export")
+    export_hf: bool = Field(True, description="at the end of the run, write the policy as a Hugging Face "
+                            "model directory (safetensors, config, tokenizer) to <run directory>/export")

@@ -1,5 +1,6 @@
-"""Data the driver reads once and actors on any node need (a dataset's rows): held by value until Ray is up, then
-put in the object store once (``ship``), so that nothing before the connection starts Ray by side effect."""
+"""Data the driver reads once and actors on any node need (a dataset's rows): held by value until Ray is up,
+then put in the object store once (``ship``), so that nothing before the connection starts Ray by side
+effect."""
 
 from __future__ import annotations
 
@@ -27,4 +28,5 @@ class Shipment:
         return self.value
 
     def __getstate__(self) -> dict:
-        return {"value": None, "ref": self.ref} if self.ref is not None else {"value": self.value, "ref": None}
+        return ({"value": None, "ref": self.ref} if self.ref is not None
+                else {"value": self.value, "ref": None})

@@ -1,5 +1,5 @@
-"""The rules across settings sections on rewards and tasks: part of ``services.job_rules.JOB_RULES``, checked after
-its others (``services.config`` imports this module after that one)."""
+"""The rules across settings sections on rewards and tasks: part of ``services.job_rules.JOB_RULES``, checked
+after its others (``services.config`` imports this module after that one)."""
 
 from __future__ import annotations
 

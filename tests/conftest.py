@@ -25,7 +25,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 try:
     import learner.cluster  # noqa: F401  its THREAD_ENV (OpenMP) for these processes and the test heads' workers
 except ModuleNotFoundError as missing:  # a GPU machine with torch alone: `pytest -m gpu` needs none of it
-    CLUSTER_MISSING: str | None = f"learner.cluster is not importable ({missing}): the tests that need Ray fail"
+    CLUSTER_MISSING: str | None = (f"learner.cluster is not importable ({missing}): "
+                                   "the tests that need Ray fail")
 else:
     CLUSTER_MISSING = None
 
@@ -58,22 +59,25 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
 
 
 # The slowest modules' seconds on one of two pytest-xdist workers (`make test` on 2 cores, 2026-12-05, sums of
-# `--durations=0`), the order `pytest_collection_modifyitems` sends them in: longest first, so that no long module
-# starts last while the other worker has nothing left (xdist's own order, most tests first, sent the modules of
-# one or two long job tests last). A module not listed counts as quick; the list need not be exact to help.
+# `--durations=0`), the order `pytest_collection_modifyitems` sends them in: longest first, so that no long
+# module starts last while the other worker has nothing left (xdist's own order, most tests first, sent the
+# modules of one or two long job tests last). A module not listed counts as quick; the list need not be exact
+# to help.
 MODULE_SECONDS: dict[str, float] = {
     "test_job.py": 220, "test_agents.py": 180, "test_recipes.py": 150, "test_reliability.py": 120,
     "test_two_nodes.py": 90, "test_job_submit.py": 90, "test_storage.py": 80, "test_pipeline.py": 77,
     "test_async.py": 75, "test_dataset_task.py": 70, "test_cluster_path.py": 60, "test_settings_space.py": 60,
-    "test_agent_route.py": 60, "test_advantages.py": 58, "test_accepted_settings.py": 55, "test_tracking.py": 55,
-    "test_lora.py": 53, "test_sentiment_task.py": 50, "test_bad_input.py": 40, "test_collectives.py": 40,
-    "test_remote_reward.py": 38, "test_dynamic_sampling.py": 38, "test_agent_endpoint.py": 28,
-    "test_gpu_tooling.py": 26, "test_metrics.py": 26, "test_lm_human_preferences_options.py": 25,
+    "test_agent_route.py": 60, "test_advantages.py": 58, "test_accepted_settings.py": 55,
+    "test_tracking.py": 55, "test_lora.py": 53, "test_sentiment_task.py": 50, "test_bad_input.py": 40,
+    "test_collectives.py": 40, "test_remote_reward.py": 38, "test_dynamic_sampling.py": 38,
+    "test_agent_endpoint.py": 28, "test_gpu_tooling.py": 26, "test_metrics.py": 26,
+    "test_lm_human_preferences_options.py": 25,
 }
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """Longest modules first (``MODULE_SECONDS``); `make test` keeps this order (``--no-loadscope-reorder``)."""
+    """Longest modules first (``MODULE_SECONDS``); `make test` keeps this order
+    (``--no-loadscope-reorder``)."""
     def seconds(item) -> float:
         return MODULE_SECONDS.get(Path(str(item.fspath)).name, 0.0)
 
@@ -100,8 +104,8 @@ def wait_port(port: int, timeout_s: float) -> None:
 class RayHead:
     """`ray start --head --block` as our own child in its own session: stopping it stops only what it started.
 
-    ``dashboard``: the dashboard and the Prometheus endpoint (``metrics_port``), for the tests that read them. The
-    session's heads go without: idle, a head with its dashboard took 5.8% of a core, without it 3.1%."""
+    ``dashboard``: the dashboard and the Prometheus endpoint (``metrics_port``), for the tests that read them.
+    The session's heads go without: idle, a head with its dashboard took 5.8% of a core, without it 3.1%."""
 
     def __init__(self, num_cpus: int = 4, object_store_mib: int = 512, dashboard: bool = False,
                  env: dict[str, str] | None = None) -> None:
@@ -109,7 +113,8 @@ class RayHead:
         self.port, self.dashboard_port, self.metrics_port = free_port(), free_port(), free_port()
         self.dashboard = dashboard
         shown = (["--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
-                  f"--metrics-export-port={self.metrics_port}"] if dashboard else ["--include-dashboard=false"])
+                  f"--metrics-export-port={self.metrics_port}"] if dashboard
+                 else ["--include-dashboard=false"])
         cmd = [
             str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
             "--node-ip-address=127.0.0.1", f"--port={self.port}", *shown,
@@ -197,8 +202,8 @@ def run_job(args: list[str], timeout_s: float = 900, env: dict | None = None) ->
     """`python -m learner.main ARGS` as a user runs it (in ``env``, else this process's); returns the finished
     process."""
     return subprocess.run([sys.executable, "-m", "learner.main", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout_s, env={**(os.environ if env is None else env), **RAY_ENV},
-                          check=False)
+                          text=True, timeout=timeout_s,
+                          env={**(os.environ if env is None else env), **RAY_ENV}, check=False)
 
 
 def start_job(args: list[str]) -> subprocess.Popen:
@@ -208,7 +213,8 @@ def start_job(args: list[str]) -> subprocess.Popen:
 
 
 def follow_job(proc: subprocess.Popen, on_line, timeout_s: float = 600) -> str:
-    """Feed each output line of a ``start_job`` process to ``on_line`` until it ends; return the whole output."""
+    """Feed each output line of a ``start_job`` process to ``on_line`` until it ends; return the whole
+    output."""
     out, deadline = [], time.monotonic() + timeout_s
     for line in proc.stdout:
         out.append(line)
@@ -219,8 +225,8 @@ def follow_job(proc: subprocess.Popen, on_line, timeout_s: float = 600) -> str:
 
 
 def chunk_refs(rollouts, references=None, scores=None, teachers=None) -> dict:
-    """{slot: ``ChunkRefs``} of fixed chunks: each argument a list (slot = position) or a dict by slot of refs (a
-    batch or a tensor is put in the object store first); None: the ranks score it, or no teacher."""
+    """{slot: ``ChunkRefs``} of fixed chunks: each argument a list (slot = position) or a dict by slot of refs
+    (a batch or a tensor is put in the object store first); None: the ranks score it, or no teacher."""
     import ray
 
     from learner.records import ChunkRefs
@@ -237,17 +243,17 @@ def chunk_refs(rollouts, references=None, scores=None, teachers=None) -> dict:
 
 
 def train(group, rollouts, references, scores, kl_coef: float, iteration: int, teachers=None):
-    """``collect`` then ``update`` of a ``LearnerGroup`` on fixed chunks (``chunk_refs``' arguments); no chunk may
-    be lost."""
+    """``collect`` then ``update`` of a ``LearnerGroup`` on fixed chunks (``chunk_refs``' arguments); no chunk
+    may be lost."""
     lost = group.collect(chunk_refs(rollouts, references, scores, teachers))
     assert not lost, f"chunks {lost} were lost"
     return group.update(kl_coef, iteration)
 
 
 def run_cli(args: list[str]) -> subprocess.CompletedProcess:
-    """``python -m learner.main ARGS`` for a job that must fail before any actor starts: the same ``main()``, in
-    this process (a new interpreter would import torch, transformers and Ray again, about 3 CPU s), with its
-    output captured; returns what ``run_job`` does. Give such a job an address nothing listens on
+    """``python -m learner.main ARGS`` for a job that must fail before any actor starts: the same ``main()``,
+    in this process (a new interpreter would import torch, transformers and Ray again, about 3 CPU s), with
+    its output captured; returns what ``run_job`` does. Give such a job an address nothing listens on
     (``--cluster.address 127.0.0.1:1``) where it could get past the plan: it must never start a Ray here."""
     import contextlib
     import io
@@ -299,7 +305,8 @@ def shared_runs(tmp_path_factory, ray_head, cache_dir) -> SharedRuns:
 def default_run(shared_runs):
     """The embedded default job (randomwalks, the default SFT warm start, adaptive KL), 10 iterations with
     an evaluation every 5 and TensorBoard: what `make run` does, shorter."""
-    return shared_runs.get("randomwalks", "--run.iterations", "10", "--run.eval_every", "5", "--metrics.tensorboard")
+    return shared_runs.get("randomwalks", "--run.iterations", "10", "--run.eval_every", "5",
+                           "--metrics.tensorboard")
 
 
 @pytest.fixture(scope="session")
@@ -321,7 +328,8 @@ class RankPool:
         from learner.plan import RankSpec
 
         world_size = cfg.learner.world_size
-        group = LearnerGroup(RankSpec.of(cfg, model), None, tag=f"{tag}-w{world_size}", ranks=self.ranks.get(world_size))
+        group = LearnerGroup(RankSpec.of(cfg, model), None, tag=f"{tag}-w{world_size}",
+                             ranks=self.ranks.get(world_size))
         self.ranks[world_size] = group.ranks
         return group
 
@@ -342,8 +350,8 @@ def rank_pool(ray_client):
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_dir, tmp_path_factory) -> str:
-    """A random-init Llama with the randomwalks tokenizer (vLLM's Llama takes LoRA adapters; its GPT-2 does not);
-    head_dim 32, a size vLLM's CPU attention takes."""
+    """A random-init Llama with the randomwalks tokenizer (vLLM's Llama takes LoRA adapters; its GPT-2 does
+    not); head_dim 32, a size vLLM's CPU attention takes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -351,8 +359,9 @@ def tiny_llama_dir(tiny_model_dir, tmp_path_factory) -> str:
 
     tokenizer = load_tokenizer(tiny_model_dir)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    return str(save_model_dir(LlamaForCausalLM(config), tokenizer, tmp_path_factory.mktemp("llama") / "random"))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=64, bos_token_id=tokenizer.eos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return str(save_model_dir(LlamaForCausalLM(config), tokenizer,
+                              tmp_path_factory.mktemp("llama") / "random"))

@@ -23,8 +23,9 @@ from services.config import load_config
 
 
 def test_top_p_below_one_is_refused_with_the_reason():
-    with pytest.raises(ValidationError, match=r"rollout.top_p=0.9 is refused: the learner's and the reference's "
-                                              r"log-probs are taken on the full softmax.*did not produce the samples"):
+    with pytest.raises(ValidationError, match=r"rollout.top_p=0.9 is refused: the learner's and the "
+                                              r"reference's log-probs are taken on the full softmax.*did not "
+                                              r"produce the samples"):
         load_config(None, {"rollout": {"top_p": 0.9}})
     assert load_config(None, {"rollout": {"top_p": 1.0}}).rollout.top_p == 1.0
 
@@ -49,7 +50,8 @@ def test_reference_threads_are_refused_for_the_vllm_backend():
 
 def test_the_committed_configs_still_validate():
     root = Path(__file__).resolve().parents[1]
-    paths = sorted((root / "deploy" / "configs").glob("*.yaml")) + sorted((root / "tests" / "configs").glob("*.yaml"))
+    paths = (sorted((root / "deploy" / "configs").glob("*.yaml"))
+             + sorted((root / "tests" / "configs").glob("*.yaml")))
     assert paths
     for path in paths:
         load_config(path)
@@ -96,8 +98,8 @@ def test_label_index_by_name_or_index():
 
 
 def test_reward_label_config_field():
-    assert load_config(None, {"reward": {"kind": "model", "model_path": "/m", "label": "POSITIVE"}}).reward.label \
-        == "POSITIVE"
+    assert load_config(None, {"reward": {"kind": "model", "model_path": "/m",
+                                         "label": "POSITIVE"}}).reward.label == "POSITIVE"
     assert load_config(None, {"reward": {"kind": "model", "model_path": "/m", "label": 1}}).reward.label == 1
     with pytest.raises(ValidationError, match=r"reward.label='POSITIVE' is set but reward.kind='function'"):
         load_config(None, {"reward": {"label": "POSITIVE"}})
@@ -110,7 +112,8 @@ def test_two_label_classifier_scores_the_chosen_label(tmp_path):
 
     model_dir = _classifier_dir(tmp_path / "sst2", 2, SST2)
     assert check_reward_label(model_dir, "POSITIVE") == 1
-    assert check_reward_label(str(tmp_path / "not-here"), None) is None  # the actor checks paths the driver lacks
+    # the actor checks paths the driver lacks
+    assert check_reward_label(str(tmp_path / "not-here"), None) is None
     with pytest.raises(ValueError, match=r"reward model .*sst2 \(reward.model_path\) has 2 labels "
                                          r"\(0='NEGATIVE', 1='POSITIVE'\)"):
         check_reward_label(model_dir, None)
@@ -128,7 +131,8 @@ def test_two_label_classifier_scores_the_chosen_label(tmp_path):
         expected = torch.stack([model(**tokenizer(p + c, return_tensors="pt")).logits[0]
                                 for p, c in zip(prompts, completions, strict=True)])
     for label, column in (("POSITIVE", 1), ("NEGATIVE", 0), (1, 1), ("0", 0)):
-        actor = RewardActor(0, RewardSpec("randomwalks", {}, model_dir, kind="model", model_path=model_dir, label=label))
+        actor = RewardActor(0, RewardSpec("randomwalks", {}, model_dir, kind="model", model_path=model_dir,
+                                          label=label))
         scores = actor.scorer.reward_model(prompts, completions)
         assert scores == pytest.approx(expected[:, column].tolist(), abs=1e-5), label
     assert not torch.allclose(expected[:, 0], expected[:, 1])  # the two columns differ: the test can tell
@@ -215,7 +219,8 @@ def test_randomwalks_is_defined_on_every_seed():
             task.sft_corpus()[:100]
         scores = task.reward(samples, [""] * len(samples))
         assert all(math.isfinite(s) for s in scores), seed
-        assert all(0.0 <= s <= 1.0 for x, s in zip(samples, scores, strict=True) if not x.startswith("a")), seed
+        assert all(0.0 <= s <= 1.0 for x, s in zip(samples, scores, strict=True)
+                   if not x.startswith("a")), seed
         assert math.isfinite(task.evaluate(prompts, [""] * len(prompts))["optimality"])
     assert seeds_with_left_out > 0  # the 200 seeds do cover the case
 
@@ -232,8 +237,10 @@ def test_job_on_a_seed_with_left_out_starts_trains_and_logs_exact_ppo_stats(ray_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "randomwalks task.seed=3: 18 of 20 start nodes" in proc.stderr
     summary = json.loads((tmp_path / "seed3" / "summary.json").read_text())
-    assert math.isfinite(summary["eval_start"]["optimality"]) and math.isfinite(summary["eval_final"]["optimality"])
-    records = [json.loads(line) for line in Path(tmp_path / "seed3" / "metrics.jsonl").read_text().splitlines()]
+    assert (math.isfinite(summary["eval_start"]["optimality"])
+            and math.isfinite(summary["eval_final"]["optimality"]))
+    records = [json.loads(line)
+               for line in Path(tmp_path / "seed3" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for record in records:
         for key in ("loss", "policy_loss", "value_loss", "entropy", "clipfrac", "approx_kl", "vf_clipfrac",
@@ -260,7 +267,8 @@ def test_admission_refuses_another_version_or_beta():
     from services.experience import concat_batches, make_batch
 
     def chunk(version, beta):
-        return make_batch([[1], [2]], [[3], [4, 5]], [[0.0], [0.0, 0.0]], [0, 0], [0, 1], 22, version, beta, 4)
+        return make_batch([[1], [2]], [[3], [4, 5]], [[0.0], [0.0, 0.0]], [0, 0], [0, 1], 22, version, beta,
+                          4)
 
     def stale_rows(batch, version, beta):
         return Admission(version, beta).refuses(batch.policy_version, batch.kl_coef)

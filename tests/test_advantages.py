@@ -61,7 +61,8 @@ def test_grpo_golden():
 
 
 def test_grpo_all_equal_group_is_exactly_zero_not_rounding_over_eps():
-    returns = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.3])  # mean of three 0.1 is not exactly 0.1 in floating point
+    # mean of three 0.1 is not exactly 0.1 in floating point
+    returns = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.3])
     advantages = grpo_sequence_advantages(returns, torch.tensor([4, 4, 4, 9, 9]))
     assert advantages[:3].tolist() == [0.0, 0.0, 0.0]
     assert advantages[3] > 0 > advantages[4]
@@ -89,7 +90,8 @@ def test_reinforce_pp_golden():
 
 
 def test_reinforce_pp_baseline_golden():
-    # one group of both rows: mean R = (0.7 + 0.2) / 2 = 0.45 comes off each last token before the reward-to-go
+    # one group of both rows: mean R = (0.7 + 0.2) / 2 = 0.45 comes off each last token before the
+    # reward-to-go
     advantages = reinforce_pp_baseline_advantages(REWARDS, MASK, torch.tensor([3, 3]), gamma=1.0)
     expected = _whiten_by_hand([0.25, 0.35, 0.55, -0.25, 0.05])
     assert torch.allclose(advantages[MASK.bool()], expected, atol=1e-6)
@@ -97,11 +99,13 @@ def test_reinforce_pp_baseline_golden():
 
 def test_sequence_level_advantages_cover_every_response_token_and_no_padding():
     groups = torch.tensor([0, 0])
-    for estimator, per_row in (("grpo", [0.25 / (math.sqrt(0.125) + 1e-6), -0.25 / (math.sqrt(0.125) + 1e-6)]),
+    for estimator, per_row in (("grpo", [0.25 / (math.sqrt(0.125) + 1e-6),
+                                         -0.25 / (math.sqrt(0.125) + 1e-6)]),
                                ("rloo", [0.5, -0.5])):
         advantages, returns = compute_advantages(estimator, REWARDS, MASK, group_index=groups)
         assert returns is None, estimator
-        assert torch.allclose(advantages, torch.tensor(per_row, dtype=torch.float64)[:, None] * MASK), estimator
+        assert torch.allclose(advantages,
+                              torch.tensor(per_row, dtype=torch.float64)[:, None] * MASK), estimator
 
 
 def test_gae_in_the_registry_is_the_old_path():
@@ -137,14 +141,16 @@ def _grpo_groups_with_kl():
     kl = torch.tensor([[(b % 4 + 1) / 200] * 2 for b in range(8)], dtype=torch.float64)
     mask = torch.ones(8, 2, dtype=torch.float64)
     scores = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64)
-    rewards, kl_tokens = kl_penalized_rewards(scores, kl, torch.zeros_like(kl), mask, 0.01)  # logp - ref = kl (k1)
+    # logp - ref = kl (k1)
+    rewards, kl_tokens = kl_penalized_rewards(scores, kl, torch.zeros_like(kl), mask, 0.01)
     return rewards, mask, torch.tensor([0] * 4 + [1] * 4), -0.01 * kl_tokens
 
 
 def test_grpo_normalises_the_score_and_keeps_the_kl_outside():
-    """Issue 23, bias 4 (DeepSeekMath, OpenRLHF, TRL): ``A_t = (s - mean s) / (std s + 1e-6) - beta * kl to go``.
-    Group 0's scores tie: its advantages are the KL penalty to go alone, by hand -0.01 * [2, 1] * kl_token;
-    group 1's normalised scores are +-0.5 / (sqrt(1/3) + 1e-6) (unbiased std of [0, 1, 0, 1])."""
+    """Issue 23, bias 4 (DeepSeekMath, OpenRLHF, TRL):
+    ``A_t = (s - mean s) / (std s + 1e-6) - beta * kl to go``. Group 0's scores tie: its advantages are the KL
+    penalty to go alone, by hand -0.01 * [2, 1] * kl_token; group 1's normalised scores are +-0.5 /
+    (sqrt(1/3) + 1e-6) (unbiased std of [0, 1, 0, 1])."""
     rewards, mask, groups, kl_rewards = _grpo_groups_with_kl()
     advantages, _ = compute_advantages("grpo", rewards, mask, group_index=groups, kl_rewards=kl_rewards)
     unit = 0.5 / (math.sqrt(1 / 3) + 1e-6)
@@ -157,8 +163,8 @@ def test_grpo_normalises_the_score_and_keeps_the_kl_outside():
 
 def test_grpo_normalize_return_keeps_the_present_form_to_reproduce_verl():
     """``ppo.grpo_normalize: return`` normalises ``R = s - beta * KL_b``: the tied group's R = 1 - 0.01 * KL_b
-    = [.9999, .9998, .9997, .9996] become unit-size advantages (deviations +-1.5e-4, +-0.5e-4 over the unbiased
-    std sqrt(5e-8 / 3) + 1e-6): about [1.15, 0.38, -0.38, -1.15]."""
+    = [.9999, .9998, .9997, .9996] become unit-size advantages (deviations +-1.5e-4, +-0.5e-4 over the
+    unbiased std sqrt(5e-8 / 3) + 1e-6): about [1.15, 0.38, -0.38, -1.15]."""
     rewards, mask, groups, kl_rewards = _grpo_groups_with_kl()
     advantages, _ = compute_advantages("grpo", rewards, mask, group_index=groups, kl_rewards=kl_rewards,
                                        grpo_normalize="return")
@@ -167,14 +173,16 @@ def test_grpo_normalize_return_keeps_the_present_form_to_reproduce_verl():
     assert torch.allclose(advantages[:4, 0], expected, rtol=1e-6)
     assert advantages[:4, 0].tolist() == pytest.approx([1.15, 0.38, -0.38, -1.15], abs=0.01)
     # the KL in the loss: no penalty in the rewards, both forms normalise the score alone
-    in_loss, _ = kl_penalized_rewards(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.zeros(4, 2), torch.zeros(4, 2),
-                                      torch.ones(4, 2), 0.0)
+    in_loss, _ = kl_penalized_rewards(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.zeros(4, 2),
+                                      torch.zeros(4, 2), torch.ones(4, 2), 0.0)
     for form in ("score", "return"):
-        got, _ = compute_advantages("grpo", in_loss, torch.ones(4, 2), group_index=torch.zeros(4, dtype=torch.long),
-                                    grpo_normalize=form)
-        assert got[:, 0].tolist() == pytest.approx([0.5, 0.5, -1.5, 0.5], abs=1e-5)  # (s - 0.75) / 0.5 (unbiased)
+        got, _ = compute_advantages("grpo", in_loss, torch.ones(4, 2),
+                                    group_index=torch.zeros(4, dtype=torch.long), grpo_normalize=form)
+        # (s - 0.75) / 0.5 (unbiased)
+        assert got[:, 0].tolist() == pytest.approx([0.5, 0.5, -1.5, 0.5], abs=1e-5)
     with pytest.raises(ValueError, match="unknown ppo.grpo_normalize 'kl'"):
-        compute_advantages("grpo", rewards, mask, group_index=groups, kl_rewards=kl_rewards, grpo_normalize="kl")
+        compute_advantages("grpo", rewards, mask, group_index=groups, kl_rewards=kl_rewards,
+                           grpo_normalize="kl")
     with pytest.raises(ValueError, match=r"kl_rewards \(8, 3\) and rewards \(8, 2\) must share"):
         compute_advantages("grpo", rewards, mask, group_index=groups, kl_rewards=torch.zeros(8, 3))
 
@@ -185,7 +193,8 @@ def test_reinforce_pp_baseline_refuses_a_discount():
     with pytest.raises(ValueError, match=r"reinforce_pp_baseline needs ppo.gamma = 1, got 0.9"):
         reinforce_pp_baseline_advantages(REWARDS, MASK, torch.tensor([3, 3]), gamma=0.9)
     with pytest.raises(ValueError, match=r"ppo.gamma = 1, got 0.5"):
-        compute_advantages("reinforce_pp_baseline", REWARDS, MASK, group_index=torch.tensor([3, 3]), gamma=0.5)
+        compute_advantages("reinforce_pp_baseline", REWARDS, MASK, group_index=torch.tensor([3, 3]),
+                           gamma=0.5)
 
 
 # ---------------------------------------------------------------- group properties
@@ -230,13 +239,14 @@ def test_group_estimators_refuse_singleton_groups_and_split_groups():
 def _reinforce_pp_shard_in_gloo_group(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+                            world_size=world_size)
     try:
         rewards, mask, groups = _contiguous_groups()
         rows = slice(0, 4) if rank == 0 else slice(4, 12)  # unequal shards, whole groups of 2 on each
         reducer = DistributedReducer()  # the rank's: the whitening sums its moments over both processes
-        out = {name: compute_advantages(name, rewards[rows], mask[rows], group_index=groups[rows], gamma=gamma,
-                                        reducer=reducer)[0]
+        out = {name: compute_advantages(name, rewards[rows], mask[rows], group_index=groups[rows],
+                                        gamma=gamma, reducer=reducer)[0]
                for name, gamma in WHITENED_GAMMAS.items()}
         torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
@@ -253,7 +263,8 @@ def _contiguous_groups():
 
 
 def test_reinforce_pp_whitening_over_two_gloo_ranks_equals_one_rank(tmp_path):
-    mp.spawn(_reinforce_pp_shard_in_gloo_group, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_reinforce_pp_shard_in_gloo_group, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+             join=True)
     rewards, mask, groups = _contiguous_groups()
     shards = [torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1.pt")]
     for name, gamma in WHITENED_GAMMAS.items():
@@ -261,7 +272,8 @@ def test_reinforce_pp_whitening_over_two_gloo_ranks_equals_one_rank(tmp_path):
         two_ranks = torch.cat([shards[0][name], shards[1][name]])
         assert torch.allclose(two_ranks, one_rank, atol=1e-9), name
         # whitening each shard on its own would differ: the all-reduce is what makes them equal
-        alone = torch.cat([compute_advantages(name, rewards[s], mask[s], group_index=groups[s], gamma=gamma)[0]
+        alone = torch.cat([compute_advantages(name, rewards[s], mask[s], group_index=groups[s],
+                                              gamma=gamma)[0]
                            for s in (slice(0, 4), slice(4, 12))])
         assert not torch.allclose(alone, one_rank, atol=1e-3), name
 
@@ -315,7 +327,8 @@ def test_with_n_samples_per_prompt_each_group_lands_whole_on_one_rank(n, chunk, 
     ({"ppo": {"advantage": "rloo", "grpo_normalize": "return"}, "rollout": {"samples_per_prompt": 8}},
      "ppo.grpo_normalize='return' is set but ppo.advantage='rloo' ignores it"),
     ({"ppo": {"advantage": "grpo", "grpo_normalize": "return"}, "rollout": {"samples_per_prompt": 8},
-      "kl": {"placement": "loss", "loss_form": "kl_to_go"}}, "but kl.placement='loss' puts no KL in the return"),
+      "kl": {"placement": "loss", "loss_form": "kl_to_go"}},
+     "but kl.placement='loss' puts no KL in the return"),
 ])
 def test_config_refuses_what_the_estimators_cannot_use(overrides, message):
     from pydantic import ValidationError
@@ -370,8 +383,10 @@ def test_seq_mean_token_sum_norm_divides_each_token_sum_by_the_constant_width_an
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
     whole = masked_mean(x, mask, "seq_mean_token_sum_norm")
     assert float(whole) == pytest.approx((6 + 10 + 0 + 14) / 3 / 4)  # every row, empty ones too, over T = 3
-    total = loss_denominator(mask[:1], "seq_mean_token_sum_norm") + loss_denominator(mask[1:], "seq_mean_token_sum_norm")
-    shares = [masked_mean(x[s], mask[s], "seq_mean_token_sum_norm", total / 2) for s in (slice(0, 1), slice(1, 4))]
+    total = (loss_denominator(mask[:1], "seq_mean_token_sum_norm")
+             + loss_denominator(mask[1:], "seq_mean_token_sum_norm"))
+    shares = [masked_mean(x[s], mask[s], "seq_mean_token_sum_norm", total / 2)
+              for s in (slice(0, 1), slice(1, 4))]
     assert torch.allclose(sum(shares) / 2, whole)
 
 
@@ -389,12 +404,13 @@ def test_grpo_job_with_groups_over_two_ranks_keeps_exact_kl_accounting_builds_no
     from tests.conftest import run_job
 
     def job(*extra):
-        return run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir, "--run.output_dir",
-                        str(tmp_path), "--run.name", "grpo", "--run.seed", "1", "--model.sft_steps", "60",
-                        "--model.sft_batch_size", "50", "--rollout.batch_size", "32", "--rollout.chunk_size", "8",
-                        "--rollout.samples_per_prompt", "4", "--ppo.advantage", "grpo", "--ppo.minibatch_size",
-                        "16", "--learner.world_size", "2", "--kl.horizon", "1000", "--run.eval_every", "100",
-                        "--cluster.placement_timeout_s", "600", *extra])  # 6 agents share 2 cores
+        return run_job(["--cluster.address", ray_head.address, "--model.cache_dir", cache_dir,
+                        "--run.output_dir", str(tmp_path), "--run.name", "grpo", "--run.seed", "1",
+                        "--model.sft_steps", "60", "--model.sft_batch_size", "50", "--rollout.batch_size",
+                        "32", "--rollout.chunk_size", "8", "--rollout.samples_per_prompt", "4",
+                        "--ppo.advantage", "grpo", "--ppo.minibatch_size", "16", "--learner.world_size", "2",
+                        "--kl.horizon", "1000", "--run.eval_every", "100", "--cluster.placement_timeout_s",
+                        "600", *extra])  # 6 agents share 2 cores
 
     first = job("--run.iterations", "2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

@@ -354,7 +354,7 @@ def test_the_plan_of_a_dataset_job_starts_no_ray(cache_dir, tiny_model_dir, tmp_
         "print('ray started:', ray.is_initialized())\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_AUTO_CONNECT")}
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**env, **RAY_ENV})
+                          text=True, timeout=300, env={**env, **RAY_ENV}, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "ray started: False" in proc.stdout
 

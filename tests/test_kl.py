@@ -26,14 +26,15 @@ REF = torch.tensor([[-1.5, -1.0, -0.5], [-0.7, -2.0, -4.0]])
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])  # row 1 has 2 tokens; its third is padding
 
 
-# ---------------------------------------------------------------- golden values
+# -------------------------------------------------------------- golden values
 
 
 def test_estimators_golden():
     r = LOGP - REF  # [[0.5, -1, 0], [0.5, -1, 3]]
     assert torch.equal(kl_estimate(LOGP, REF, "k1"), r)
     assert torch.allclose(kl_estimate(LOGP, REF, "k2"), torch.tensor([[0.125, 0.5, 0.0], [0.125, 0.5, 4.5]]))
-    k3 = torch.tensor([[math.exp(-0.5) - 1 + 0.5, math.e - 2, 0.0], [math.exp(-0.5) - 0.5, math.e - 2, math.exp(-3) + 2]])
+    k3 = torch.tensor([[math.exp(-0.5) - 1 + 0.5, math.e - 2, 0.0],
+                       [math.exp(-0.5) - 0.5, math.e - 2, math.exp(-3) + 2]])
     assert torch.allclose(kl_estimate(LOGP, REF, "k3"), k3)
 
 
@@ -91,7 +92,7 @@ def test_sums_over_shards_equal_whole_batch():
         assert merged[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
 
 
-# ---------------------------------------------------------------- unbiasedness, by Monte Carlo
+# -------------------------------------------------------------- unbiasedness, by Monte Carlo
 
 
 def _categoricals(seed: int, vocab: int = 8):
@@ -120,7 +121,7 @@ def test_k1_and_k3_are_unbiased_and_reversed_k3_is_not(seed):
     assert float(reversed_k3.mean()) > 1.2 * true_kl
 
 
-# ---------------------------------------------------------------- the identity the controller relies on
+# -------------------------------------------------------------- the identity the controller relies on
 
 
 @st.composite
@@ -151,7 +152,7 @@ def test_response_mean_equals_penalty_in_rewards(batch, kl_coef, estimator):
     assert kl_stats(logp, ref, mask, estimator)["response_mean"] == pytest.approx(float(penalised), abs=1e-9)
 
 
-# ---------------------------------------------------------------- bad input: loud, located, and nothing changed
+# -------------------------------------------------------------- bad input: loud, located, and nothing changed
 
 
 def test_nonfinite_logprobs_named_with_count_and_location():
@@ -200,7 +201,7 @@ def test_controller_rejects_bad_statistic_and_keeps_beta():
     assert ctl.value == 0.2
 
 
-# ---------------------------------------------------------------- controllers
+# -------------------------------------------------------------- controllers
 
 
 def _lm_human_preferences_trajectory(beta, target, horizon, stats, n_steps):

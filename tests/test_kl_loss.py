@@ -51,7 +51,8 @@ RESPONSES = all_responses()
 N = len(RESPONSES)
 IDS = torch.tensor([list(y) + [EOS] * (MAX_LEN - len(y)) for y in RESPONSES])  # [N, T]
 CONTEXTS = torch.tensor([[CONTEXT[y[:t]] if t < len(y) else 0 for t in range(MAX_LEN)] for y in RESPONSES])
-MASK = torch.tensor([[1.0 if t < len(y) else 0.0 for t in range(MAX_LEN)] for y in RESPONSES], dtype=torch.float64)
+MASK = torch.tensor([[1.0 if t < len(y) else 0.0 for t in range(MAX_LEN)] for y in RESPONSES],
+                    dtype=torch.float64)
 
 
 def token_logprobs_of(table: torch.Tensor) -> torch.Tensor:
@@ -75,7 +76,8 @@ def response_kl(theta: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (logp.sum(-1).exp() * (logp - token_logprobs_of(ref)).sum(-1)).sum()
 
 
-def expected(per_response, theta: torch.Tensor, ref_table: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
+def expected(per_response, theta: torch.Tensor, ref_table: torch.Tensor,
+             behaviour: torch.Tensor) -> torch.Tensor:
     """``E_{y~behaviour}[per_response(logp, old_logp, ref_logp, mask)]`` with each response as a [1, T]
     batch, weighted by its probability under the behaviour policy that sampled it (a constant)."""
     logp, ref = token_logprobs_of(theta), token_logprobs_of(ref_table)
@@ -125,7 +127,8 @@ def async_expectation(per_response, theta, proximal_table, behaviour_table, ref_
     """``E_{y~engine}[per_response(logp, proximal, behaviour, ref, mask)]`` over every response, each a [1, T]
     batch weighted by its probability under the engine's (behaviour) policy, which sampled it."""
     logp, ref = token_logprobs_of(theta), token_logprobs_of(ref_table)
-    proximal, behaviour = token_logprobs_of(proximal_table).detach(), token_logprobs_of(behaviour_table).detach()
+    proximal, behaviour = (token_logprobs_of(proximal_table).detach(),
+                           token_logprobs_of(behaviour_table).detach())
     weights = behaviour.sum(-1).exp()
     return sum(weights[i] * per_response(logp[i:i + 1], proximal[i:i + 1], behaviour[i:i + 1], ref[i:i + 1],
                                          MASK[i:i + 1]) for i in range(N))
@@ -136,9 +139,9 @@ def async_expectation(per_response, theta, proximal_table, behaviour_table, ref_
 def test_async_kl_loss_weighs_against_the_engine_that_sampled_the_rows(form, seed):
     """Issue 23, bias 1: rollout.mode async with kl.placement loss. The engine (an older version, logits 0.5
     away) sampled the rows; the learner's proximal policy (its forward at collection) is the current policy at
-    the first minibatch. The roles the rank takes (``kl_logprob_roles``) give the KL term the engine's log-probs
-    as its old policy, and the expected gradient is exactly the response KL's, by enumeration; the proximal
-    log-probs there (what the rank passed before) miss it by far."""
+    the first minibatch. The roles the rank takes (``kl_logprob_roles``) give the KL term the engine's
+    log-probs as its old policy, and the expected gradient is exactly the response KL's, by enumeration; the
+    proximal log-probs there (what the rank passed before) miss it by far."""
     theta, ref_table, engine = tables(seed)
     proximal = theta.detach()
     want = gradient(response_kl(theta, ref_table), theta)
@@ -170,7 +173,8 @@ def test_per_token_forms_in_the_loss_have_the_wrong_gradient(seed):
     def token_form(k):
         return lambda logp, old, ref, mask: (kl_estimate(logp, ref, k) * mask).sum()
 
-    got = {k: gradient(expected(token_form(k), theta, ref_table, on_policy), theta) for k in ("k1", "k2", "k3")}
+    got = {k: gradient(expected(token_form(k), theta, ref_table, on_policy), theta)
+           for k in ("k1", "k2", "k3")}
     assert float(got["k1"].abs().max()) < 1e-12  # no KL regularisation at all
     for k in ("k2", "k3"):
         assert float((got[k] - want).norm() / want.norm()) > 0.05, k
@@ -181,7 +185,8 @@ def test_per_token_forms_in_the_loss_have_the_wrong_gradient(seed):
     reverse = -(reached[:, None] * ref_table.softmax(-1) * theta.log_softmax(-1)).sum()
     assert float((got["k3"] - gradient(reverse, theta)).abs().max()) < 1e-9
     with pytest.warns(UserWarning, match="grpo_token_k3"):
-        grpo = expected(lambda logp, old, ref, mask: grpo_token_k3_loss(logp, ref, mask), theta, ref_table, on_policy)
+        grpo = expected(lambda logp, old, ref, mask: grpo_token_k3_loss(logp, ref, mask), theta, ref_table,
+                        on_policy)
     assert float((gradient(grpo, theta) - want).norm() / want.norm()) > 0.05
 
 
@@ -243,12 +248,13 @@ def test_async_reward_penalty_from_the_proximal_policy_gives_the_penalised_retur
     the exact sequence importance weight pi_prox(y) / pi_engine(y); REINFORCE with the returns to go (GAE at
     gamma = lambda = 1, no critic, unwhitened) through the PPO surrogate at the first step. With the penalty
     built from the log-probs the rank's roles give (the proximal policy's) the expected gradient is that of
-    ``E[score] - beta * KL(pi || pi_ref)``, by enumeration; from the engine's (what the rank took before) it is
-    not. The controller is fed the KL that penalty took: the README's identity holds."""
+    ``E[score] - beta * KL(pi || pi_ref)``, by enumeration; from the engine's (what the rank took before) it
+    is not. The controller is fed the KL that penalty took: the README's identity holds."""
     theta, ref_table, engine = tables(seed)
     logp, ref = token_logprobs_of(theta), token_logprobs_of(ref_table)
     prox, behaviour = logp.detach(), token_logprobs_of(engine)
-    weight = behaviour.sum(-1).exp() * (prox.sum(-1) - behaviour.sum(-1)).exp()  # P_engine(y) * importance weight
+    # P_engine(y) * importance weight
+    weight = behaviour.sum(-1).exp() * (prox.sum(-1) - behaviour.sum(-1)).exp()
     want = penalised_return_gradient(theta, ref_table)
     assert float(want.norm()) > 0.1
 
@@ -284,15 +290,15 @@ def test_loss_term_is_the_per_response_mean_over_all_responses_including_empty_o
 
 
 def placement_gradients(logp_values, ref, mask, aggregation, form="kl_to_go", beta=0.1):
-    """(reward placement, loss placement) gradients in the log-probs at the first PPO step of a batch with score
-    0, as the rank builds them: the policy term of ``ppo.loss_aggregation`` on GAE(1, 1) advantages (no critic,
-    unwhitened) of the KL-penalised rewards; or no KL in the rewards and beta times the KL term, its gradient
-    over ``kl_loss_aggregation``'s count."""
+    """(reward placement, loss placement) gradients in the log-probs at the first PPO step of a batch with
+    score 0, as the rank builds them: the policy term of ``ppo.loss_aggregation`` on GAE(1, 1) advantages (no
+    critic, unwhitened) of the KL-penalised rewards; or no KL in the rewards and beta times the KL term, its
+    gradient over ``kl_loss_aggregation``'s count."""
     B = mask.shape[0]
     logp = logp_values.clone().requires_grad_()
     rewards, _ = kl_penalized_rewards(torch.zeros(B, dtype=ref.dtype), logp.detach(), ref, mask, beta)
-    advantages, _ = compute_advantages("gae", rewards, mask, values=torch.zeros_like(rewards), gamma=1.0, lam=1.0,
-                                       whiten_advantages=False)
+    advantages, _ = compute_advantages("gae", rewards, mask, values=torch.zeros_like(rewards), gamma=1.0,
+                                       lam=1.0, whiten_advantages=False)
     count = loss_denominator(mask, aggregation)
     policy, _ = policy_loss(logp, logp.detach(), advantages, mask, 0.2, aggregation, count)
     in_reward = gradient(policy, logp)
@@ -305,15 +311,17 @@ def placement_gradients(logp_values, ref, mask, aggregation, form="kl_to_go", be
 def test_both_placements_weigh_the_kl_against_the_policy_term_alike(aggregation):
     """Issue 23, bias 3: score 0, B = 4 responses of L = 16 tokens, GAE(1, 1) unwhitened. By hand, each
     placement's gradient in logp[b, t] is ``beta * G[b, t] / (B * L)`` (token_mean: over the B * L tokens;
-    sequence_mean: 1 / L per row, 1 / B over rows; seq_mean_token_sum_norm: over B * T, T = L) with the KL to go
-    ``G[b, t] = sum_{t' >= t} r[b, t']``; the KL term in the loss was divided by B alone: L = 16 times that."""
+    sequence_mean: 1 / L per row, 1 / B over rows; seq_mean_token_sum_norm: over B * T, T = L) with the KL to
+    go ``G[b, t] = sum_{t' >= t} r[b, t']``; the KL term in the loss was divided by B alone: L = 16 times
+    that."""
     g = torch.Generator().manual_seed(5)
     B, L, beta = 4, 16, 0.1
     logp = -torch.rand(B, L, generator=g, dtype=torch.float64) * 3
     ref = -torch.rand(B, L, generator=g, dtype=torch.float64) * 3
     mask = torch.ones(B, L, dtype=torch.float64)
     r = (logp - ref).tolist()
-    by_hand = torch.tensor([[beta * sum(r[b][t:]) / (B * L) for t in range(L)] for b in range(B)], dtype=torch.float64)
+    by_hand = torch.tensor([[beta * sum(r[b][t:]) / (B * L) for t in range(L)] for b in range(B)],
+                           dtype=torch.float64)
     in_reward, in_loss = placement_gradients(logp, ref, mask, aggregation, beta=beta)
     assert torch.allclose(in_reward, by_hand, rtol=1e-12, atol=1e-15)
     assert torch.allclose(in_loss, by_hand, rtol=1e-12, atol=1e-15)
@@ -355,7 +363,8 @@ def test_two_ranks_with_their_share_of_the_global_count_give_the_one_rank_gradie
     mask = (torch.arange(4) < torch.tensor([4, 1, 0, 3, 2, 4])[:, None]).to(torch.float64)
     whole = gradient(response_kl_loss(logp, old, ref, mask, form), logp)
     shards = [slice(0, 2), slice(2, 6)]  # unequal shares: the count is global, not per rank
-    ranks = sum(gradient(response_kl_loss(logp[s], old[s], ref[s], mask[s], form, 6 / 2), logp) for s in shards) / 2
+    ranks = sum(gradient(response_kl_loss(logp[s], old[s], ref[s], mask[s], form, 6 / 2), logp)
+                for s in shards) / 2
     assert torch.allclose(ranks, whole, atol=1e-12)
 
 
@@ -371,7 +380,8 @@ def test_bad_input_to_the_loss_term_fails_loudly():
         response_kl_loss(x, x, x, torch.ones(2, 2))
     with pytest.raises(ValueError, match="old_logprobs has 6 non-finite"):
         response_kl_loss(x, torch.full((2, 3), float("nan")), x, torch.ones(2, 3))
-    with pytest.raises(ValueError, match=r"proximal_logprobs \(2, 3\) and behaviour_logprobs \(2, 4\) must share"):
+    with pytest.raises(ValueError, match=r"proximal_logprobs \(2, 3\) and "
+                                         r"behaviour_logprobs \(2, 4\) must share"):
         kl_logprob_roles(x, torch.zeros(2, 4), off_policy=True)
 
 
@@ -404,11 +414,13 @@ def test_exact_loss_forms_are_accepted_with_every_estimator_and_no_warning(estim
     sets the gradient."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cfg = load_config(overrides={"kl": {"placement": "loss", "loss_form": loss_form, "estimator": estimator}})
+        cfg = load_config(overrides={"kl": {"placement": "loss", "loss_form": loss_form,
+                                            "estimator": estimator}})
     assert (cfg.kl.placement, cfg.kl.loss_form, cfg.kl.estimator) == ("loss", loss_form, estimator)
     assert KLConfig().loss_form is None  # the default placement, the reward, has no loss form
 
 
 def test_grpo_token_k3_is_accepted_with_a_warning_about_its_gradient():
-    with pytest.warns(UserWarning, match=r"grpo_token_k3.*reverse KL\(pi_ref \|\| pi\).*only to reproduce GRPO"):
+    with pytest.warns(UserWarning, match=r"grpo_token_k3.*reverse KL\(pi_ref \|\| pi\)"
+                                         r".*only to reproduce GRPO"):
         KLConfig(placement="loss", loss_form="grpo_token_k3", controller="fixed", target=None)

@@ -1,14 +1,16 @@
-"""The algorithm layer's boundary (``learner/algorithm.py``): nothing outside it computes the algorithm, it imports
-no distributed framework, and every setting it reads changes what it computes, or the config refuses it.
+"""The algorithm layer's boundary (``learner/algorithm.py``): nothing outside it computes the algorithm, it
+imports no distributed framework, and every setting it reads changes what it computes, or the config refuses
+it.
 
-- The algorithm's functions (rewards, advantages, losses, the rollout correction, the teacher's penalties) are called
-  only by the layer and the modules that define them: a learner rank or an actor that called one itself would
-  compute the algorithm a second way, which the layer's tests would not see.
-- ``import learner.algorithm`` loads neither Ray nor DeepSpeed (nor vLLM): a test runs the layer as the rank does.
+- The algorithm's functions (rewards, advantages, losses, the rollout correction, the teacher's penalties) are
+  called only by the layer and the modules that define them: a learner rank or an actor that called one itself
+  would compute the algorithm a second way, which the layer's tests would not see.
+- ``import learner.algorithm`` loads neither Ray nor DeepSpeed (nor vLLM): a test runs the layer as the rank
+  does.
 - The settings the layer reads, found by recording every field it reads (a proxy over ``JobConfig``), are each
-  changed on a set of base combinations (estimator x mode x placement) and the layer run on a batch where every
-  setting bites: ``JobConfig`` must refuse a change whose outputs are bit-identical to the base's (it found
-  ``ppo.clip_range`` beside both ``clip_range_low`` and ``clip_range_high``, now refused).
+  changed on a set of base combinations (estimator x mode x placement) and the layer run on a batch where
+  every setting bites: ``JobConfig`` must refuse a change whose outputs are bit-identical to the base's (it
+  found ``ppo.clip_range`` beside both ``clip_range_low`` and ``clip_range_high``, now refused).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from services.experience import FINISH_LENGTH, FINISH_STOP, RolloutBatch, make_b
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# ============================================================================ no algorithm outside the layer
+# ===================================================================== no algorithm outside the layer
 
 LAYER_ONLY = ("kl_penalized_rewards", "compute_advantages", "policy_loss", "value_loss", "response_kl_loss",
               "grpo_token_k3_loss", "rollout_correction_weights", "teacher_penalties")
@@ -50,13 +52,15 @@ def sources() -> dict[str, ast.Module]:
 
 
 def uses(tree: ast.Module) -> list[tuple[str, int, str]]:
-    """(name, line, how) of each call of a ``LAYER_ONLY`` function (as a name or an attribute, ``ppo.policy_loss``)
-    and each import of one (``from learner.ppo import policy_loss as loss`` would hide its calls)."""
+    """(name, line, how) of each call of a ``LAYER_ONLY`` function (as a name or an attribute,
+    ``ppo.policy_loss``) and each import of one (``from learner.ppo import policy_loss as loss`` would hide
+    its calls)."""
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             func = node.func
-            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            name = (func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute)
+                    else None)
             if name in LAYER_ONLY:
                 out.append((name, node.lineno, "call"))
         elif isinstance(node, ast.ImportFrom):
@@ -86,11 +90,12 @@ def test_the_scan_sees_a_call_an_attribute_call_and_an_aliased_import():
                                   ("teacher_penalties", 4, "call")]
 
 
-# ============================================================================ the layer is pure
+# ===================================================================== the layer is pure
 
 
 def test_importing_the_layer_loads_no_distributed_framework():
-    """The algorithm, the update that drives it and the engines' module (DeepSpeed's inside its set-up alone)."""
+    """The algorithm, the update that drives it and the engines' module (DeepSpeed's inside its set-up
+    alone)."""
     code = ("import sys, learner.algorithm, learner.update, learner.engine\n"
             "print(sorted(m for m in ('ray', 'deepspeed', 'vllm') if m in sys.modules or any("
             "k.startswith(m + '.') for k in sys.modules)))")
@@ -100,14 +105,15 @@ def test_importing_the_layer_loads_no_distributed_framework():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-# ============================================================================ settings the layer ignores are refused
+# ===================================================================== settings the layer ignores are refused
 
 KL_COEF = 0.3
 TEACHER = {"distill": {"teacher_path": "teacher"}}
 OVERLONG = {"rollout": {"max_new_tokens": 6}, "reward": {"overlong_buffer": 3, "overlong_penalty": 1.0}}
 GEOMETRIC, OFF_POLICY = {"ppo": {"correction": "geometric_mask"}}, {"ppo": {"correction": "off_policy_mask"}}
 
-# (name, context, change): the base with ``context`` (when the config takes it) is compared with it plus ``change``
+# (name, context, change): the base with ``context`` (when the config takes it) is compared with it plus
+# ``change``
 VARIANTS: list[tuple[str, dict, dict]] = [
     ("ppo.gamma", {}, {"ppo": {"gamma": 0.9}}),
     ("ppo.lam", {}, {"ppo": {"lam": 0.5}}),
@@ -117,15 +123,18 @@ VARIANTS: list[tuple[str, dict, dict]] = [
     ("ppo.whiten_rewards", {}, {"ppo": {"whiten_rewards": True}}),
     ("ppo.clip_range", {}, {"ppo": {"clip_range": 0.05}}),
     ("ppo.clip_range (clip_range_low set)", {"ppo": {"clip_range_low": 0.1}}, {"ppo": {"clip_range": 0.05}}),
-    ("ppo.clip_range (clip_range_high set)", {"ppo": {"clip_range_high": 0.3}}, {"ppo": {"clip_range": 0.05}}),
+    ("ppo.clip_range (clip_range_high set)",
+     {"ppo": {"clip_range_high": 0.3}}, {"ppo": {"clip_range": 0.05}}),
     ("ppo.clip_range (clip_range_low and clip_range_high set)",
      {"ppo": {"clip_range_low": 0.1, "clip_range_high": 0.3}}, {"ppo": {"clip_range": 0.05}}),
     ("ppo.clip_range_low", {}, {"ppo": {"clip_range_low": 0.05}}),
     ("ppo.clip_range_high", {}, {"ppo": {"clip_range_high": 0.05}}),
     ("ppo.gspo_clip_low", {}, {"ppo": {"gspo_clip_low": 0.05}}),
     ("ppo.gspo_clip_high", {}, {"ppo": {"gspo_clip_high": 0.05}}),
-    ("ppo.gspo_clip_low (gspo_token)", {"ppo": {"policy_loss": "gspo_token"}}, {"ppo": {"gspo_clip_low": 0.05}}),
-    ("ppo.gspo_clip_high (gspo_token)", {"ppo": {"policy_loss": "gspo_token"}}, {"ppo": {"gspo_clip_high": 0.05}}),
+    ("ppo.gspo_clip_low (gspo_token)",
+     {"ppo": {"policy_loss": "gspo_token"}}, {"ppo": {"gspo_clip_low": 0.05}}),
+    ("ppo.gspo_clip_high (gspo_token)",
+     {"ppo": {"policy_loss": "gspo_token"}}, {"ppo": {"gspo_clip_high": 0.05}}),
     ("ppo.gspo_clip_low (gspo)", {"ppo": {"policy_loss": "gspo", "correction_level": "sequence"}},
      {"ppo": {"gspo_clip_low": 0.05}}),
     ("ppo.gspo_clip_high (gspo)", {"ppo": {"policy_loss": "gspo", "correction_level": "sequence"}},
@@ -140,7 +149,8 @@ VARIANTS: list[tuple[str, dict, dict]] = [
     ("ppo.grpo_normalize", {}, {"ppo": {"grpo_normalize": "return"}}),
     ("ppo.mask_truncated", {}, {"ppo": {"mask_truncated": True}}),
     ("ppo.loss_aggregation sequence_mean", {}, {"ppo": {"loss_aggregation": "sequence_mean"}}),
-    ("ppo.loss_aggregation seq_mean_token_sum_norm", {}, {"ppo": {"loss_aggregation": "seq_mean_token_sum_norm"}}),
+    ("ppo.loss_aggregation seq_mean_token_sum_norm",
+     {}, {"ppo": {"loss_aggregation": "seq_mean_token_sum_norm"}}),
     ("ppo.policy_loss gspo", {}, {"ppo": {"policy_loss": "gspo"}}),
     ("ppo.policy_loss gspo (sequence correction)", {"ppo": {"correction_level": "sequence"}},
      {"ppo": {"policy_loss": "gspo"}}),
@@ -159,8 +169,8 @@ VARIANTS: list[tuple[str, dict, dict]] = [
     ("reward.overlong_buffer (value)", OVERLONG, {"reward": {"overlong_buffer": 2}}),
     ("reward.overlong_penalty", OVERLONG, {"reward": {"overlong_penalty": 0.5}}),
     ("rollout.max_new_tokens (overlong)", OVERLONG, {"rollout": {"max_new_tokens": 5}}),
-    # CISPO, SAPO and the masks (a delta of 10 nats per token masks no row of the batch, where the default masks
-    # the negative rows of 5 of its 8)
+    # CISPO, SAPO and the masks (a delta of 10 nats per token masks no row of the batch, where the default
+    # masks the negative rows of 5 of its 8)
     ("ppo.policy_loss cispo", {}, {"ppo": {"policy_loss": "cispo"}}),
     ("ppo.policy_loss sapo", {}, {"ppo": {"policy_loss": "sapo"}}),
     ("ppo.cispo_clip_low", {"ppo": {"policy_loss": "cispo"}}, {"ppo": {"cispo_clip_low": 0.2}}),
@@ -190,7 +200,8 @@ BASES = {f"{advantage}-{mode}-{placement}": {
     "ppo": {"advantage": advantage},
     "rollout": {"mode": mode, **({"samples_per_prompt": 2} if advantage in GROUP_ESTIMATORS else {})},
     "kl": {"placement": placement, **({"loss_form": "kl_to_go"} if placement == "loss" else {})},
-} for advantage, mode, placement in itertools.product(("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"),
+} for advantage, mode, placement in itertools.product(("gae", "grpo", "rloo", "reinforce_pp",
+                                                       "reinforce_pp_baseline"),
                                                       ("sync", "async"), ("reward", "loss"))}
 
 
@@ -220,15 +231,16 @@ def config(*parts: dict) -> JobConfig | None:
 
 
 def fixed_batch() -> RolloutBatch:
-    """8 rows in 4 groups of 2, unequal lengths, 3 cut at the cap (FINISH_LENGTH, 6 tokens), scores differing in
-    every group; the engine's, the learner's (proximal), the current and the reference's and teacher's log-probs far
-    apart (ratios beyond every clip range, weights beyond every cap); old values and current values apart."""
+    """8 rows in 4 groups of 2, unequal lengths, 3 cut at the cap (FINISH_LENGTH, 6 tokens), scores differing
+    in every group; the engine's, the learner's (proximal), the current and the reference's and teacher's
+    log-probs far apart (ratios beyond every clip range, weights beyond every cap); old values and current
+    values apart."""
     g = torch.Generator().manual_seed(0)
     lengths = [6, 3, 5, 2, 6, 4, 1, 6]
     b, width = len(lengths), 6
     batch = make_batch([[1, 2]] * b, [[3] * n for n in lengths], [[0.0] * n for n in lengths],
-                       [FINISH_LENGTH if n == width else FINISH_STOP for n in lengths], list(range(b)), 0, 0, KL_COEF,
-                       response_width=width, group_index=[0, 0, 1, 1, 2, 2, 3, 3])
+                       [FINISH_LENGTH if n == width else FINISH_STOP for n in lengths], list(range(b)), 0, 0,
+                       KL_COEF, response_width=width, group_index=[0, 0, 1, 1, 2, 2, 3, 3])
     mask = batch.action_mask
 
     def noise(scale: float) -> Tensor:
@@ -247,12 +259,14 @@ def fixed_batch() -> RolloutBatch:
 BATCH = fixed_batch()
 _g = torch.Generator().manual_seed(1)
 CURRENT = (BATCH.old_logprobs + 0.6 * torch.randn(BATCH.old_logprobs.shape, generator=_g)) * BATCH.action_mask
-CURRENT_VALUES = (BATCH.old_values + 0.3 * torch.randn(BATCH.old_values.shape, generator=_g)) * BATCH.action_mask
+CURRENT_VALUES = ((BATCH.old_values + 0.3 * torch.randn(BATCH.old_values.shape, generator=_g))
+                  * BATCH.action_mask)
 LOGITS = torch.randn(*BATCH.old_logprobs.shape, 5, generator=_g)
 
 
 def canonical(x) -> object:
-    """A value compared bit for bit: tensors by dtype, shape and bytes (NaN equal to itself), floats by repr."""
+    """A value compared bit for bit: tensors by dtype, shape and bytes (NaN equal to itself), floats by
+    repr."""
     if isinstance(x, Tensor):
         x = x.detach().contiguous()
         return ("tensor", str(x.dtype), tuple(x.shape), x.numpy().tobytes())
@@ -264,9 +278,9 @@ def canonical(x) -> object:
 
 
 def run_layer(cfg) -> dict[str, object]:
-    """Everything the layer computes on ``BATCH`` under ``cfg``: the controller's values and sums, ``prepare``'s
-    advantages, returns, loss mask and sums, ``loss_counts``, the loss and its gradient with respect to the current
-    log-probs (and values)."""
+    """Everything the layer computes on ``BATCH`` under ``cfg``: the controller's values and sums,
+    ``prepare``'s advantages, returns, loss mask and sums, ``loss_counts``, the loss and its gradient with
+    respect to the current log-probs (and values)."""
     algorithm = Algorithm.from_config(cfg)
     batch = BATCH.clone()
     out: dict[str, object] = {"controller_values": algorithm.controller_values(batch),
@@ -291,7 +305,8 @@ def outputs(base: str, *parts: str) -> dict[str, object] | None:
 
 
 def compare(base: str, variant: tuple[str, dict, dict]) -> str | None:
-    """'refused', 'no base' (the context is refused), 'differs', or 'ignored' (accepted, every output identical)."""
+    """'refused', 'no base' (the context is refused), 'differs', or 'ignored' (accepted, every output
+    identical)."""
     _, context, change = variant
     reference = outputs(base, json.dumps(context, sort_keys=True))
     if reference is None:
@@ -306,14 +321,15 @@ def compare(base: str, variant: tuple[str, dict, dict]) -> str | None:
 def test_every_setting_the_layer_reads_changes_its_outputs_or_is_refused(base):
     results = {variant[0]: compare(base, variant) for variant in VARIANTS}
     ignored = [name for name, result in results.items() if result == "ignored"]
-    assert not ignored, (f"base {base} ({BASES[base]}): JobConfig accepts these changes, yet the layer's outputs "
-                         f"are bit-identical to the base's; the config must refuse them: {ignored}")
+    assert not ignored, (f"base {base} ({BASES[base]}): JobConfig accepts these changes, yet the layer's "
+                         f"outputs are bit-identical to the base's; the config must refuse them: {ignored}")
     assert "differs" in results.values()
 
 
 class Reads:
-    """A config (section) whose field reads are recorded by dotted name in ``log``; sections are wrapped in turn,
-    and methods run on the proxy, so the fields they read are recorded too (``PPOConfig.ratio_clip_range``)."""
+    """A config (section) whose field reads are recorded by dotted name in ``log``; sections are wrapped in
+    turn, and methods run on the proxy, so the fields they read are recorded too
+    (``PPOConfig.ratio_clip_range``)."""
 
     def __init__(self, real: BaseModel, log: set[str], prefix: str = "") -> None:
         object.__setattr__(self, "_real", real)
@@ -335,8 +351,9 @@ class Reads:
 
 
 def test_the_variants_cover_every_field_the_layer_reads():
-    """Every field the layer reads in any base (and in the variants' contexts: distillation, the overlong penalty)
-    is changed by some variant, or is a base axis: a field added to the layer without a variant fails here."""
+    """Every field the layer reads in any base (and in the variants' contexts: distillation, the overlong
+    penalty) is changed by some variant, or is a base axis: a field added to the layer without a variant fails
+    here."""
     read: set[str] = set()
     contexts = {json.dumps(context, sort_keys=True): context for _, context, _ in VARIANTS}
     for base, context in itertools.product(sorted(BASES), contexts.values()):
@@ -346,18 +363,19 @@ def test_the_variants_cover_every_field_the_layer_reads():
     covered = set().union(*(dotted(change) for _, _, change in VARIANTS))
     assert read - covered - BASE_FIELDS == set(), "fields the layer reads that no variant changes"
     assert covered - read == set(), "variants of fields the layer never reads (out of scope: the driver's)"
-    assert {"ppo.clip_range", "ppo.gspo_clip_low", "kl.estimator", "distill.credit", "reward.overlong_penalty",
-            "ppo.cispo_clip_high", "ppo.sapo_tau_neg", "ppo.icepop_low", "ppo.geometric_mask_high",
-            "ppo.off_policy_mask_delta"} <= read
+    assert {"ppo.clip_range", "ppo.gspo_clip_low", "kl.estimator", "distill.credit",
+            "reward.overlong_penalty", "ppo.cispo_clip_high", "ppo.sapo_tau_neg", "ppo.icepop_low",
+            "ppo.geometric_mask_high", "ppo.off_policy_mask_delta"} <= read
 
 
 def test_the_fixed_batch_makes_the_settings_bite():
-    """The batch is what makes the comparison mean something: ratios beyond the clip ranges on both sides, weights
-    beyond the caps, truncated rows, unequal lengths, values apart from their old ones."""
+    """The batch is what makes the comparison mean something: ratios beyond the clip ranges on both sides,
+    weights beyond the caps, truncated rows, unequal lengths, values apart from their old ones."""
     mask = BATCH.action_mask.bool()
     ratio = (CURRENT - BATCH.old_logprobs).exp()[mask]
     weight = (BATCH.old_logprobs - BATCH.rollout_logprobs).exp()[mask]
     assert (ratio > 1.3).sum() >= 5 and (ratio < 0.75).sum() >= 5 and ((ratio > 1.05) & (ratio < 1.2)).any()
     assert (weight > 2.0).sum() >= 3 and ((weight > 1.2) & (weight < 2.0)).any()
-    assert (BATCH.finish_reason == FINISH_LENGTH).sum() == 3 and len(set(BATCH.action_mask.sum(-1).tolist())) >= 5
+    assert ((BATCH.finish_reason == FINISH_LENGTH).sum() == 3
+            and len(set(BATCH.action_mask.sum(-1).tolist())) >= 5)
     assert ((CURRENT_VALUES - BATCH.old_values).abs()[mask] > 0.2).sum() >= 5

@@ -103,7 +103,8 @@ def test_policy_loss_gradient_vanishes_when_clipped():
 
 
 def test_clip_higher_golden():
-    """DAPO's asymmetric clip: ratio 1.25 with A > 0 and 0.75 with A < 0, by hand; eps_high defaults to eps_low."""
+    """DAPO's asymmetric clip: ratio 1.25 with A > 0 and 0.75 with A < 0, by hand; eps_high defaults to
+    eps_low."""
     old = torch.zeros(1, 2)
     new = torch.log(torch.tensor([[1.25, 0.75]])).requires_grad_()
     adv, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
@@ -122,10 +123,11 @@ def test_clip_higher_golden():
 
 @pytest.mark.parametrize("flip", [False, True])
 def test_gspo_golden_two_rows(flip):
-    """GSPO by hand: s_b = exp(mean_t log(pi / pi_old)), clipped per row to [1 - 3e-4, 1 + 4e-4], sequence mean.
-    Row 0: 2 tokens, log-ratios (0.1, -0.3): s_0 = e^-0.1 = 0.904837. Row 1: 3 tokens, (0.2, 0.1, 0): s_1 = e^0.1
-    = 1.105171 (the last position is padding: its huge log-ratio must not count). A = (1, -2): both rows are
-    outside the range on the side the min keeps unclipped; flipped, A = (-1, 2), both are clipped."""
+    """GSPO by hand: s_b = exp(mean_t log(pi / pi_old)), clipped per row to [1 - 3e-4, 1 + 4e-4], sequence
+    mean. Row 0: 2 tokens, log-ratios (0.1, -0.3): s_0 = e^-0.1 = 0.904837. Row 1: 3 tokens, (0.2, 0.1, 0):
+    s_1 = e^0.1 = 1.105171 (the last position is padding: its huge log-ratio must not count). A = (1, -2):
+    both rows are outside the range on the side the min keeps unclipped; flipped, A = (-1, 2), both are
+    clipped."""
     old = torch.zeros(2, 4)
     new = torch.tensor([[0.1, -0.3, 0.0, 0.0], [0.2, 0.1, 0.0, 9.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
@@ -152,7 +154,8 @@ def test_gspo_golden_two_rows(flip):
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "seq_mean_token_sum_norm"])
 def test_gspo_token_gradient_equals_gspo_with_a_constant_advantage_per_row(aggregation):
     """GSPO-token (s_bt = sg[s_b] pi_t / sg[pi_t]) has GSPO's value and, when each row's advantage is one
-    number, GSPO's gradient (Zheng et al. 2025, section 4.3); with advantages that vary along a row they differ."""
+    number, GSPO's gradient (Zheng et al. 2025, section 4.3); with advantages that vary along a row they
+    differ."""
     g = torch.Generator().manual_seed(5)
     b, t = 6, 5
     mask = (torch.arange(t) < torch.tensor([5, 3, 1, 4, 0, 2])[:, None]).double()

@@ -220,8 +220,9 @@ def test_a_local_ray_starts_through_the_poll_and_stops_after_its_monitor_is_ende
     """The one Ray start of this module, in a subprocess: the poll finds the raylet (a poll that failed
     would end in Ray's own wait without a word), and the monitor Ray started is ended before ray.shutdown.
     Outside the range both leave Ray to its own code (the tests above), which needs no start here."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(LOCAL_RAY)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=180, env={**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(LOCAL_RAY)], cwd=ROOT,  # noqa: PLW1510
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {
         "patched": True, "found": True, "alive_nodes": 1, "monitor_running": [True], "stopped": 1,
@@ -323,8 +324,8 @@ print("after the exit", flush=True)
 def test_the_exit_runs_the_atexit_handlers_and_skips_the_teardown_only_where_verified(why):
     python = outside(private_api.PYTHON_VERIFIED)
     script = f"WHY, OUTSIDE, CODE = {why!r}, {python!r}, 3\n" + textwrap.dedent(EXIT)
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,  # noqa: PLW1510
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 3, done.stderr
     teardown = [] if why == "installed" else ["teardown"]
     assert done.stdout.splitlines() == ["exiting", "atexit handler", *teardown], done.stderr

@@ -34,7 +34,7 @@ def _refused(overrides: dict, *fragments: str) -> str:
     return message
 
 
-# ------------------------------------------------------------ 1. what only GAE reads, with another estimator
+# ------------------------------------------------------- 1. what only GAE reads, with another estimator
 
 
 GAE_ONLY = [("lam", 0.9, "0.9", "0.95"), ("whiten_rewards", True, "true", "false"),
@@ -47,19 +47,24 @@ GAE_ONLY = [("lam", 0.9, "0.9", "0.95"), ("whiten_rewards", True, "true", "false
 def test_gae_settings_are_refused_with_another_estimator(advantage, field, value, shown, default):
     _refused(_estimator(advantage, **{field: value}),
              f"ppo.{field}={shown} is set but ppo.advantage={advantage!r} ignores it",
-             "is read only by ppo.advantage='gae'", f"set ppo.{field}={default} (its default) or ppo.advantage='gae'")
+             "is read only by ppo.advantage='gae'",
+             f"set ppo.{field}={default} (its default) or ppo.advantage='gae'")
 
 
 @pytest.mark.parametrize("field, value, shown, default", GAE_ONLY)
-def test_gae_settings_are_accepted_with_gae_and_at_their_default_with_any_estimator(field, value, shown, default):
-    assert getattr(load_config(None, {"ppo": {field: value}}).ppo, field) == value  # gae, the default estimator
+def test_gae_settings_are_accepted_with_gae_and_at_their_default_with_any_estimator(field, value, shown,
+                                                                                    default):
+    # gae, the default estimator
+    assert getattr(load_config(None, {"ppo": {field: value}}).ppo, field) == value
     for advantage in NON_GAE:
-        cfg = load_config(None, _estimator(advantage, **{field: yaml.safe_load(default)}))  # the default, explicit
+        # the default, explicit
+        cfg = load_config(None, _estimator(advantage, **{field: yaml.safe_load(default)}))
         assert getattr(cfg.ppo, field) == yaml.safe_load(default)
 
 
 def test_grpo_alone_keeps_whiten_advantages_true_and_false_is_refused():
-    """whiten_advantages defaults to true: ``--ppo.advantage grpo`` alone is accepted, turning it off is refused."""
+    """whiten_advantages defaults to true: ``--ppo.advantage grpo`` alone is accepted, turning it off is
+    refused."""
     assert load_config(None, _estimator("grpo")).ppo.whiten_advantages is True
     _refused(_estimator("grpo", whiten_advantages=False),
              "ppo.whiten_advantages=false is set but ppo.advantage='grpo' ignores it")
@@ -70,7 +75,8 @@ def test_the_command_line_takes_grpo_alone_and_refuses_it_without_whitening():
 
     assert parse_cli(["--ppo.advantage", "grpo", "--rollout.samples_per_prompt", "2"]).ppo.advantage == "grpo"
     with pytest.raises(ValidationError, match=r"ppo.whiten_advantages=false is set but ppo.advantage='grpo'"):
-        parse_cli(["--ppo.advantage", "grpo", "--rollout.samples_per_prompt", "2", "--no-ppo.whiten_advantages"])
+        parse_cli(["--ppo.advantage", "grpo", "--rollout.samples_per_prompt", "2",
+                   "--no-ppo.whiten_advantages"])
 
 
 @pytest.mark.parametrize("advantage", NON_GAE)
@@ -81,7 +87,7 @@ def test_a_resolved_config_of_another_estimator_loads_again(advantage):
     assert again.ppo == cfg.ppo
 
 
-# ------------------------------------------------------------ 2. the discount with grpo and rloo
+# ------------------------------------------------------- 2. the discount with grpo and rloo
 
 
 @pytest.mark.parametrize("advantage", ["grpo", "rloo"])
@@ -97,10 +103,11 @@ def test_gamma_is_accepted_where_it_discounts_and_at_one_everywhere():
     for advantage in ("grpo", "rloo", "reinforce_pp_baseline"):
         assert load_config(None, _estimator(advantage, gamma=1.0)).ppo.gamma == 1.0
     # reinforce_pp_baseline keeps its own refusal of any other discount
-    _refused(_estimator("reinforce_pp_baseline", gamma=0.9), "ppo.advantage='reinforce_pp_baseline' needs ppo.gamma=1")
+    _refused(_estimator("reinforce_pp_baseline", gamma=0.9),
+             "ppo.advantage='reinforce_pp_baseline' needs ppo.gamma=1")
 
 
-# ------------------------------------------------------------ 3. PPO's clip range with GSPO's ratio
+# ------------------------------------------------------- 3. PPO's clip range with GSPO's ratio
 
 
 GSPO = {"gspo": {"advantage": "rloo", "correction_level": "sequence"}, "gspo_token": {}}
@@ -122,7 +129,7 @@ def test_gspo_with_the_default_clip_range_and_ppo_with_its_own_are_accepted(poli
     assert load_config(None, {"ppo": {"clip_range": 0.3}}).ppo.ratio_clip_range() == (0.3, 0.3)
 
 
-# ------------------------------------------------------------ 4. the staleness bound in sync mode
+# ------------------------------------------------------- 4. the staleness bound in sync mode
 
 
 @pytest.mark.parametrize("staleness", [0, 2])
@@ -134,27 +141,28 @@ def test_max_staleness_is_refused_in_sync_mode(staleness):
 
 def test_max_staleness_is_accepted_in_async_mode_and_at_its_default_in_sync():
     for staleness in (0, 1, 2):
-        assert load_config(None, {"rollout": {"mode": "async", "max_staleness": staleness}}).rollout.max_staleness \
-            == staleness
+        assert load_config(None, {"rollout": {"mode": "async",
+                                              "max_staleness": staleness}}).rollout.max_staleness == staleness
     assert load_config(None, {"rollout": {"mode": "sync", "max_staleness": 1}}).rollout.mode == "sync"
 
 
-# ------------------------------------------------------------ 5. vLLM's reference at another temperature
+# ------------------------------------------------------- 5. vLLM's reference at another temperature
 
 
 def test_a_vllm_reference_is_refused_at_another_temperature():
     _refused({"reference": {"backend": "vllm"}, "rollout": {"temperature": 0.7}},
              "rollout.temperature=0.7 is refused with reference.backend='vllm'",
-             "prompt_logprobs score at temperature 1", "use reference.backend='hf'", "or rollout.temperature=1.0")
+             "prompt_logprobs score at temperature 1", "use reference.backend='hf'",
+             "or rollout.temperature=1.0")
 
 
 def test_a_vllm_reference_at_temperature_one_and_hf_at_any_are_accepted():
-    assert load_config(None, {"reference": {"backend": "vllm"}, "rollout": {"temperature": 1.0}}).reference.backend \
-        == "vllm"
+    assert load_config(None, {"reference": {"backend": "vllm"},
+                              "rollout": {"temperature": 1.0}}).reference.backend == "vllm"
     assert load_config(None, {"rollout": {"temperature": 0.7}}).rollout.temperature == 0.7  # hf scores at it
 
 
-# ------------------------------------------------------------ 6. the exact KL in the loss with an agent's episodes
+# ------------------------------------------------------- 6. the exact KL in the loss with an agent's episodes
 
 
 AGENT = {"task": {"name": "agent", "path": "rows.jsonl"}, "rollout": {"agent": "my_agent:solve"},
@@ -165,11 +173,13 @@ def test_agents_take_every_kl_placement_an_episodes_rows_laid_end_to_end():
     """The KL in the loss is taken on an episode's rows laid end to end (learner.algorithm.EpisodeView); the
     settings-space harness checks its gradient on an agent episode split into rows."""
     for form in ("kl_to_go", "response_k2"):
-        assert load_config(None, {**AGENT, "kl": {"placement": "loss", "loss_form": form}}).kl.loss_form == form
+        assert load_config(None, {**AGENT, "kl": {"placement": "loss",
+                                                  "loss_form": form}}).kl.loss_form == form
 
 
 def test_clip_range_beside_both_of_its_bounds_is_refused():
     with pytest.raises(ValidationError, match=r"ppo.clip_range=0.1 is set but ppo.clip_range_low and "
                                               r"ppo.clip_range_high are both set"):
         load_config(None, {"ppo": {"clip_range": 0.1, "clip_range_low": 0.2, "clip_range_high": 0.28}})
-    assert load_config(None, {"ppo": {"clip_range": 0.1, "clip_range_high": 0.28}}).ppo.ratio_clip_range() == (0.1, 0.28)
+    assert load_config(None, {"ppo": {"clip_range": 0.1,
+                                      "clip_range_high": 0.28}}).ppo.ratio_clip_range() == (0.1, 0.28)

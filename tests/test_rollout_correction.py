@@ -1,6 +1,7 @@
-"""The rollout correction (ppo.correction, ppo.correction_level, ppo.is_cap): weights pi_old / pi_behav between
-the learner's policy at the start of the update and the engine that sampled, truncated (tis) or masked (mis);
-exact by enumeration, small enough in fp32 to leave the default job as it was, and its config checks."""
+"""The rollout correction (ppo.correction, ppo.correction_level, ppo.is_cap): weights pi_old / pi_behav
+between the learner's policy at the start of the update and the engine that sampled, truncated (tis) or masked
+(mis); exact by enumeration, small enough in fp32 to leave the default job as it was, and its config
+checks."""
 
 from __future__ import annotations
 
@@ -167,16 +168,18 @@ def policies(seed: int, gap: float, move: float):
     """(theta, old, behaviour): tabular logits; the engine's differ from pi_old by ``gap``, the current policy
     has moved ``move`` from it."""
     g = torch.Generator().manual_seed(seed)
-    old = (torch.randn(3, generator=g, dtype=torch.float64), torch.randn(2, 3, generator=g, dtype=torch.float64))
+    old = (torch.randn(3, generator=g, dtype=torch.float64),
+           torch.randn(2, 3, generator=g, dtype=torch.float64))
     behaviour = tuple(x + gap * torch.randn(x.shape, generator=g, dtype=torch.float64) for x in old)
-    theta = tuple((x + move * torch.randn(x.shape, generator=g, dtype=torch.float64)).requires_grad_() for x in old)
+    theta = tuple((x + move * torch.randn(x.shape, generator=g, dtype=torch.float64)).requires_grad_()
+                  for x in old)
     return theta, old, behaviour
 
 
 def expected_gradient(theta, sampler_logits, old_logits, advantages, ratio_level, clip, correction=None,
                       level="token", behaviour_logits=None, responses=RESPONSES):
-    """d/dtheta of sum_y p_sampler(y) * loss(y): the exact expectation of one response's loss (``policy_loss`` of
-    that row alone, sequence mean over one row) under the sampler, with the rollout correction's weights of
+    """d/dtheta of sum_y p_sampler(y) * loss(y): the exact expectation of one response's loss (``policy_loss``
+    of that row alone, sequence mean over one row) under the sampler, with the rollout correction's weights of
     ``correction`` (pi_old against ``behaviour_logits``) when given."""
     logprobs, mask = tabular_logprobs(*theta, responses)
     old, _ = tabular_logprobs(*old_logits, responses)
@@ -191,30 +194,32 @@ def expected_gradient(theta, sampler_logits, old_logits, advantages, ratio_level
     total = 0.0
     for i in range(len(responses)):
         row = slice(i, i + 1)
-        loss, _ = policy_loss(logprobs[row], old[row], advantages[row], mask[row], clip[0], "sequence_mean", 1.0,
-                              None if weights is None else weights[row], clip_range_high=clip[1],
+        loss, _ = policy_loss(logprobs[row], old[row], advantages[row], mask[row], clip[0], "sequence_mean",
+                              1.0, None if weights is None else weights[row], clip_range_high=clip[1],
                               ratio_level=ratio_level)
         total = total + p_sampler[i].detach() * loss
-    grads = torch.autograd.grad(total, theta, allow_unused=True)  # one-token responses leave ``second`` unused
+    # one-token responses leave ``second`` unused
+    grads = torch.autograd.grad(total, theta, allow_unused=True)
     return torch.cat([(torch.zeros_like(x) if d is None else d).reshape(-1) for x, d in zip(theta, grads)])
 
 
-@pytest.mark.parametrize("ratio_level, clip, move", [("token", (0.2, 0.28), 0.3), ("sequence", (3e-4, 4e-4), 1e-3),
+@pytest.mark.parametrize("ratio_level, clip, move", [("token", (0.2, 0.28), 0.3),
+                                                     ("sequence", (3e-4, 4e-4), 1e-3),
                                                      ("sequence_token", (3e-4, 4e-4), 1e-3)])
 @pytest.mark.parametrize("correction", ["tis", "mis"])
-def test_sequence_correction_gives_the_learner_policys_gradient_when_the_engine_differs(ratio_level, clip, move,
-                                                                                        correction):
-    """PPO, GSPO and GSPO-token, sampled by an engine whose logits differ from pi_old's by 0.5: with the sequence
-    weight pi_old(y) / pi_behav(y) under its bound, the expected gradient under the engine is exactly the one
-    under pi_old (the learner's policy: pi_prox in async mode); without it, it is not."""
+def test_sequence_correction_gives_the_learner_policys_gradient_when_the_engine_differs(ratio_level, clip,
+                                                                                        move, correction):
+    """PPO, GSPO and GSPO-token, sampled by an engine whose logits differ from pi_old's by 0.5: with the
+    sequence weight pi_old(y) / pi_behav(y) under its bound, the expected gradient under the engine is exactly
+    the one under pi_old (the learner's policy: pi_prox in async mode); without it, it is not."""
     theta, old, behaviour = policies(seed=7, gap=0.5, move=move)
     g = torch.Generator().manual_seed(11)
     advantages = torch.randn(len(RESPONSES), 1, generator=g, dtype=torch.float64).expand(-1, 2)
     if ratio_level == "token":  # PPO's advantages may vary along a response
         advantages = advantages + torch.randn(len(RESPONSES), 2, generator=g, dtype=torch.float64)
     learner = expected_gradient(theta, old, old, advantages, ratio_level, clip)
-    corrected = expected_gradient(theta, behaviour, old, advantages, ratio_level, clip, correction, "sequence",
-                                  behaviour)
+    corrected = expected_gradient(theta, behaviour, old, advantages, ratio_level, clip, correction,
+                                  "sequence", behaviour)
     uncorrected = expected_gradient(theta, behaviour, old, advantages, ratio_level, clip)
     assert learner.abs().max() > 1e-3
     assert torch.allclose(corrected, learner, rtol=1e-10, atol=1e-14)
@@ -224,18 +229,20 @@ def test_sequence_correction_gives_the_learner_policys_gradient_when_the_engine_
 def test_token_correction_is_exact_for_one_token_and_approximate_over_a_response():
     """Token weights pi_old_t / pi_behav_t correct each token given its prefix: exact for one-token responses;
     over longer ones the prefix's own mismatch (and the suffix's, through the advantage) is dropped, the
-    approximation TRL's token_truncate and verl's rollout_is=token make. Measured here, at a logit gap of 0.5."""
+    approximation TRL's token_truncate and verl's rollout_is=token make. Measured here, at a logit gap of
+    0.5."""
     theta, old, behaviour = policies(seed=3, gap=0.5, move=0.3)
     g = torch.Generator().manual_seed(4)
     one_token = [(EOS,), (0,), (1,)]  # the second position is padding
     advantages = torch.randn(3, 2, generator=g, dtype=torch.float64)
     learner = expected_gradient(theta, old, old, advantages, "token", (0.2, 0.2), responses=one_token)
-    corrected = expected_gradient(theta, behaviour, old, advantages, "token", (0.2, 0.2), "tis", "token", behaviour,
-                                  responses=one_token)
+    corrected = expected_gradient(theta, behaviour, old, advantages, "token", (0.2, 0.2), "tis", "token",
+                                  behaviour, responses=one_token)
     assert torch.allclose(corrected, learner, rtol=1e-10, atol=1e-14)
     advantages = torch.randn(len(RESPONSES), 2, generator=g, dtype=torch.float64)
     learner = expected_gradient(theta, old, old, advantages, "token", (0.2, 0.2))
-    corrected = expected_gradient(theta, behaviour, old, advantages, "token", (0.2, 0.2), "tis", "token", behaviour)
+    corrected = expected_gradient(theta, behaviour, old, advantages, "token", (0.2, 0.2), "tis", "token",
+                                  behaviour)
     uncorrected = expected_gradient(theta, behaviour, old, advantages, "token", (0.2, 0.2))
     token_error = float((corrected - learner).norm() / learner.norm())
     assert 1e-3 < token_error < float((uncorrected - learner).norm() / learner.norm())
@@ -243,9 +250,9 @@ def test_token_correction_is_exact_for_one_token_and_approximate_over_a_response
 
 def test_the_default_correction_changes_an_fp32_update_by_less_than_1e_4():
     """The default job (sync, tis, token, cap 2) in fp32 on CPU: engine and learner log-probs differ by a mean
-    of 2.7e-7 and at most 1.1e-5 per sampled token (rollout_learner_logprob_mismatch(_max) of randomwalks runs).
-    With such differences each weight is within 1.2e-5 of 1, none is cut, and the policy loss and its gradient
-    move by less than 1e-4 relative: the default job trains as it did before the correction."""
+    of 2.7e-7 and at most 1.1e-5 per sampled token (rollout_learner_logprob_mismatch(_max) of randomwalks
+    runs). With such differences each weight is within 1.2e-5 of 1, none is cut, and the policy loss and its
+    gradient move by less than 1e-4 relative: the default job trains as it did before the correction."""
     g = torch.Generator().manual_seed(0)
     b, t = 128, 10
     mask = (torch.arange(t) < torch.randint(1, t + 1, (b, 1), generator=g)).float()
@@ -271,16 +278,17 @@ def test_the_default_correction_changes_an_fp32_update_by_less_than_1e_4():
 
 
 def test_rank_sums_the_mismatch_k3_on_fresh_rows_and_counts_cut_tokens():
-    """``Algorithm.correction_sums`` (what a rank reports of its batch) by hand: r = log pi_behav - log pi_old = (0.1, -0.2) on a row of the
-    learner's version and 2.0 on a stale one: the k3 sum e^-r - 1 + r takes the fresh row only. Tokens cut: those
-    whose weight pi_old / pi_behav = e^-r (sequence level: the row's product) exceeds ppo.is_cap, and those a mask
-    sets to 0 (IcePop's band, the geometric mean's band)."""
+    """``Algorithm.correction_sums`` (what a rank reports of its batch) by hand:
+    r = log pi_behav - log pi_old = (0.1, -0.2) on a row of the learner's version and 2.0 on a stale one: the
+    k3 sum e^-r - 1 + r takes the fresh row only. Tokens cut: those whose weight pi_old / pi_behav = e^-r
+    (sequence level: the row's product) exceeds ppo.is_cap, and those a mask sets to 0 (IcePop's band, the
+    geometric mean's band)."""
     from learner.algorithm import Algorithm
     from services.config import load_config
     from services.experience import FINISH_STOP, make_batch
 
-    batch = make_batch([[5], [5]], [[1, 1], [1]], [[-0.9, -1.2], [1.0]], [FINISH_STOP, FINISH_STOP], [0, 1], 0, 0,
-                       0.0, 2)
+    batch = make_batch([[5], [5]], [[1, 1], [1]], [[-0.9, -1.2], [1.0]], [FINISH_STOP, FINISH_STOP], [0, 1],
+                       0, 0, 0.0, 2)
     batch.old_logprobs = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
     batch.advantages = torch.tensor([[1.0, 1.0], [-1.0, 0.0]])
     stale = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
@@ -372,7 +380,8 @@ def test_async_without_a_correction_is_refused_and_the_defaults_correct_in_both_
         cfg = load_config(None, {"rollout": {"mode": "async"}, "ppo": {"correction": correction}})
         assert cfg.ppo.correction == correction
     # the geometric mask too, with a band set for a stale row's drift: its default is the numerics' alone
-    with pytest.raises(ValidationError, match=r"\[geometric_band_set_for_async\].*default band \[0.999, 1.001\]"):
+    with pytest.raises(ValidationError, match=r"\[geometric_band_set_for_async\].*default band "
+                                              r"\[0.999, 1.001\]"):
         load_config(None, {"rollout": {"mode": "async"}, "ppo": {"correction": "geometric_mask"}})
     band = {"correction": "geometric_mask", "geometric_mask_low": 0.8, "geometric_mask_high": 1.25}
     assert load_config(None, {"rollout": {"mode": "async"}, "ppo": band}).ppo.geometric_mask_high == 1.25

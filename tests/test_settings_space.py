@@ -1,30 +1,33 @@
-"""The settings-space harness: every accepted combination of the algorithm's settings, run through the algorithm
-layer (``learner.algorithm``, the functions the learner rank calls) on exact tabular problems.
+"""The settings-space harness: every accepted combination of the algorithm's settings, run through the
+algorithm layer (``learner.algorithm``, the functions the learner rank calls) on exact tabular problems.
 
-The problem: a vocabulary {0, 1, EOS}, every response of up to 3 model tokens (15 of them), policies given by a
-logit table per prefix. Behaviour (the engine), proximal (the learner at the start of the update), current (the
-policy being stepped), reference and teacher policies all differ; in sync mode the engine holds the learner's
-version, so behaviour = proximal there. Expectations are exact sums over every response (and every pair of
-responses for the group estimators, whose baselines couple a group), weighted by the behaviour's probabilities.
-Async mode comes twice: one older version sampled each response (``async``), or the older version sampled its
-first token and a newer one its later tokens (``async_mixed``: the engine's weights updated in flight,
-``rollout.in_flight_updates`` keep_kv or partial, an axis of its own), so the rows carry per-token behaviour
-log-probs of two versions, as the engine reports them. For the algorithm the two in-flight settings are one:
-each token's behaviour log-prob is what the engine reported for it, whichever weights computed it.
+The problem: a vocabulary {0, 1, EOS}, every response of up to 3 model tokens (15 of them), policies given by
+a logit table per prefix. Behaviour (the engine), proximal (the learner at the start of the update), current
+(the policy being stepped), reference and teacher policies all differ; in sync mode the engine holds the
+learner's version, so behaviour = proximal there. Expectations are exact sums over every response (and every
+pair of responses for the group estimators, whose baselines couple a group), weighted by the behaviour's
+probabilities. Async mode comes twice: one older version sampled each response (``async``), or the older
+version sampled its first token and a newer one its later tokens (``async_mixed``: the engine's weights
+updated in flight, ``rollout.in_flight_updates`` keep_kv or partial, an axis of its own), so the rows carry
+per-token behaviour log-probs of two versions, as the engine reports them. For the algorithm the two in-flight
+settings are one: each token's behaviour log-prob is what the engine reported for it, whichever weights
+computed it.
 
 Three task shapes: one response; a multi-turn trajectory (an environment token after the first model token, a
-reward at each turn's end); an agent episode split into two rows (the environment's token opens the second row,
-the episode's reward on the last row's last token).
+reward at each turn's end); an agent episode split into two rows (the environment's token opens the second
+row, the episode's reward on the last row's last token).
 
 For every combination ``JobConfig`` accepts, the harness checks
-- the controller's statistic: its expectation is KL(pi || ref) per episode, pi the proximal policy (the one the
-  learner optimises), or it is classed biased by design (k2, ``kl.scope: token_mean``) with its bias printed;
+- the controller's statistic: its expectation is KL(pi || ref) per episode, pi the proximal policy (the one
+  the learner optimises), or it is classed biased by design (k2, ``kl.scope: token_mean``) with its bias
+  printed;
 - the penalty identity: the rewards the layer builds are the scores minus beta times the per-episode KL sum it
   logs (``kl.placement: reward``), or the scores alone (``loss``);
-- the expected gradient of each term of the objective (the task score, the KL to the reference, the reverse KL to
-  the teacher) against the gradient of that term: exact (relative error < 1e-6), bounded (token-level rollout
-  correction in async mode: within ``TOKEN_CORRECTION_BOUND``), or biased by design (peers' forms and the
-  normalisations, selections and masks that change the objective on purpose), with the measured error printed;
+- the expected gradient of each term of the objective (the task score, the KL to the reference, the reverse KL
+  to the teacher) against the gradient of that term: exact (relative error < 1e-6), bounded (token-level
+  rollout correction in async mode: within ``TOKEN_CORRECTION_BOUND``), or biased by design (peers' forms and
+  the normalisations, selections and masks that change the objective on purpose), with the measured error
+  printed;
 and for every refused combination, that the message names the fields.
 
 The policy losses are taken at the start of the update, where every ratio pi / pi_prox is 1: PPO's and GSPO's
@@ -32,8 +35,9 @@ clip, CISPO's clipped weight and SAPO's gate are all the policy gradient there, 
 ``test_policy_loss_figures_off_the_first_step`` measures them where the ratio is not 1. The rollout
 correction's masks (``ppo.correction`` icepop, geometric_mask, off_policy_mask) keep their default bands (the
 geometric mask in async mode [0.95, 1.05]: its default is refused there), and IcePop a narrow one too: a mask
-that drops a token of the problem (``mask_binds``, from the problem's tables) makes every policy term biased by design; one that drops none leaves the class of the weights it multiplies.
-The harness asserts that each mask binds at the async shift and not in sync mode, so both classes are checked.
+that drops a token of the problem (``mask_binds``, from the problem's tables) makes every policy term biased
+by design; one that drops none leaves the class of the weights it multiplies. The harness asserts that each
+mask binds at the async shift and not in sync mode, so both classes are checked.
 
 Axes and the reduction: the full product of the axes is about 25.7 million combinations. The harness takes the
 full product of the axes that reach the controller's statistic (mode, placement, estimator, scope, task shape,
@@ -41,8 +45,8 @@ dynamic sampling, distillation: 648) and a pairwise covering array over all the 
 values in at least one combination), the other axes of each controller combination taken from the covering
 array in turn.
 
-Fixed settings: GAE at gamma = lambda = 1 without whitening (the variance reductions that trade bias are axes of
-their own elsewhere: whitening is REINFORCE++'s and is classed there), an uncapped importance weight
+Fixed settings: GAE at gamma = lambda = 1 without whitening (the variance reductions that trade bias are axes
+of their own elsewhere: whitening is REINFORCE++'s and is classed there), an uncapped importance weight
 (``ppo.is_cap`` 1e6: a cap is a bias by its own definition;
 ``test_rollout_correction_and_placement_figures_over_seeds`` measures the default), and clip ranges wide
 enough that no ratio is clipped at the step the gradient is taken.
@@ -69,7 +73,8 @@ from services.experience import FINISH_LENGTH, FINISH_STOP, Episodes, RolloutBat
 EOS, ENV = 2, 3
 WIDTH = 4  # response positions: a, ENV, b, c at most
 BETA, DISTILL_COEF = 0.3, 0.2
-TOKEN_CORRECTION_BOUND = 0.3  # relative gradient error of token-level correction at the harness's shift (0.15-0.2 nats/token)
+# relative gradient error of token-level correction at the harness's shift (0.15-0.2 nats/token)
+TOKEN_CORRECTION_BOUND = 0.3
 EXACT = 1e-6
 
 AXES: dict[str, tuple] = {
@@ -94,8 +99,8 @@ AXES: dict[str, tuple] = {
 }
 # IcePop's default band [0.5, 5] drops no token at the harness's async shift; this one does
 NARROW_ICEPOP = {"icepop_low": 0.8, "icepop_high": 1.25}
-# the geometric mask's default band [0.999, 1.001] is refused in async mode (a stale row's drift leaves it); this
-# one, wider, still drops rows at the harness's shifts (0.15-0.35 nats of logits between the versions)
+# the geometric mask's default band [0.999, 1.001] is refused in async mode (a stale row's drift leaves it);
+# this one, wider, still drops rows at the harness's shifts (0.15-0.35 nats of logits between the versions)
 ASYNC_GEOMETRIC = {"geometric_mask_low": 0.95, "geometric_mask_high": 1.05}
 CONTROLLER_AXES = ("mode", "placement", "estimator", "scope", "shape", "dynamic_sampling", "distill")
 
@@ -104,8 +109,8 @@ CONTROLLER_AXES = ("mode", "placement", "estimator", "scope", "shape", "dynamic_
 
 
 def repaired(c: dict, fixed: set[str]) -> dict:
-    """``c`` with the axes outside ``fixed`` moved to values the others allow (the config's own rules, so that a
-    covering row tests what it was drawn for rather than a refusal)."""
+    """``c`` with the axes outside ``fixed`` moved to values the others allow (the config's own rules, so that
+    a covering row tests what it was drawn for rather than a refusal)."""
     c = dict(c)
 
     def put(axis, value):
@@ -138,23 +143,27 @@ def repaired(c: dict, fixed: set[str]) -> dict:
 
 
 def covering_array(axes: dict[str, tuple], seed: int = 0, tries: int = 32) -> tuple[list[dict], list[dict]]:
-    """Accepted combinations covering every pair of two axes' values that some accepted combination holds (greedy:
-    each new one is the candidate, of ``tries`` drawn around a pair still missing and repaired, that covers the
-    most pairs not yet covered). Returns (the combinations, one refused combination per pair none could hold)."""
+    """Accepted combinations covering every pair of two axes' values that some accepted combination holds
+    (greedy: each new one is the candidate, of ``tries`` drawn around a pair still missing and repaired, that
+    covers the most pairs not yet covered). Returns (the combinations, one refused combination per pair none
+    could hold)."""
     names = list(axes)
-    pairs = lambda c: {(x, c[x], y, c[y]) for i, x in enumerate(names) for y in names[i + 1:]}
-    uncovered = {(a, va, b, vb) for i, a in enumerate(names) for b in names[i + 1:] for va in axes[a] for vb in axes[b]}
+    pairs = lambda c: {(x, c[x], y, c[y]) for i, x in enumerate(names) for y in names[i + 1:]}  # noqa: E731, RUF100
+    uncovered = {(a, va, b, vb) for i, a in enumerate(names) for b in names[i + 1:]
+                 for va in axes[a] for vb in axes[b]}
     rng = torch.Generator().manual_seed(seed)
     rows, refused = [], []
     while uncovered:
         a, va, b, vb = min(uncovered, key=repr)
         candidates = []
         for _ in range(tries):
-            cand = {n: axes[n][int(torch.randint(len(axes[n]), (1,), generator=rng))] for n in names} | {a: va, b: vb}
+            cand = ({n: axes[n][int(torch.randint(len(axes[n]), (1,), generator=rng))] for n in names}
+                    | {a: va, b: vb})
             cand = repaired(cand, {a, b})
             candidates.append((len(pairs(cand) & uncovered), len(candidates), cand))
         best = example = None
-        for _, _, cand in sorted(candidates, key=lambda t: (-t[0], t[1])):  # the config asked in order of gain
+        # the config asked in order of gain
+        for _, _, cand in sorted(candidates, key=lambda t: (-t[0], t[1])):
             if resolve(cand)[0] is not None:
                 best = cand
                 break
@@ -183,7 +192,8 @@ def overrides(c: dict) -> dict:
     """The JobConfig settings of a combination."""
     correction, level, *band = c["correction"]
     ppo = {"advantage": c["advantage"], "policy_loss": c["policy_loss"], "loss_aggregation": c["aggregation"],
-           "correction": correction, "grpo_normalize": c["grpo_normalize"], "mask_truncated": c["mask_truncated"]}
+           "correction": correction, "grpo_normalize": c["grpo_normalize"],
+           "mask_truncated": c["mask_truncated"]}
     if correction not in ("none", "icepop"):  # IcePop has no cap; the masks keep their default bands
         ppo |= {"correction_level": level, "is_cap": 1e6}
     if band:
@@ -199,7 +209,8 @@ def overrides(c: dict) -> dict:
     out = {"ppo": ppo, "kl": {"placement": c["placement"], "estimator": c["estimator"], "scope": c["scope"],
                               "loss_form": c["loss_form"]},
            "rollout": {"mode": "sync" if c["mode"] == "sync" else "async",
-                       "dynamic_sampling": c["dynamic_sampling"], "in_flight_updates": c.get("in_flight", "off")}}
+                       "dynamic_sampling": c["dynamic_sampling"],
+                       "in_flight_updates": c.get("in_flight", "off")}}
     if c["advantage"] in ("grpo", "rloo", "reinforce_pp_baseline"):
         out["rollout"]["samples_per_prompt"] = 2
     if c["distill"] != "off":
@@ -306,8 +317,8 @@ def rows_of(y: tuple[int, ...], shape: str) -> list[tuple[list[int], list[int], 
 
 
 def episode_rewards(problem: Problem, y: tuple[int, ...], shape: str) -> list[list[float]]:
-    """Each row's per-position rewards: the first turn's at its token (multi-turn), the final score at the last
-    model token of the episode (an agent's: of its last row)."""
+    """Each row's per-position rewards: the first turn's at its token (multi-turn), the final score at the
+    last model token of the episode (an agent's: of its last row)."""
     rows = rows_of(y, shape)
     out = [[0.0] * len(ids) for ids, _, _ in rows]
     final = problem.score[y]
@@ -325,8 +336,8 @@ def episode_rewards(problem: Problem, y: tuple[int, ...], shape: str) -> list[li
 
 
 def logprob_rows(table: torch.Tensor, states: list[list], ids: list[list[int]]) -> torch.Tensor:
-    """[R, WIDTH] log-probs of each row's tokens under ``table`` (one table, or [R, 7, 3] one per row); 0 off the
-    model's tokens."""
+    """[R, WIDTH] log-probs of each row's tokens under ``table`` (one table, or [R, 7, 3] one per row); 0 off
+    the model's tokens."""
     logp = torch.log_softmax(table, -1)
     out = []
     for r, (row_states, row_ids) in enumerate(zip(states, ids, strict=True)):
@@ -352,26 +363,29 @@ class Enumeration:
 def enumerate_batch(problem: Problem, shape: str, group_size: int) -> Enumeration:
     responses = all_responses()
     groups = [(y,) for y in responses] if group_size == 1 else list(itertools.product(responses, repeat=2))
-    prompts, ids, masks, states, rewards, finish, group_index, episode_index, weight, of = ([] for _ in range(10))
+    prompts, ids, masks, states, rewards, finish, group_index, episode_index, weight, of = (
+        [] for _ in range(10))
     episode = 0
     for g, members in enumerate(groups):
         w = math.exp(sum(float(sequence_logprob(problem.behaviour, y)) for y in members))
         for y in members:
-            for (row_ids, row_mask, row_states), row_rewards in zip(rows_of(y, shape), episode_rewards(problem, y, shape),
+            for (row_ids, row_mask, row_states), row_rewards in zip(rows_of(y, shape),
+                                                                     episode_rewards(problem, y, shape),
                                                                      strict=True):
                 prompts.append([0])
-                ids.append(row_ids), masks.append(row_mask), states.append(row_states), rewards.append(row_rewards)
+                (ids.append(row_ids), masks.append(row_mask), states.append(row_states),
+                 rewards.append(row_rewards))
                 finish.append(FINISH_STOP if y[-1] == EOS else FINISH_LENGTH)
                 group_index.append(g if group_size > 1 else -1), episode_index.append(episode)
                 weight.append(w), of.append(y)
             episode += 1
     behaviour = logprob_rows(problem.behaviour, states, ids)
     episodic = shape != "single"
-    batch = make_batch(prompts, ids, [row[: len(i)].tolist() for row, i in zip(behaviour, ids, strict=True)], finish,
-                       list(range(len(ids))), 0, 0, BETA, response_width=WIDTH, group_index=group_index,
-                       action_masks=masks, episode_index=episode_index,
-                       episodes=Episodes(rewards, [1] * len(ids), [0] * len(ids), [0.0] * len(ids), [0] * len(ids))
-                       if episodic else None)
+    batch = make_batch(prompts, ids, [row[: len(i)].tolist() for row, i in zip(behaviour, ids, strict=True)],
+                       finish, list(range(len(ids))), 0, 0, BETA, response_width=WIDTH,
+                       group_index=group_index, action_masks=masks, episode_index=episode_index,
+                       episodes=Episodes(rewards, [1] * len(ids), [0] * len(ids), [0.0] * len(ids),
+                                         [0] * len(ids)) if episodic else None)
     batch.rollout_logprobs = behaviour  # the harness is float64 throughout
     batch.action_mask = batch.action_mask.double()
     batch.response_mask = batch.response_mask.double()
@@ -381,8 +395,9 @@ def enumerate_batch(problem: Problem, shape: str, group_size: int) -> Enumeratio
     batch.old_logprobs = logprob_rows(problem.proximal, states, ids)
     batch.ref_logprobs = logprob_rows(problem.reference, states, ids)
     batch.teacher_logprobs = logprob_rows(problem.teacher, states, ids)
-    batch.old_values = torch.stack([torch.stack([problem.values[STATES[s]] if s is not None else problem.values.new_zeros(())
-                                                 for s in row] + [problem.values.new_zeros(())] * (WIDTH - len(row)))
+    batch.old_values = torch.stack([torch.stack([problem.values[STATES[s]] if s is not None
+                                                 else problem.values.new_zeros(()) for s in row]
+                                                + [problem.values.new_zeros(())] * (WIDTH - len(row)))
                                     for row in states])
     return Enumeration(batch, states, ids, torch.tensor(weight, dtype=torch.float64), group_size, of)
 
@@ -411,8 +426,8 @@ def objective_gradient(fn, at: torch.Tensor) -> torch.Tensor:
 
 
 def trained_rows(algorithm: Algorithm, batch: RolloutBatch) -> tuple[Tensor, Tensor | None]:
-    """The rank's dynamic sampling (``Algorithm.select``, keeping every group whose scores differ): (the rows it
-    trains on, the rows it drops or None)."""
+    """The rank's dynamic sampling (``Algorithm.select``, keeping every group whose scores differ): (the rows
+    it trains on, the rows it drops or None)."""
     if not algorithm.dynamic_sampling:
         return torch.arange(batch.shape[0]), None
     keep, _ = algorithm.select(batch, algorithm.differing_groups(batch))
@@ -420,15 +435,17 @@ def trained_rows(algorithm: Algorithm, batch: RolloutBatch) -> tuple[Tensor, Ten
 
 
 def fed_statistic(algorithm: Algorithm, e: Enumeration) -> float:
-    """The expectation of the statistic the controller is fed, exact, through the rank's path: dynamic sampling's
-    selection, ``Algorithm.controller_values`` over what ``Algorithm.sampled`` holds, the driver's scope
-    (``kl.scope``). A ratio statistic (``token_mean``) is taken at its large-batch limit, E[sum] / E[tokens]."""
+    """The expectation of the statistic the controller is fed, exact, through the rank's path: dynamic
+    sampling's selection, ``Algorithm.controller_values`` over what ``Algorithm.sampled`` holds, the driver's
+    scope (``kl.scope``). A ratio statistic (``token_mean``) is taken at its large-batch limit, E[sum] /
+    E[tokens]."""
     from learner.kl import controller_statistic
 
     kept, dropped = trained_rows(algorithm, e.batch)
     sampled = algorithm.sampled(e.batch[kept], None if dropped is None else e.batch[dropped])
     view = episode_view(sampled)
-    w = view.first(e.weight[sampled.prompt_index]) / e.group_size  # make_batch's prompt_index: the row's number
+    # make_batch's prompt_index: the row's number
+    w = view.first(e.weight[sampled.prompt_index]) / e.group_size
     x = algorithm.controller_values(sampled)
     total = {"response_sum": float((w * x).sum()), "num_responses": float(w.sum()),
              "num_tokens": float((w * view.total(sampled.action_mask.sum(-1))).sum()), "empty_responses": 0.0,
@@ -438,13 +455,14 @@ def fed_statistic(algorithm: Algorithm, e: Enumeration) -> float:
         return controller_statistic(kl_stats_from_sums(total), algorithm.kl.scope)
 
 
-def layer_gradient(algorithm: Algorithm, e: Enumeration, at: torch.Tensor, kl_coef: float) -> tuple[Tensor, dict]:
+def layer_gradient(algorithm: Algorithm, e: Enumeration, at: torch.Tensor,
+                   kl_coef: float) -> tuple[Tensor, dict]:
     """The expected gradient of the objective the layer's loss descends, at the policy ``at`` (a logit table),
     exact: every row has its own copy of the table, so one backward gives each row's gradient, which the rows'
-    behaviour weights average. The loss divides its sum over episodes by a count over the batch (its tokens, or
-    episodes, ``Algorithm.loss_counts``), a constant per episode as the batch grows: the expectation is taken of
-    the sum per episode, the gradient of the documented objective. Returns (minus the loss's expected gradient per
-    episode [7, 3], prepare's sums on the enumeration batch)."""
+    behaviour weights average. The loss divides its sum over episodes by a count over the batch (its tokens,
+    or episodes, ``Algorithm.loss_counts``), a constant per episode as the batch grows: the expectation is
+    taken of the sum per episode, the gradient of the documented objective. Returns (minus the loss's expected
+    gradient per episode [7, 3], prepare's sums on the enumeration batch)."""
     rows, _ = trained_rows(algorithm, e.batch)
     batch, weight = e.batch[rows], e.weight[rows]
     states, ids = [e.states[i] for i in rows.tolist()], [e.ids[i] for i in rows.tolist()]
@@ -475,8 +493,8 @@ def expected_classes(c: dict, mask_binds: bool = False) -> dict[str, str]:
     problem at the step the gradient is taken (``mask_binds``); one that drops none leaves the class of the
     weights it multiplies."""
     statistic = "exact" if c["estimator"] in ("k1", "k3") and c["scope"] == "response_sum" else "biased"
-    # the token-level correction weighs a token by its own ratio, not its prefix's: bounded, in async mode only
-    # (IcePop's weight inside its band is the token's ratio, untruncated: the same)
+    # the token-level correction weighs a token by its own ratio, not its prefix's: bounded, in async mode
+    # only (IcePop's weight inside its band is the token's ratio, untruncated: the same)
     base = "bounded" if c["mode"] != "sync" and c["correction"][1] == "token" else "exact"
 
     def policy_term(per_token_advantages: bool) -> str:
@@ -503,7 +521,8 @@ def expected_classes(c: dict, mask_binds: bool = False) -> dict[str, str]:
     elif c["placement"] == "loss":
         kl = "biased" if c["loss_form"] == "grpo_token_k3" else "exact"
     else:
-        kl = "biased" if c["estimator"] != "k1" or normalised_return else policy_term(c["advantage"] != "rloo")
+        kl = ("biased" if c["estimator"] != "k1" or normalised_return
+              else policy_term(c["advantage"] != "rloo"))
     out = {"statistic": statistic, "score": score, "kl": kl}
     if c["distill"] != "off":
         out["teacher"] = "biased" if normalised_return or c["dynamic_sampling"] else \
@@ -551,21 +570,24 @@ def check_combination(c: dict, cfg: JobConfig, problems: dict) -> dict[str, tupl
     identity = abs(sums["reward_sum"] - (trained_scores - penalty))
     assert identity < 1e-9, (c, sums, trained_scores)
 
-    # each term's expected gradient against that term's own gradient, at the proximal policy (the first step) for
-    # the terms in the policy loss, at the current policy for the KL in the loss (its weights are exact anywhere)
+    # each term's expected gradient against that term's own gradient, at the proximal policy (the first step)
+    # for the terms in the policy loss, at the current policy for the KL in the loss (its weights are exact
+    # anywhere)
     got, _ = layer_gradient(algorithm, quiet, problem.proximal, 0.0)
     if c["distill"] == "without_task":  # the task's scores and turn rewards reach nothing: as if they were 0
         score_target = torch.zeros_like(problem.proximal)
-        measured["score"] = relative_error(got, layer_gradient(algorithm, zeroed_scores(quiet), problem.proximal,
-                                                               0.0)[0])
+        measured["score"] = relative_error(got, layer_gradient(algorithm, zeroed_scores(quiet),
+                                                               problem.proximal, 0.0)[0])
     else:
         score_target = objective_gradient(lambda t: exact_score(t, problem, c["shape"]), problem.proximal)
         measured["score"] = relative_error(got, score_target)
 
-    no_values = with_logprobs(zeroed_scores(quiet), old_values=None) if c["placement"] == "loss" else zeroed_scores(quiet)
+    no_values = (with_logprobs(zeroed_scores(quiet), old_values=None) if c["placement"] == "loss"
+                 else zeroed_scores(quiet))
     at = problem.current if c["placement"] == "loss" else problem.proximal
     kl_target = -BETA * objective_gradient(lambda t: exact_kl(t, problem.reference), at)
-    if c["dynamic_sampling"]:  # no score, no group kept: the selection is the bias; measured with the scores on
+    # no score, no group kept: the selection is the bias; measured with the scores on
+    if c["dynamic_sampling"]:
         got, _ = layer_gradient(algorithm, quiet, at, BETA)
         kl_target = kl_target + score_target
     else:
@@ -575,15 +597,17 @@ def check_combination(c: dict, cfg: JobConfig, problems: dict) -> dict[str, tupl
     if distill:  # the reverse KL to the teacher, the task score and the reference KL switched off
         teaching = with_logprobs(zeroed_scores(e), teacher_logprobs=problem.teacher)
         target = -DISTILL_COEF * objective_gradient(lambda t: exact_kl(t, problem.teacher), problem.proximal)
-        got, _ = layer_gradient(algorithm, teaching if not c["dynamic_sampling"] else e, problem.proximal, 0.0)
+        got, _ = layer_gradient(algorithm, teaching if not c["dynamic_sampling"] else e, problem.proximal,
+                                0.0)
         measured["teacher"] = relative_error(got, target + (score_target if c["dynamic_sampling"] else 0))
     return measured
 
 
-# the values whose gradient checks the harness prints apart (the later settings: mixed versions, CISPO, SAPO,
-# masks)
-NEW_VALUES = ("mode async_mixed", "in_flight keep_kv", "in_flight partial", "policy_loss cispo", "policy_loss sapo", "correction icepop",
-              "correction icepop [0.8, 1.25]", "correction geometric_mask", "correction off_policy_mask")
+# the values whose gradient checks the harness prints apart (the later settings: mixed versions, CISPO,
+# SAPO, masks)
+NEW_VALUES = ("mode async_mixed", "in_flight keep_kv", "in_flight partial", "policy_loss cispo",
+              "policy_loss sapo", "correction icepop", "correction icepop [0.8, 1.25]",
+              "correction geometric_mask", "correction off_policy_mask")
 
 
 def label_of(c: dict) -> str:
@@ -639,7 +663,9 @@ def problems() -> dict:
     return out
 
 
-def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_every_refusal_names_its_fields(problems):
+def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_every_refusal_names_its_fields(
+    problems
+):
     combos, refused_pairs = combinations()
     table: dict[tuple, list[float]] = {}
     bound: dict[tuple, set] = {}  # (mask, mode) -> whether it bound, over the accepted combinations
@@ -666,8 +692,8 @@ def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_eve
                     by_value.setdefault(value, {}).setdefault(expected[check], []).append(err)
             if not meets(expected[check], err):
                 failures.append((check, expected[check], err, c))
-    print(f"\n{len(combos) + len(refused_pairs)} combinations: {len(combos) + len(refused_pairs) - refused} accepted, "
-          f"{refused} refused ({len(refused_pairs)} pairs of values no accepted combination holds)")
+    print(f"\n{len(combos) + len(refused_pairs)} combinations: {len(combos) + len(refused_pairs) - refused} "
+          f"accepted, {refused} refused ({len(refused_pairs)} pairs of values no accepted combination holds)")
     print("| check | class | combinations | error (min .. max) |\n|---|---|---|---|")
     for (check, cls), errors in sorted(table.items()):
         print(f"| {check} | {cls} | {len(errors)} | {min(errors):.2e} .. {max(errors):.2e} |")
@@ -691,9 +717,10 @@ def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_eve
 
 
 SEEDS = (1, 2, 3, 4, 5)
-GRPO_ASYNC = {"mode": "async", "placement": "reward", "estimator": "k1", "loss_form": None, "scope": "response_sum",
-              "advantage": "rloo", "policy_loss": "ppo", "aggregation": "token_mean", "grpo_normalize": "score",
-              "mask_truncated": False, "dynamic_sampling": False, "distill": "off", "shape": "single"}
+GRPO_ASYNC = {"mode": "async", "placement": "reward", "estimator": "k1", "loss_form": None,
+              "scope": "response_sum", "advantage": "rloo", "policy_loss": "ppo", "aggregation": "token_mean",
+              "grpo_normalize": "score", "mask_truncated": False, "dynamic_sampling": False, "distill": "off",
+              "shape": "single"}
 
 
 def token_shift(problem: Problem, other: Tensor | None = None) -> float:
@@ -720,16 +747,17 @@ def mixed_target(problem: Problem) -> Tensor:
 
 
 def test_rollout_correction_and_placement_figures_over_seeds():
-    """The figures the docs state for the rollout correction and the two KL placements, measured over seeds on the
-    harness's async problem (RLOO, groups of 2, the score and the KL in the reward), and their bounds."""
+    """The figures the docs state for the rollout correction and the two KL placements, measured over seeds on
+    the harness's async problem (RLOO, groups of 2, the score and the KL in the reward), and their bounds."""
     rows, shifts = {}, []
     for seed in SEEDS:
         problem = Problem.make(seed, "async")
         shifts.append(token_shift(problem))
         e = enumerate_batch(problem, "single", 2)
         e = with_logprobs(e, teacher_logprobs=problem.proximal)
-        target = objective_gradient(lambda t, p=problem: exact_score(t, p, "single") - BETA * exact_kl(t, p.reference),
-                                    problem.proximal)
+        target = objective_gradient(
+            lambda t, p=problem: exact_score(t, p, "single") - BETA * exact_kl(t, p.reference),
+            problem.proximal)
         mixed = Problem.make(seed, "async_mixed")  # the same versions, a newer one sampling the later tokens
         e_mixed = with_logprobs(enumerate_batch(mixed, "single", 2), teacher_logprobs=mixed.proximal)
         # (name, correction, level, is_cap or None for IcePop's, the settings beside, mixed versions)
@@ -757,8 +785,8 @@ def test_rollout_correction_and_placement_figures_over_seeds():
                                else (problem.proximal, e, target))
             got, _ = layer_gradient(Algorithm.from_config(cfg), batch, at, BETA)
             rows.setdefault(name, []).append(relative_error(got, want))
-    print(f"\nasync shift: {min(shifts):.2f} .. {max(shifts):.2f} nats per token |log pi_prox - log pi_behav|, "
-          f"{len(SEEDS)} seeds")
+    print(f"\nasync shift: {min(shifts):.2f} .. {max(shifts):.2f} nats per token "
+          f"|log pi_prox - log pi_behav|, {len(SEEDS)} seeds")
     print("| correction | relative gradient error (min .. max over seeds) |\n|---|---|")
     for name, errors in rows.items():
         print(f"| {name} | {min(errors):.3f} .. {max(errors):.3f} |")
@@ -775,7 +803,8 @@ def test_rollout_correction_and_placement_figures_over_seeds():
                  "off_policy_mask sequence, delta 1e-4, uncapped"):
         assert min(rows[name]) > EXACT, name
 
-    # the two placements: one gradient at GAE(1, 1) unwhitened on the first step, and not at the job's GAE defaults
+    # the two placements: one gradient at GAE(1, 1) unwhitened on the first step, and not at the job's GAE
+    # defaults
     problem = Problem.make(1, "sync")
     e = with_logprobs(enumerate_batch(problem, "single", 1), teacher_logprobs=problem.proximal)
     base = {**GRPO_ASYNC, "mode": "sync", "advantage": "gae", "correction": ("tis", "token")}
@@ -784,13 +813,15 @@ def test_rollout_correction_and_placement_figures_over_seeds():
         for placement, form in (("reward", None), ("loss", "kl_to_go")):
             settings = overrides({**base, "placement": placement, "loss_form": form})
             if defaults:
-                settings["ppo"] = {k: v for k, v in settings["ppo"].items() if k not in ("lam", "whiten_advantages")}
-            got, _ = layer_gradient(Algorithm.from_config(load_config(None, settings)), e, problem.proximal, BETA)
+                settings["ppo"] = {k: v for k, v in settings["ppo"].items()
+                                   if k not in ("lam", "whiten_advantages")}
+            got, _ = layer_gradient(Algorithm.from_config(load_config(None, settings)), e, problem.proximal,
+                                    BETA)
             placements[(defaults, placement)] = got
     exact_lambda = relative_error(placements[(False, "loss")], placements[(False, "reward")])
     defaults = relative_error(placements[(True, "loss")], placements[(True, "reward")])
-    print(f"kl.placement loss against reward, GAE at gamma = lambda = 1 unwhitened: {exact_lambda:.1e}; at the job's "
-          f"lambda 0.95 with whitening: {defaults:.3f}")
+    print(f"kl.placement loss against reward, GAE at gamma = lambda = 1 unwhitened: {exact_lambda:.1e}; at "
+          f"the job's lambda 0.95 with whitening: {defaults:.3f}")
     assert exact_lambda < EXACT and defaults > 0.01
 
 

@@ -1,6 +1,6 @@
-"""The update (``learner.update``) as one function over a training engine: driven here by the plain-torch engine
-(``learner.engine.TorchEngine``: one process, the real model and optimizer, no Ray or DeepSpeed), and the step it
-takes equal to the one DeepSpeed's engine takes on the same rows."""
+"""The update (``learner.update``) as one function over a training engine: driven here by the plain-torch
+engine (``learner.engine.TorchEngine``: one process, the real model and optimizer, no Ray or DeepSpeed), and
+the step it takes equal to the one DeepSpeed's engine takes on the same rows."""
 
 from __future__ import annotations
 
@@ -18,24 +18,27 @@ def config(**ppo):
 
     return load_config(None, {"rollout": {"batch_size": 16, "chunk_size": 8, "samples_per_prompt": 2,
                                           "max_new_tokens": 6},
-                              "ppo": {"advantage": "grpo", "minibatch_size": 8, "epochs": 2, "lr": 3e-3, **ppo}})
+                              "ppo": {"advantage": "grpo", "minibatch_size": 8, "epochs": 2, "lr": 3e-3,
+                                      **ppo}})
 
 
 def sampled_batch(engine, n: int = 16, seed: int = 0):
-    """``n`` responses in groups of 2 whose engine log-probs are the policy's own, scored 1 where the response's
-    first token is even, 0 elsewhere, with the initial policy as the reference (``collect_chunk``'s fields)."""
+    """``n`` responses in groups of 2 whose engine log-probs are the policy's own, scored 1 where the
+    response's first token is even, 0 elsewhere, with the initial policy as the reference (``collect_chunk``'s
+    fields)."""
     from learner.update import RankScoring, collect_chunk
     from services.experience import make_batch
 
     g = torch.Generator().manual_seed(seed)
     prompts = [[1 + i // 2] for i in range(n)]
-    responses = [torch.randint(1, 20, (int(k),), generator=g).tolist() for k in torch.randint(2, 7, (n,), generator=g)]
-    batch = make_batch(prompts, responses, [[0.0] * len(r) for r in responses], [0] * n, list(range(n)), 0, 0, 0.0,
-                       6, group_index=[i // 2 for i in range(n)])
+    responses = [torch.randint(1, 20, (int(k),), generator=g).tolist()
+                 for k in torch.randint(2, 7, (n,), generator=g)]
+    batch = make_batch(prompts, responses, [[0.0] * len(r) for r in responses], [0] * n, list(range(n)), 0, 0,
+                       0.0, 6, group_index=[i // 2 for i in range(n)])
     batch.rollout_logprobs = engine.forward(batch, grad=False)[0] * batch.action_mask
     scores = torch.tensor([float(r[0] % 2 == 0) for r in responses])
-    collect_chunk(engine, RankScoring(engine, None, None), batch, 0, False, scores, batch.rollout_logprobs.clone(),
-                  None)
+    collect_chunk(engine, RankScoring(engine, None, None), batch, 0, False, scores,
+                  batch.rollout_logprobs.clone(), None)
     return batch
 
 
@@ -88,12 +91,13 @@ print("grad_norm", results["deepspeed"].ppo["grad_norm"], results["torch"].ppo["
 
 
 def test_deepspeed_and_the_plain_torch_engine_take_the_same_steps(tiny_model_dir):
-    """ZeRO-0 in fp32 on one rank (gloo, in a process of its own: DeepSpeed's process group stays for the process)."""
-    proc = subprocess.run([sys.executable, "-c", DEEPSPEED_STEP.replace("MODEL", repr(tiny_model_dir))], cwd=ROOT, check=False,
-                          capture_output=True, text=True, timeout=300)
+    """ZeRO-0 in fp32 on one rank (gloo, in a process of its own: DeepSpeed's process group stays for the
+    process)."""
+    proc = subprocess.run([sys.executable, "-c", DEEPSPEED_STEP.replace("MODEL", repr(tiny_model_dir))],
+                          cwd=ROOT, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("parameter", "loss",
-                                                                                            "grad_norm")))
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines()
+                 if line.startswith(("parameter", "loss", "grad_norm")))
     assert float(lines["parameter"].split()[-1]) < 1e-6, proc.stdout
     for name in ("loss", "grad_norm"):
         deepspeed, plain = (float(x) for x in lines[name].split())

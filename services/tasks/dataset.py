@@ -2,10 +2,11 @@
 dataset directory, through the ``datasets`` library.
 
 The driver reads the file once (``path`` set). The reward actors get only what the reward reads, the
-prompt column and ``task.reward_fields``, as one ``Shipment`` (``reward_actor_options``), put in the object store
-once Ray is up: they never open ``task.path`` on their own node. The reward function, ``package.module:function``, is code: it is imported by
-name on the driver (to fail before any actor starts) and again on each reward actor. It is called once per
-sample as ``function(prompt=..., completion=..., **fields)`` and returns a number; ``prompt`` is the row's
+prompt column and ``task.reward_fields``, as one ``Shipment`` (``reward_actor_options``), put in the object
+store once Ray is up: they never open ``task.path`` on their own node. The reward function,
+``package.module:function``, is code: it is imported by name on the driver (to fail before any actor starts)
+and again on each reward actor. It is called once per sample as
+``function(prompt=..., completion=..., **fields)`` and returns a number; ``prompt`` is the row's
 ``task.prompt_field`` value as in the file (text, or the chat messages), ``completion`` the decoded response.
 
 Rows are counted from 0, in file order, in error messages.
@@ -33,8 +34,8 @@ FILE_READERS = {".jsonl": "from_json", ".json": "from_json", ".csv": "from_csv",
 
 def read_rows(path: str, split: str, columns: list[tuple[str, str]], what: str) -> dict[str, list]:
     """The ``columns`` ((name, the setting that names it) pairs; none: every column) of a data file, or of one
-    split of a saved dataset directory, as lists. Raises ValueError naming the file (the split, the row, the field) for anything
-    missing or empty."""
+    split of a saved dataset directory, as lists. Raises ValueError naming the file (the split, the row, the
+    field) for anything missing or empty."""
     import datasets
 
     source = Path(path).expanduser()
@@ -49,7 +50,8 @@ def read_rows(path: str, split: str, columns: list[tuple[str, str]], what: str) 
             empty = [p.parent.name for p in source.glob("**/state.json")
                      if not json.loads(p.read_text()).get("_data_files", True)]
             if empty:
-                raise ValueError(f"{what} {path} has no rows (saved with none: {', '.join(sorted(empty))})") from err
+                raise ValueError(f"{what} {path} has no rows (saved with none: "
+                                 f"{', '.join(sorted(empty))})") from err
             raise ValueError(f"{what} {path} is not a saved Hugging Face dataset directory "
                              f"(datasets.save_to_disk): {type(err).__name__}: {err}") from err
         if isinstance(data, datasets.DatasetDict):
@@ -62,8 +64,8 @@ def read_rows(path: str, split: str, columns: list[tuple[str, str]], what: str) 
     else:
         reader = FILE_READERS.get(source.suffix.lower())
         if reader is None:
-            raise ValueError(f"{what} {path}: unknown format {source.suffix!r}; give a .jsonl, .json, .csv or "
-                             ".parquet file, or a directory written by datasets' save_to_disk")
+            raise ValueError(f"{what} {path}: unknown format {source.suffix!r}; give a .jsonl, .json, .csv "
+                             "or .parquet file, or a directory written by datasets' save_to_disk")
         if source.stat().st_size < 64 and not source.read_bytes().strip():
             raise ValueError(f"{what} {path} has no rows (the file is empty)")
         cache = tempfile.mkdtemp(prefix="tether-dataset-")  # read once: leave no Arrow cache behind
@@ -109,7 +111,8 @@ def check_prompt(value: Any, where: str) -> None:
 
 
 def import_reward_function(name: str, setting: str = "task.reward_function") -> Callable:
-    """``package.module:function``, imported and checked to be callable; ValueError naming ``setting`` otherwise."""
+    """``package.module:function``, imported and checked to be callable; ValueError naming ``setting``
+    otherwise."""
     function = load_object(name, setting, "package.module:function")
     if not callable(function):
         raise ValueError(  # noqa: TRY004 - main reports ValueError as bad input
@@ -147,16 +150,18 @@ class DatasetTask(Task):
 
     def _read(self) -> dict[str, dict[str, list]]:
         if self.path is None:
-            raise ValueError("task.name='dataset' needs task.path: a .jsonl, .json, .csv or .parquet file, or a "
-                             "saved Hugging Face dataset directory")
-        columns = [(self.prompt_field, "task.prompt_field")] + [(f, "task.reward_fields") for f in self.reward_fields]
+            raise ValueError("task.name='dataset' needs task.path: a .jsonl, .json, .csv or .parquet file, "
+                             "or a saved Hugging Face dataset directory")
+        columns = [(self.prompt_field, "task.prompt_field")] + [(f, "task.reward_fields")
+                                                                for f in self.reward_fields]
         train = read_rows(self.path, self.split, columns, "task.path")
         if self.eval_path:
             evaluation = read_rows(self.eval_path, self.eval_split or self.split, columns, "task.eval_path")
         elif self.eval_split:
             if not Path(self.path).expanduser().is_dir():
-                raise ValueError(f"task.eval_split={self.eval_split!r} needs a saved dataset directory with splits; "
-                                 f"task.path {self.path} is one file: give the evaluation file as task.eval_path")
+                raise ValueError(f"task.eval_split={self.eval_split!r} needs a saved dataset directory with "
+                                 f"splits; task.path {self.path} is one file: give the evaluation file as "
+                                 "task.eval_path")
             evaluation = read_rows(self.path, self.eval_split, columns, "task.path")
         else:
             evaluation = train
@@ -184,19 +189,21 @@ class DatasetTask(Task):
         return list(self.rows["eval"][self.prompt_field])
 
     def format_prompt(self, text, tokenizer) -> str:
-        """Text as it is; chat messages through the tokenizer's chat template, ready for the assistant's turn."""
+        """Text as it is; chat messages through the tokenizer's chat template, ready for the assistant's
+        turn."""
         if isinstance(text, str):
             return text
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"task.prompt_field {self.prompt_field!r} of {self.path} holds chat messages, but the "
-                             "model's tokenizer has no chat template (tokenizer_config.json 'chat_template')")
+            raise ValueError(f"task.prompt_field {self.prompt_field!r} of {self.path} holds chat messages, "
+                             "but the model's tokenizer has no chat template (tokenizer_config.json "
+                             "'chat_template')")
         return tokenizer.apply_chat_template(text, tokenize=False, add_generation_prompt=True)
 
     # ------------------------------------------------------------------ the reward, on a reward actor
 
     def reward_actor_options(self) -> dict:
-        """What a reward actor builds this task from: the prompt column and the reward fields as one ``Shipment``
-        (the driver ships it once Ray is up: ``Plan.shipments``); never the path."""
+        """What a reward actor builds this task from: the prompt column and the reward fields as one
+        ``Shipment`` (the driver ships it once Ray is up: ``Plan.shipments``); never the path."""
         if not hasattr(self, "_rows"):  # one shipment for every spec that holds these options
             keep = [self.prompt_field, *self.reward_fields]
             self._rows = Shipment({split: {c: rows[c] for c in keep} for split, rows in self.rows.items()})
@@ -212,8 +219,8 @@ class DatasetTask(Task):
             inspect.signature(function).bind(prompt="", completion="", **dict.fromkeys(self.reward_fields))
         except TypeError as err:
             arguments = ", ".join(["prompt", "completion", *self.reward_fields])
-            raise ValueError(f"task.reward_function={self.reward_function!r} cannot be called with ({arguments}) "
-                             f"(task.reward_fields={self.reward_fields}): {err}") from err
+            raise ValueError(f"task.reward_function={self.reward_function!r} cannot be called with "
+                             f"({arguments}) (task.reward_fields={self.reward_fields}): {err}") from err
         except ValueError:
             pass  # a builtin without a signature: called as it is
 
