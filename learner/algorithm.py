@@ -1,7 +1,7 @@
 """The algorithm as one layer over the batch: everything from a collected ``RolloutBatch`` to the loss.
 
-Pure torch: no Ray, no DeepSpeed. ``LearnerRank`` runs the forwards, the optimizer step, the weights and the
-checkpoints; between its forwards it calls this layer, which a test calls the same way on any batch:
+Pure torch: no Ray, no DeepSpeed. ``learner.update`` runs the forwards and the optimizer steps through a
+training engine and calls this layer between them, as a test calls it on any batch:
 
 - ``Algorithm.final_scores``: the scores the advantages read (missing-EOS and overlong penalties);
 - ``Algorithm.select``: DAPO's dynamic sampling, the whole groups a rank trains on;

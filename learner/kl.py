@@ -141,11 +141,6 @@ def masked_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: E
     return kl * check_response_mask(mask, kl.shape).to(kl.dtype)
 
 
-def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1") -> Tensor:
-    """[B] response KL in nats: ``KL_b = sum_t k(r_t) * mask_t``. An empty response has KL 0."""
-    return masked_kl(logprobs, ref_logprobs, mask, estimator).sum(dim=-1)
-
-
 def last_token_index(mask: Tensor) -> Tensor:
     """[B] index of the last model token of each row (the last t with mask = 1); -1 for empty rows."""
     positions = torch.arange(-1, mask.shape[-1], device=mask.device)  # a column of -1 for empty rows
@@ -175,7 +170,7 @@ def kl_penalized_rewards(
             placement: ``scores`` must then be its row sums.
     Returns:
         (rewards [B, T], kl [B, T]) where ``kl`` is the masked per-token estimate. Rows with an empty
-        mask get neither penalty nor score; ``kl_stats`` counts them.
+        mask get neither penalty nor score; ``kl_stats_from_sums`` counts them.
     """
     kl = masked_kl(logprobs, ref_logprobs, mask, estimator)
     beta = _check_coef("kl_coef", kl_coef)
@@ -367,8 +362,8 @@ def episode_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: 
 
 def kl_sums(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1",
             behaviour_logprobs: Tensor | None = None) -> dict[str, float]:
-    """Additive sums behind ``kl_stats`` of the rows' ``episode_kl`` for every estimator; summing these over
-    disjoint shards then calling ``kl_stats_from_sums`` gives the exact statistics of the whole batch.
+    """Additive sums of the rows' ``episode_kl`` for every estimator: summing these over disjoint shards then
+    calling ``kl_stats_from_sums`` gives the exact statistics of the whole batch.
     ``response_sq_sum`` (the sum of the configured estimator's ``x_b^2``) gives the mean's standard error."""
     check_estimator(estimator)
     m = check_response_mask(mask, logprobs.shape)
@@ -412,17 +407,6 @@ def kl_stats_from_sums(sums: dict[str, float]) -> dict[str, float]:
     if sums.get("penalty_episodes"):
         stats["penalty_mean"] = sums["penalty_sum"] / sums["penalty_episodes"]
     return stats
-
-
-def kl_stats(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
-             estimator: Estimator = "k1") -> dict[str, float]:
-    """Batch KL statistics.
-
-    Returns a dict with ``response_mean`` (the controller's statistic: mean_b KL_b with the configured
-    estimator), ``token_mean`` (sum kl / sum mask), ``response_sqrt``, ``k1/k2/k3_response_mean``,
-    ``empty_responses``, ``num_responses`` and ``num_tokens``.
-    """
-    return kl_stats_from_sums(kl_sums(logprobs, ref_logprobs, mask, estimator))
 
 
 def controller_statistic(stats: dict[str, float], scope: Scope = "response_sum") -> float:

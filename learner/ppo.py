@@ -463,11 +463,6 @@ def explained_variance_from_moments(moments: Tensor | list[float]) -> float:
     return 1.0 - (e_sq - e_sum**2 / n) / (n - 1) / var_returns
 
 
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over masked positions; nan when the returns have no variance."""
-    return explained_variance_from_moments(explained_variance_moments(values, returns, mask))
-
-
 def ppo_stats_from_sums(parts: list[dict]) -> dict[str, float]:
     """The PPO diagnostics of one update, exact over ranks, from every rank's ``ppo_sums``:
     ``{"stats": {name: [sum, count]}, "explained_variance_moments": [5], "optimizer_steps": n}``.

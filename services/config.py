@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import typing
 from collections.abc import Callable
 from operator import attrgetter
@@ -212,10 +210,6 @@ class JobConfig(BaseSettings):
         if share := min(1.0, self.cluster.reference.num_gpus):
             args["gpu_memory_utilization"] = self.reference.gpu_memory_utilization or round(0.9 * share, 4)
         return args
-
-    def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"),
-                                         sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _section(model: type[BaseModel], key: str) -> type[BaseModel] | None:

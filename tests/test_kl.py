@@ -15,11 +15,10 @@ from learner.kl import (
     controller_statistic,
     kl_estimate,
     kl_penalized_rewards,
-    kl_stats,
     kl_stats_from_sums,
     kl_sums,
-    sequence_kl,
 )
+from tests.batch_statistics import kl_stats, sequence_kl
 
 LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -3.0, -1.0]])
 REF = torch.tensor([[-1.5, -1.0, -0.5], [-0.7, -2.0, -4.0]])

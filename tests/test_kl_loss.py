@@ -19,12 +19,11 @@ from learner.kl import (
     kl_logprob_roles,
     kl_loss_aggregation,
     kl_penalized_rewards,
-    kl_stats,
     response_kl_loss,
-    sequence_kl,
 )
 from learner.ppo import AGGREGATIONS, gae_advantages, loss_denominator, policy_loss
 from services.config import KLConfig, load_config
+from tests.batch_statistics import kl_stats, sequence_kl
 
 VOCAB, EOS, MAX_LEN = 3, 2, 3
 PREFIXES = [(), (0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)]  # the contexts a response can continue from

@@ -63,9 +63,9 @@ def probe_set():
 
 def test_one_iteration_syncs_weights_and_keeps_exact_kl_books(roles, tiny_model_dir):
     from actors.engines import SamplingSettings
-    from learner.kl import kl_stats
     from services.experience import concat_batches, response_forward
     from services.models import load_causal_lm
+    from tests.batch_statistics import kl_stats
 
     engines = {"vllm": roles["vllm"], "hf": roles["hf"]}
     ray.get([a.set_state.remote(0, 0.1) for a in engines.values()])

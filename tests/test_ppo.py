@@ -6,7 +6,6 @@ import torch
 from learner.ppo import (
     cispo_weight,
     entropy_from_logits,
-    explained_variance,
     gae_advantages,
     masked_mean,
     masked_whiten,
@@ -14,6 +13,7 @@ from learner.ppo import (
     sapo_gate,
     value_loss,
 )
+from tests.batch_statistics import explained_variance
 
 
 def _naive_gae(rewards, values, lengths, gamma, lam):

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from learner.advantages import compute_advantages, reward_to_go
-from learner.kl import kl_penalized_rewards, kl_stats, last_token_index, response_kl_loss, sequence_kl
+from learner.kl import kl_penalized_rewards, last_token_index, response_kl_loss
 from learner.ppo import gae_advantages, policy_loss
+from tests.batch_statistics import kl_stats, sequence_kl
 
 # Three trajectories of width 10: model turns (1) and environment tokens (0) between them, then padding.
 ACTION = torch.tensor([
