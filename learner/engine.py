@@ -9,7 +9,7 @@ Both own the policy (``PolicyWithValueHead``), its forwards (padded, or packed b
 ``learner.max_tokens_per_microbatch``), the backward, the optimizer step with gradient clipping (it returns
 the gradient's norm) and the learning rate. ``lockstep`` and ``agree`` are the one mechanism that keeps the
 ranks' collectives in step: under ZeRO-3 every forward gathers parameters from all ranks, so every rank must
-run as many; every gradient reduction pairs too. """
+run as many; every gradient reduction pairs too."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ class TrainingEngine(Protocol):
     world_size: int
     device: torch.device
     reducer: Reducer  # the algorithm layer's collectives: over every rank
+    lm: nn.Module  # the policy's causal LM (LoRA's base reference turns its adapters off)
 
     def forward(self, batch: RolloutBatch, grad: bool) -> Forward: ...
 
@@ -114,8 +115,7 @@ class PolicyEngine:
             else:
                 input_ids, attention_mask, position_ids = (x.to(self.device) for x in model_inputs(batch))
                 logits, values = self.module(input_ids, attention_mask, position_ids,
-                                             batch.prompt_ids.shape[1],
-                                             self.temperature)
+                                             batch.prompt_ids.shape[1], self.temperature)
             logprobs = token_logprobs(logits, batch.response_ids.to(self.device))
         if not grad:
             values = values.detach().cpu() if values is not None else None
