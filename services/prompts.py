@@ -22,11 +22,13 @@ def encode_prompts(texts: list[str], tokenizer, max_tokens: int, long_prompts: s
                          f"({texts[empty[0]]!r})")
     long = [i for i, ids in enumerate(encoded) if len(ids) > max_tokens]
     if long and long_prompts == "reject":
-        first = long[0]
+        first, longest = long[0], max(len(encoded[i]) for i in long)
         raise ValueError(
             f"{len(long)} prompt(s) are longer than task.max_prompt_tokens={max_tokens}; first is "
-            f"{origin(first)} with {len(encoded[first])} tokens. Set task.long_prompts=truncate to keep "
-            "their last tokens"
+            f"{origin(first)} with {len(encoded[first])} tokens, the longest has {longest}. Raise "
+            f"task.max_prompt_tokens to {longest} (prompt and response must fit the model's positions), or "
+            "set task.long_prompts=truncate to keep each prompt's last tokens (a chat prompt then loses its "
+            "first turns, the system turn among them)"
         )
     if long:
         log(f"prompts: truncated {len(long)} prompt(s) to their last {max_tokens} tokens (first: "

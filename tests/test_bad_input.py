@@ -51,7 +51,8 @@ def test_prompts_longer_than_the_context(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     texts = ["b" * 40, "c", "d" * 30]
     with pytest.raises(ValueError, match=r"2 prompt\(s\) are longer than task.max_prompt_tokens=16; first is "
-                                         r"prompt 0 with 40 tokens"):
+                                         r"prompt 0 with 40 tokens, the longest has 40. Raise "
+                                         r"task.max_prompt_tokens to 40 .* task.long_prompts=truncate"):
         encode_prompts(texts, tokenizer, 16, "reject", log=lambda _: None)
     notes = []
     encoded = encode_prompts(texts, tokenizer, 16, "truncate", log=notes.append)
