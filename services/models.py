@@ -192,6 +192,10 @@ def policy_dir(task: PolicyRecipe, model_path: str | None, cache_dir: str, seed:
 OWN_MODEL_TYPES = ("gpt2", "llama")
 
 
+# the files a saved tokenizer leaves in a model directory, one at least (fast, slow and sentencepiece ones)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+
+
 def load_tokenizer(path: str | Path):
     """``AutoTokenizer.from_pretrained(path)``, without importing AutoTokenizer where its choice is known:
     a directory of one of ``OWN_MODEL_TYPES`` saved with transformers' generic ``TokenizersBackend`` loads
@@ -200,6 +204,9 @@ def load_tokenizer(path: str | Path):
     generation and ``torch._dynamo``: about 2 CPU s in the driver and each reward actor, which need nothing
     else of them. Anything else goes through AutoTokenizer."""
     directory = Path(path)
+    if directory.is_dir() and not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the "
+                         "model's tokenizer beside it, tokenizer.save_pretrained(that directory)")
     try:
         saved = json.loads((directory / "tokenizer_config.json").read_text())
         model_type = json.loads((directory / "config.json").read_text()).get("model_type")

@@ -78,6 +78,22 @@ def test_bad_task_data_fails_before_any_actor(cache_dir, tmp_path, task, message
     assert not any(tmp_path.iterdir())  # no run directory was created
 
 
+def test_a_model_directory_without_a_tokenizer_is_named_before_any_actor(tiny_model_dir, tmp_path):
+    """A model saved without its tokenizer: the job names the directory and the missing files, not a symptom
+    downstream (it read "the model's tokenizer has no chat template" for a chat dataset)."""
+    import shutil
+
+    from services.models import TOKENIZER_FILES
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare, ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
+    proc = run_cli(["--model.path", str(bare), "--run.output_dir", str(tmp_path / "runs"),
+                    "--cluster.address", "127.0.0.1:1"])
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"{bare} holds no tokenizer (none of tokenizer.json, tokenizer_config.json" in proc.stderr, \
+        proc.stderr
+
+
 @pytest.mark.integration
 def test_bad_task_data_with_a_local_ray_fails_before_any_actor_and_stops_that_ray(cache_dir, tmp_path):
     """With no cluster.address the driver starts its Ray while the plan checks the input: the plan's error is
