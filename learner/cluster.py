@@ -10,8 +10,7 @@ from urllib.parse import urlparse
 
 from services.config import JobConfig, RoleResources
 from services.errors import TetherError
-from services.private_api import RAY_JOB_CONFIG_ENV_VAR, stop_local_autoscaler_monitor
-from services.private_api import raylet_wait_by_polling as _raylet_wait_by_polling  # the name tests import
+from services.private_api import RAY_JOB_CONFIG_ENV_VAR, raylet_wait_by_polling, stop_local_autoscaler_monitor
 
 # Defaults for every Ray process of tether: stay on loopback and send nothing home. Only
 # where the environment does not set them: a cluster with token auth or several nodes sets its own.
@@ -168,7 +167,7 @@ def connect(spec: ClusterSpec, log=print) -> None:
         _joined = True
         log(f"ray: joined {address}")
     else:
-        with _raylet_wait_by_polling():
+        with raylet_wait_by_polling():
             ray.init(
                 num_cpus=spec.local_cpus,
                 object_store_memory=spec.object_store_mib << 20,

@@ -231,6 +231,12 @@ class TorchEngine(PolicyEngine):
         return float(self.optimizer.param_groups[0]["lr"])
 
 
+def clips_gradients_itself(learner: LearnerConfig) -> bool:
+    """fp32 without ZeRO: each step clips the gradients itself, which gives their norm for the metric once;
+    DeepSpeed's own clipping would compute it a second time."""
+    return not learner.zero_stage and learner.dtype == "float32"
+
+
 class DeepSpeedEngine(PolicyEngine):
     """A learner rank's DeepSpeed ZeRO engine, joined to its peers' process group (``build``)."""
 
@@ -241,9 +247,7 @@ class DeepSpeedEngine(PolicyEngine):
         self.trained_parameters = [p for p in engine.module.parameters() if p.requires_grad]
         self.rank, self.world_size, self.zero3 = rank, world_size, learner.zero_stage == 3
         self.pairs_forwards, self.one_pack = self.zero3 and world_size > 1, self.zero3
-        # fp32 without ZeRO: each step clips the gradients itself, which gives their norm for the metric once;
-        # DeepSpeed's own clipping would compute it a second time
-        self.clips_itself = not learner.zero_stage and learner.dtype == "float32"
+        self.clips_itself = clips_gradients_itself(learner)
         self.max_grad_norm = ppo.max_grad_norm
 
     @classmethod
@@ -267,7 +271,7 @@ class DeepSpeedEngine(PolicyEngine):
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(trained, ppo, on_gpu)
         micro = ppo.minibatch_size // world_size
-        clips_itself = not learner.zero_stage and learner.dtype == "float32"
+        clips_itself = clips_gradients_itself(learner)
         ds_config = {
             "train_micro_batch_size_per_gpu": micro,
             "gradient_accumulation_steps": 1,

@@ -105,6 +105,11 @@ class Fleet:
                                              spec.pad_id, groups)
         return refs
 
+    def chunks(self, prompt_rows: list[int], prompt_set: list[list[int]], iteration: int,
+               slots: list[int] | None = None) -> dict[int, ChunkRefs]:
+        """``generate`` then ``score``: each training chunk's refs, by slot."""
+        return self.score(self.generate(prompt_rows, prompt_set, iteration, slots=slots))
+
     def score(self, rollout_refs: dict[int, ray.ObjectRef],
               roles: tuple[str, ...] = ("reference", "score", "teacher")) -> dict[int, ChunkRefs]:
         """Each chunk's refs (``ChunkRefs``): the reference's log-probs, the reward's scores and

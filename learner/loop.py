@@ -151,8 +151,7 @@ class Job:
                 self.log(f"iteration {iteration}: chunks {lost} lost to a dead or restarted actor, or too "
                          f"stale; regenerating (retry {retry})")
                 resynced += self.weights.bring_up_to_date()
-                chunks = self.fleet.score(self.fleet.generate(batch.prompt_rows, self.prompts, iteration,
-                                                              slots=lost))
+                chunks = self.fleet.chunks(batch.prompt_rows, self.prompts, iteration, slots=lost)
             lost = self.learner.collect(chunks, self._admission())
             if not lost:
                 return resynced
@@ -179,8 +178,7 @@ class Job:
             first = len(batch.prompt_rows) * r.samples_per_prompt // r.chunk_size
             batch.prompt_rows += self.sampler.next(r.batch_size // r.samples_per_prompt)
             slots = list(range(first, first + r.batch_size // r.chunk_size))
-            chunks = self.fleet.score(self.fleet.generate(batch.prompt_rows, self.prompts, iteration,
-                                                          slots=slots))
+            chunks = self.fleet.chunks(batch.prompt_rows, self.prompts, iteration, slots=slots)
             resynced += self._collect_chunks(iteration, batch, chunks)
             extra += 1
         return extra
@@ -188,8 +186,7 @@ class Job:
     def _start(self, iteration: int) -> Started:
         cursor = self.sampler.state_dict()
         prompt_rows = self.sampler.next(self.cfg.rollout.batch_size // self.cfg.rollout.samples_per_prompt)
-        return Started(prompt_rows,
-                       self.fleet.score(self.fleet.generate(prompt_rows, self.prompts, iteration)), cursor)
+        return Started(prompt_rows, self.fleet.chunks(prompt_rows, self.prompts, iteration), cursor)
 
     def _overlaps(self) -> bool:
         """Admission: a batch started now, at the engines' version v, is trained at v + 1 at the earliest,

@@ -74,12 +74,11 @@ class LearnerRank:
 
         failed, wait, start = [], 0.0, time.perf_counter()
         self.version = admission.policy_version if admission is not None else None
-        given = all(c.reference is not None for c in chunks)
-        with self.engine.lockstep(len(slots) * self.scoring.engine_forwards(given, self.single_step)):
+        with self.engine.lockstep(self.scoring.engine_forwards(chunks, self.single_step)):
             for slot, refs in zip(slots, chunks, strict=True):
-                t0 = time.perf_counter()
+                t0, scored = time.perf_counter(), refs.scored()
                 try:
-                    chunk, *values = ray.get([refs.rollout, *refs.scored().values()])
+                    chunk, *values = ray.get([refs.rollout, *scored.values()])
                 except Exception as err:
                     if not lost_to_dead_actor(err):
                         raise
@@ -90,7 +89,7 @@ class LearnerRank:
                 if admission is not None and admission.refuses(chunk.policy_version, chunk.kl_coef).any():
                     failed.append(slot)
                     continue
-                scored = dict(zip(refs.scored(), values, strict=True))
+                scored = dict(zip(scored, values, strict=True))
                 collect_chunk(self.engine, self.scoring, chunk, slot, self.single_step, scored.get("score"),
                               scored.get("reference"), scored.get("teacher"))
                 self.collected[slot] = chunk
@@ -121,8 +120,7 @@ class LearnerRank:
         import ray
 
         sums: dict[str, float] = {}
-        per_chunk = self.scoring.engine_forwards(all(c.reference is not None for c in chunks), False)
-        with self.engine.lockstep(len(chunks) * per_chunk):
+        with self.engine.lockstep(self.scoring.engine_forwards(chunks, single_step=False)):
             for refs in chunks:
                 ref = ray.get(refs.reference) if refs.reference is not None else None
                 part = evaluation_kl_sums(self.engine, self.scoring, ray.get(refs.rollout), ref)

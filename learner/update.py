@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the batch's module loads in the rank, not in the driver (se
     from actors.reward import RewardScorer
     from learner.engine import Forward, TrainingEngine
     from learner.plan import UpdateSettings
+    from learner.records import ChunkRefs
     from services.experience import RolloutBatch
 
 
@@ -45,10 +46,11 @@ class RankScoring:
             logprobs, _, _ = self.engine.forward(chunk, grad=False)
         return logprobs * chunk.action_mask
 
-    def engine_forwards(self, references_given: bool, single_step: bool) -> int:
-        """The engine's forwards per chunk: the old log-probs' (none in one step) and LoRA's base
-        reference's."""
-        return (0 if single_step else 1) + (not references_given and self.reference is None)
+    def engine_forwards(self, chunks: list[ChunkRefs], single_step: bool) -> int:
+        """The engine's forwards on ``chunks``: per chunk the old log-probs' (none in one step), and LoRA's
+        base reference's where no reference actor scored them."""
+        in_engine = self.reference is None and any(c.reference is None for c in chunks)
+        return len(chunks) * ((0 if single_step else 1) + in_engine)
 
 
 def collect_chunk(engine: TrainingEngine, scoring: RankScoring, chunk: RolloutBatch, slot: int,

@@ -348,20 +348,26 @@ def rank_pool(ray_client):
     pool.close()
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tiny_model_dir, tmp_path_factory) -> str:
-    """A random-init Llama with the randomwalks tokenizer (vLLM's Llama takes LoRA adapters; its GPT-2 does
-    not); head_dim 32, a size vLLM's CPU attention takes."""
+def save_tiny_llama(tokenizer, directory: Path, positions: int) -> str:
+    """A random-init two-layer Llama over ``tokenizer`` (seed 0), saved with it at ``directory``: head_dim 32,
+    a size vLLM's CPU attention takes; EOS doubles as BOS."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from services.models import load_tokenizer, save_model_dir
+    from services.models import save_model_dir
 
-    tokenizer = load_tokenizer(tiny_model_dir)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
-                         max_position_embeddings=64, bos_token_id=tokenizer.eos_token_id,
+                         max_position_embeddings=positions, bos_token_id=tokenizer.eos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return str(save_model_dir(LlamaForCausalLM(config), tokenizer,
-                              tmp_path_factory.mktemp("llama") / "random"))
+    return str(save_model_dir(LlamaForCausalLM(config), tokenizer, directory))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """A random-init Llama with the randomwalks tokenizer (vLLM's Llama takes LoRA adapters; its GPT-2 does
+    not)."""
+    from services.models import load_tokenizer
+
+    return save_tiny_llama(load_tokenizer(tiny_model_dir), tmp_path_factory.mktemp("llama") / "random", 64)

@@ -119,10 +119,10 @@ def test_the_local_ray_s_polled_raylet_wait_is_ray_s_own_again_after_the_start()
     Ray in test_bad_input starts through it); afterwards, and after an error inside, Ray's own is back."""
     from ray._private import services
 
-    from learner.cluster import _raylet_wait_by_polling
+    from services.private_api import raylet_wait_by_polling
 
     ray_get_node = services.get_node
-    with pytest.raises(RuntimeError, match="inside"), _raylet_wait_by_polling():
+    with pytest.raises(RuntimeError, match="inside"), raylet_wait_by_polling():
         assert services.get_node is not ray_get_node
         raise RuntimeError("inside")
     assert services.get_node is ray_get_node

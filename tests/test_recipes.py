@@ -171,22 +171,14 @@ def fewer_eval_rows(recipe: str, args: list[str], directory: Path) -> list[str]:
 def printable_llama_dir(tmp_path_factory) -> str:
     """A random-init Llama over printable characters, with a chat template whose assistant turns end in the
     tokenizer's EOS, as SmolLM2's end in <|im_end|>."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from services.models import build_char_tokenizer, save_model_dir
+    from services.models import build_char_tokenizer
+    from tests.conftest import save_tiny_llama
 
     tokenizer = build_char_tokenizer(list(string.printable))
     tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
                                "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}{% endfor %}"
                                "{% if add_generation_prompt %}<assistant>{% endif %}")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
-                         max_position_embeddings=1024, bos_token_id=tokenizer.eos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return str(save_model_dir(LlamaForCausalLM(config), tokenizer,
-                              tmp_path_factory.mktemp("printable") / "llama"))
+    return save_tiny_llama(tokenizer, tmp_path_factory.mktemp("printable") / "llama", 1024)
 
 
 @pytest.mark.integration
