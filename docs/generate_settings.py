@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from learner.algorithm import REGISTRIES, Algorithm
 from services.config import FOLLOWED_DEFAULTS, JobConfig, _section, load_config
 from services.rules import BOOKS
 
@@ -85,12 +86,37 @@ def sections(model: type[BaseModel], resolved: BaseModel | None, path: str) -> l
 
 def refusal(example: dict[str, Any], name: str) -> str:
     try:
-        load_config(None, example)
+        Algorithm.from_config(load_config(None, example))
     except ValidationError as err:
         match = re.search(rf"\[{re.escape(name)}\] (.*?) \[type=", str(err), re.DOTALL)
         if match:
             return match.group(1)
+    except ValueError as err:  # an entry's rule, checked after the config (Algorithm.from_config)
+        if str(err).startswith(f"[{name}] "):
+            return str(err).removeprefix(f"[{name}] ")
     raise AssertionError(f"rule {name}'s example is not refused by it")
+
+
+def entries() -> list[str]:
+    """Each registered entry of each setting that chooses one: its line, the settings it reads and its
+    rules."""
+    lines = ["\n# Registered entries\n", (
+        "A policy loss, a rollout correction: each is one registered entry (`learner/registry.py`), with its "
+        "function, the settings it reads and its rules, checked before any actor starts. A setting that "
+        "another entry reads, set away from its default while the chosen entry does not read it, is refused "
+        "(`[<setting>_reads]`).\n")]
+    for registry in REGISTRIES:
+        lines += [f"\n## {registry.setting}\n", "| entry | what it is | reads | rules |", "|---|---|---|---|"]
+        for entry in registry.entries.values():
+            reads = ", ".join(f"`{registry.section}.{f}`" for f in entry.reads) or "none"
+            checks = ", ".join(f"`{r.name}`" for r in entry.rules) or "none"
+            lines.append(f"| `{entry.name}` | {cell(entry.doc)} | {reads} | {checks} |")
+        rules = {r.name: r for entry in registry.entries.values() for r in entry.rules}
+        if rules:
+            lines += ["", "| rule | reads | refusal (for an example) |", "|---|---|---|"]
+            lines += [f"| `{r.name}` | {', '.join(f'`{f}`' for f in r.reads)} | "
+                      f"{cell(refusal(r.example, r.name))} |" for r in rules.values()]
+    return lines
 
 
 def rules() -> list[str]:
@@ -112,7 +138,7 @@ def page() -> str:
     for name in JobConfig.model_fields:
         section = _section(JobConfig, name)
         body += sections(section, getattr(job, name), name)
-    return "\n".join([*body, *rules()]) + "\n"
+    return "\n".join([*body, *rules(), *entries()]) + "\n"
 
 
 def main() -> int:

@@ -46,7 +46,7 @@ from learner.advantages import (
     dynamic_sampling_rows,
     uses_critic,
 )
-from learner.correction import SEQUENCE_STATS, rollout_correction_weights
+from learner.correction import CORRECTIONS, SEQUENCE_STATS, rollout_correction_weights
 from learner.kl import (
     check_finite,
     episode_kl,
@@ -58,22 +58,23 @@ from learner.kl import (
     response_kl_loss,
     teacher_penalties,
 )
+from learner.policy_losses import POLICY_LOSSES, PolicyLoss, policy_loss
 from learner.ppo import (
     LOCAL,
-    RATIO_LEVELS,
-    SURROGATES,
     Reducer,
     entropy_from_logits,
     global_loss_denominator,
     masked_mean,
     overlong_penalty,
     penalize_missing_eos,
-    policy_loss,
     truncated_loss_mask,
     value_loss,
 )
 from services.choices import GROUP_ESTIMATORS
 from services.config import DistillConfig, JobConfig, KLConfig, PPOConfig
+
+# the registered entries a config chooses, checked in this order (``Algorithm.from_config``)
+REGISTRIES = (POLICY_LOSSES, CORRECTIONS)
 
 if TYPE_CHECKING:  # the batch's module loads in the rank, not in the driver (services/experience.py)
     from services.experience import RolloutBatch
@@ -166,12 +167,21 @@ class Algorithm:
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> Algorithm:
+        """The layer's settings of ``cfg``, after each registry's check of the entry it chooses (ValueError,
+        naming the settings: ``learner.registry.Registry.check``)."""
+        for registry in REGISTRIES:
+            registry.check(cfg)
         reward = cfg.reward
         overlong = (None if reward.overlong_buffer is None
                     else (cfg.rollout.max_new_tokens, reward.overlong_buffer, reward.overlong_penalty))
         return cls(cfg.ppo, cfg.kl, cfg.distill if cfg.distill.teacher_path else None,
                    cfg.rollout.mode == "async", cfg.rollout.samples_per_prompt, cfg.rollout.dynamic_sampling,
                    reward.missing_eos_penalty, overlong)
+
+    @property
+    def policy(self) -> PolicyLoss:
+        """The registered policy loss ``ppo.policy_loss`` names."""
+        return POLICY_LOSSES.get(self.ppo.policy_loss)
 
     @property
     def has_critic(self) -> bool:
@@ -326,15 +336,11 @@ class Algorithm:
         TIS with the geometric or the off-policy sequence mask, each mask's settings read only where it is on.
         All [B, T]: pi_old's and the engine's log-probs, the mask, the policy being trained (``logprobs``, for
         the off-policy mask) and the advantages."""
-        p, settings = self.ppo, {}
-        if p.correction == "icepop":
-            settings["band"] = (p.icepop_low, p.icepop_high)
-        elif p.correction == "geometric_mask":
-            settings["band"] = (p.geometric_mask_low, p.geometric_mask_high)
-        elif p.correction == "off_policy_mask":
-            settings |= {"delta": p.off_policy_mask_delta, "logprobs": logprobs, "advantages": advantages}
+        p = self.ppo
         return rollout_correction_weights(old_logprobs, behaviour_logprobs, mask, p.correction,
-                                          p.correction_level, p.is_cap, **settings)
+                                          p.correction_level, p.is_cap, logprobs=logprobs,
+                                          advantages=advantages,
+                                          **CORRECTIONS.get(p.correction).arguments(p))
 
     def correction_sums(self, batch: RolloutBatch, stale: Tensor) -> dict[str, float]:
         """The rollout correction's sums over a rank's batch at the start of the update (``stale``: [B, T], 1
@@ -347,14 +353,13 @@ class Algorithm:
                                    view.merge(batch.rollout_logprobs * mask))
         _, stats = self.correction(old_logprobs, behaviour, view.merge(mask), old_logprobs,
                                    view.merge(batch.advantages))
-        tokens, correction = float(mask.sum()), self.ppo.correction
+        tokens, cut = float(mask.sum()), CORRECTIONS.get(self.ppo.correction).beyond_cap
         # the fractions are of the tokens: back to counts (whole numbers; the float32 means are not exact)
         beyond = float(round(float(stats.get("is_capped_fraction", 0.0)) * tokens))
         r = (batch.rollout_logprobs - batch.old_logprobs).double() * mask  # log pi_behav - log pi_learner
         return {"correction_mismatch_k3_sum": float(((torch.expm1(-r) + r) * mask * (1 - stale)).sum()),
-                "correction_truncated_tokens":
-                    beyond if correction in ("tis", "geometric_mask", "off_policy_mask") else 0.0,
-                "correction_masked_tokens": (beyond if correction == "mis" else 0.0)
+                "correction_truncated_tokens": beyond if cut == "truncated" else 0.0,
+                "correction_masked_tokens": (beyond if cut == "masked" else 0.0)
                 + float(round(float(stats.get("masked_token_fraction", 0.0)) * tokens))}
 
     def loss(self, mb: RolloutBatch, forward: tuple[Tensor, Tensor | None, Tensor], counts: dict[str, Tensor],
@@ -370,7 +375,7 @@ class Algorithm:
         statistics (``learner.correction.SEQUENCE_STATS``: the masks' fraction of episodes) with its episodes
         that hold a token, so that the rank's sums over count give each over the whole update.
 
-        The policy term is ``ppo.policy_loss``'s (``learner.ppo.policy_loss``): PPO's clip, GSPO's sequence
+        The policy term is ``ppo.policy_loss``'s (``learner.policy_losses``): PPO's clip, GSPO's sequence
         ratio, CISPO's clipped detached weight or SAPO's soft gate, each on the ratio to pi_old (async:
         pi_prox) and times the rollout correction's factor against the engine's sampled log-probs
         (``ppo.correction``: TIS, MIS, IcePop's band, or TIS with the geometric or DeepSeek-V3.2's off-policy
@@ -390,15 +395,8 @@ class Algorithm:
         # token's term times pi_old / pi_behav (the off-policy mask against the policy being trained: this
         # step's)
         weights, is_stats = self.correction(old_logprobs, behaviour, mask, logp, advantages)
-        if p.policy_loss == "sapo":  # a soft gate, no clip
-            bounds = {"sapo_temperatures": (p.sapo_tau_pos, p.sapo_tau_neg)}
-        else:
-            clip_low, clip_high = p.ratio_clip_range()
-            bounds = {"clip_range": clip_low, "clip_range_high": clip_high}
-        pg_loss, pg_stats = policy_loss(logp, old_logprobs, advantages, mask, aggregation=aggregation,
-                                        denominator=denominator, importance_weights=weights,
-                                        ratio_level=RATIO_LEVELS[p.policy_loss],
-                                        surrogate=SURROGATES[p.policy_loss], **bounds)
+        pg_loss, pg_stats = policy_loss(logp, old_logprobs, advantages, mask, p, aggregation, denominator,
+                                        weights)
         sequence_stats = {k: is_stats.pop(k) for k in SEQUENCE_STATS & is_stats.keys()}
         loss, losses, stats = pg_loss, {"policy_loss": pg_loss}, {**pg_stats, **is_stats}
         if self.has_critic:  # GAE's critic; the other estimators have none

@@ -10,14 +10,15 @@ positions; ``mask`` [B, T] float 0/1, the action mask.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from torch import Tensor
 
 from learner.ppo import masked_mean
+from learner.registry import Entry, Registry, entry_rule
 
-Correction = Literal["tis", "mis", "icepop", "geometric_mask", "off_policy_mask", "none"]
-CORRECTIONS = ("tis", "mis", "icepop", "geometric_mask", "off_policy_mask", "none")
 CorrectionLevel = Literal["token", "sequence"]
 # the correction's statistics that count sequences (episodes with a token), not tokens
 SEQUENCE_STATS = frozenset({"masked_sequence_fraction"})
@@ -86,63 +87,35 @@ def _mask_stats(masked: Tensor, mask: Tensor) -> dict[str, Tensor]:
 
 
 def rollout_correction_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor,
-                               correction: Correction = "tis", level: CorrectionLevel = "token",
+                               correction: str = "tis", level: CorrectionLevel = "token",
                                cap: float = 2.0, *, band: tuple[float, float] | None = None,
                                delta: float | None = None, logprobs: Tensor | None = None,
                                advantages: Tensor | None = None) -> tuple[Tensor | None, dict[str, Tensor]]:
     """The rollout correction's detached factor on each token's policy term, from the weights ``w = pi_old /
-    pi_behav`` (``importance_log_weights``) between the learner's policy at the start of the update and the
-    engine that sampled:
-
-    - ``tis``: ``min(w, cap)``; ``mis``: ``w * 1[w <= cap]`` (``sequence``: the row's likelihood ratio);
-    - ``icepop`` (Ring-1T): per token, ``k * 1[band[0] <= k <= band[1]]`` with k = w of the token: two-sided,
-      the ratio kept untruncated inside the band (``level`` must be ``token``; ``cap`` is unread);
-    - ``geometric_mask``: TIS's ``min(w, cap)`` at ``level``, times 0 on the rows whose geometric-mean token
-      ratio is outside ``band`` (``geometric_mean_outside_band``);
-    - ``off_policy_mask`` (DeepSeek-V3.2): TIS's ``min(w, cap)`` at ``level``, times 0 on the
-      negative-advantage tokens of the rows that diverge from the sampler by more than ``delta``
-      (``off_policy_sequence_masked``; it needs the current ``logprobs`` and the ``advantages``).
+    pi_behav`` (``importance_log_weights`` at ``level``) between the learner's policy at the start of the
+    update and the engine that sampled, by the registered entry ``correction`` (``CORRECTIONS``).
 
     A masked token keeps its place in the loss's denominator (its term is 0, as MIS's): a mask drops terms,
     not the count the others are averaged over. In async mode pi_old is the proximal policy (decoupled PPO's
-    ``pi_prox / pi_behav``), and k then holds the staleness of the engine's older version beside the numeric
+    ``pi_prox / pi_behav``), and w then holds the staleness of the engine's older version beside the numeric
     difference: IcePop's and the geometric band also drop the tokens (rows) the policy moved away from since
-    they were sampled. In sync mode pi_old is the engine's own version, and k is the numeric difference alone.
+    they were sampled. In sync mode pi_old is the engine's own version, and w is the numeric difference alone.
 
-    Args: old_logprobs, behaviour_logprobs, mask: [B, T]; correction: one of ``CORRECTIONS``; level: token or
-        sequence; cap: > 1; band: (low, high), low < 1 < high (icepop, geometric_mask); delta: nats per token
-        (off_policy_mask); logprobs, advantages: [B, T] (off_policy_mask).
+    Args: old_logprobs, behaviour_logprobs, mask: [B, T]; level: token or sequence; cap: > 1; band: (low,
+        high), low < 1 < high (icepop, geometric_mask); delta: nats per token (off_policy_mask); logprobs,
+        advantages: [B, T] (off_policy_mask).
     Returns: (factor [B, T], 1 outside the mask, or None for ``none``; stats over ``mask``: ``is_weight_mean``
-        (the mean factor), ``is_capped_fraction`` (tokens beyond the cap: truncated, or masked by mis; not
-        icepop), ``masked_token_fraction`` and ``masked_sequence_fraction`` (the masks': the tokens set to 0,
-        and the rows with any; the second counts rows, ``SEQUENCE_STATS``)).
+        (the mean factor), ``is_capped_fraction`` (tokens beyond the cap: truncated, or masked by mis),
+        ``masked_token_fraction`` and ``masked_sequence_fraction`` (the masks': the tokens set to 0, and the
+        rows with any; the second counts rows, ``SEQUENCE_STATS``)).
     """
-    if correction == "none":
+    entry = CORRECTIONS.get(correction)
+    if entry.weights is None:
         return None, {}
-    if correction not in CORRECTIONS:
-        raise ValueError(f"unknown rollout correction {correction!r}; expected one of {CORRECTIONS}")
-    if correction in ("icepop", "geometric_mask") and band is None:
-        raise ValueError(f"{correction} needs its band (low, high)")
-    if correction == "icepop" and level != "token":
-        raise ValueError("icepop masks tokens one by one: its level is 'token'")
-    if correction == "off_policy_mask" and (delta is None or logprobs is None or advantages is None):
-        raise ValueError("off_policy_mask needs delta, the current logprobs and the advantages")
-    log_w = importance_log_weights(old_logprobs, behaviour_logprobs, mask, level)
-    beyond, masked = None, None
-    if correction == "icepop":  # untruncated inside the band (where exp never overflows), 0 outside it
-        masked = icepop_outside_band(log_w, mask, *band)
-        weights = log_w.clamp(math.log(band[0]), math.log(band[1])).exp()
-    else:  # TIS's truncation at the cap, in log space: a long row's product never overflows
-        log_cap = math.log(cap)
-        beyond = (log_w > log_cap) & (mask > 0)
-        weights = log_w.clamp(max=log_cap).exp()
-        if correction == "mis":
-            weights = weights.masked_fill(beyond, 0.0)
-    if correction == "geometric_mask":  # the rows' mean of the token log-ratios
-        log_k = log_w if level == "token" else importance_log_weights(old_logprobs, behaviour_logprobs, mask)
-        masked = geometric_mean_outside_band(log_k, mask, *band)
-    elif correction == "off_policy_mask":
-        masked = off_policy_sequence_masked(logprobs, behaviour_logprobs, advantages, mask, delta)
+    inputs = CorrectionInputs(old_logprobs, behaviour_logprobs, mask, level, cap, band, delta, logprobs,
+                              advantages)
+    weights, beyond, masked = entry.weights(importance_log_weights(old_logprobs, behaviour_logprobs, mask,
+                                                                   level), inputs)
     if masked is not None:
         weights = weights.masked_fill(masked, 0.0)
     weights = weights * mask + (1 - mask)
@@ -152,3 +125,159 @@ def rollout_correction_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor,
     if masked is not None:
         stats |= _mask_stats(masked, mask)
     return weights, stats
+
+
+# ---------------------------------------------------------------------------- the entries
+
+
+@dataclass(frozen=True)
+class CorrectionInputs:
+    """What an entry's weights may read beside the log-weights: the log-probs and mask [B, T], the level,
+    ``ppo.is_cap``, and its own settings (band, delta) with the current log-probs and advantages [B, T]."""
+
+    old_logprobs: Tensor
+    behaviour_logprobs: Tensor
+    mask: Tensor
+    level: str
+    cap: float
+    band: tuple[float, float] | None
+    delta: float | None
+    logprobs: Tensor | None
+    advantages: Tensor | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutCorrection(Entry):
+    """``weights(log_w, inputs)``: (the factor before the masks [B, T], the tokens beyond the cap or None, the
+    tokens its mask drops or None) from ``log_w`` [B, T] = log(pi_old / pi_behav) at the level; None for no
+    correction. ``arguments(ppo)``: its own settings as ``rollout_correction_weights``' keywords.
+    ``beyond_cap``: what it does to the tokens beyond ``ppo.is_cap`` (the update's counts)."""
+
+    weights: Callable[[Tensor, CorrectionInputs], tuple[Tensor, Tensor | None, Tensor | None]] | None
+    arguments: Callable[[Any], dict[str, Any]] = lambda p: {}
+    beyond_cap: Literal["truncated", "masked"] | None = None
+
+
+CORRECTIONS: Registry[RolloutCorrection] = Registry("ppo.correction")
+LEVEL_READ = "whether its weight is each token's or the whole response's likelihood ratio"
+CAP_READ = "the bound on the weight pi_old / pi_behav"
+
+
+def truncated(log_w: Tensor, x: CorrectionInputs) -> tuple[Tensor, Tensor, None]:
+    """TIS: ``min(w, cap)``, in log space (a long row's product never overflows)."""
+    log_cap = math.log(x.cap)
+    return log_w.clamp(max=log_cap).exp(), (log_w > log_cap) & (x.mask > 0), None
+
+
+def masked_beyond_cap(log_w: Tensor, x: CorrectionInputs) -> tuple[Tensor, Tensor, None]:
+    """MIS: ``w * 1[w <= cap]``."""
+    weights, beyond, _ = truncated(log_w, x)
+    return weights.masked_fill(beyond, 0.0), beyond, None
+
+
+@entry_rule("ppo.correction", "ppo.is_cap", example={"ppo": {"is_cap": 1.0}})
+def cap_above_one(cfg: Any) -> str | None:
+    p = cfg.ppo
+    if p.is_cap > 1:
+        return None
+    cut = "mask" if p.correction == "mis" else "truncate"
+    return (f"ppo.is_cap={p.is_cap} must be > 1 with ppo.correction={p.correction!r}: where the engine and "
+            f"the learner agree the weight is 1, and a bound at or below it would {cut} the tokens the "
+            "learner favours even there")
+
+
+CAPPED_READS = {"correction_level": LEVEL_READ, "is_cap": CAP_READ}
+CORRECTIONS.register(RolloutCorrection(
+    name="tis", doc="truncated importance sampling: min(w, ppo.is_cap)", reads=CAPPED_READS,
+    rules=(cap_above_one,), weights=truncated, beyond_cap="truncated"))
+CORRECTIONS.register(RolloutCorrection(
+    name="mis", doc="masked importance sampling: w, and 0 where w exceeds ppo.is_cap", reads=CAPPED_READS,
+    rules=(cap_above_one,), weights=masked_beyond_cap, beyond_cap="masked"))
+
+
+def icepop(log_w: Tensor, x: CorrectionInputs) -> tuple[Tensor, None, Tensor]:
+    """IcePop (Ring-1T): per token, ``k * 1[low <= k <= high]``: two-sided, untruncated inside the band."""
+    if x.band is None:
+        raise ValueError("icepop needs its band (low, high)")
+    if x.level != "token":
+        raise ValueError("icepop masks tokens one by one: its level is 'token'")
+    weights = log_w.clamp(math.log(x.band[0]), math.log(x.band[1])).exp()  # exp never overflows
+    return weights, None, icepop_outside_band(log_w, x.mask, *x.band)
+
+
+CORRECTIONS.register(RolloutCorrection(
+    name="icepop", doc="IcePop (Ring-1T): each token's w kept inside [ppo.icepop_low, ppo.icepop_high], the "
+    "token masked outside it",
+    reads={"icepop_low": "the lower end of IcePop's band on each token's ratio",
+           "icepop_high": "the upper end of IcePop's band on each token's ratio"},
+    weights=icepop, arguments=lambda p: {"band": (p.icepop_low, p.icepop_high)}))
+
+
+def geometric_mask(log_w: Tensor, x: CorrectionInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """TIS at the level, times 0 on the rows whose geometric-mean token ratio is outside the band."""
+    if x.band is None:
+        raise ValueError("geometric_mask needs its band (low, high)")
+    weights, beyond, _ = truncated(log_w, x)
+    log_k = log_w if x.level == "token" else importance_log_weights(x.old_logprobs, x.behaviour_logprobs,
+                                                                     x.mask)
+    return weights, beyond, geometric_mean_outside_band(log_k, x.mask, *x.band)
+
+
+@entry_rule("ppo.correction", "ppo.geometric_mask_low", "ppo.geometric_mask_high", "rollout.mode",
+            example={"rollout": {"mode": "async"}, "ppo": {"correction": "geometric_mask"}})
+def geometric_band_set_for_async(cfg: Any) -> str | None:
+    if cfg.rollout.mode != "async":
+        return None
+    if {"geometric_mask_low", "geometric_mask_high"} & set(cfg.ppo.changed_fields()):
+        return None
+    return ("ppo.correction='geometric_mask' with rollout.mode='async' keeps its default band [0.999, "
+            "1.001], which is for the engine-learner numeric difference of sync mode: in async mode a row's "
+            "geometric-mean ratio also holds one version's drift and leaves that band nearly always, so "
+            "nearly every row is masked (randomwalks, GRPO, 3 seeds: sampled optimality never reached 0.95 "
+            "and ended at 0.665; 8.7 iterations in sync mode). Set ppo.geometric_mask_low and "
+            "ppo.geometric_mask_high to a band the drift stays inside (each iteration logs "
+            "rollout_stale_logprob_shift), or take ppo.correction 'off_policy_mask' or 'tis'")
+
+
+CORRECTIONS.register(RolloutCorrection(
+    name="geometric_mask", doc="TIS, with the rows whose geometric-mean token ratio is outside "
+    "[ppo.geometric_mask_low, ppo.geometric_mask_high] masked (verl's geo mask)",
+    reads={**CAPPED_READS,
+           "geometric_mask_low": "the lower end of the band on a row's geometric-mean ratio",
+           "geometric_mask_high": "the upper end of the band on a row's geometric-mean ratio"},
+    rules=(cap_above_one, geometric_band_set_for_async), weights=geometric_mask,
+    arguments=lambda p: {"band": (p.geometric_mask_low, p.geometric_mask_high)}, beyond_cap="truncated"))
+
+
+def off_policy_mask(log_w: Tensor, x: CorrectionInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """TIS at the level, times 0 on the negative-advantage tokens of the rows that diverge from the sampler by
+    more than delta."""
+    if x.delta is None or x.logprobs is None or x.advantages is None:
+        raise ValueError("off_policy_mask needs delta, the current logprobs and the advantages")
+    weights, beyond, _ = truncated(log_w, x)
+    return weights, beyond, off_policy_sequence_masked(x.logprobs, x.behaviour_logprobs, x.advantages, x.mask,
+                                                       x.delta)
+
+
+CORRECTIONS.register(RolloutCorrection(
+    name="off_policy_mask", doc="TIS, with DeepSeek-V3.2's mask: the negative-advantage tokens of a row "
+    "whose mean log(pi_behav / pi) exceeds ppo.off_policy_mask_delta",
+    reads={**CAPPED_READS,
+           "off_policy_mask_delta": "the divergence past which the off-policy mask drops a row"},
+    rules=(cap_above_one,), weights=off_policy_mask,
+    arguments=lambda p: {"delta": p.off_policy_mask_delta}, beyond_cap="truncated"))
+
+
+@entry_rule("ppo.correction", "rollout.mode",
+            example={"rollout": {"mode": "async"}, "ppo": {"correction": "none"}})
+def async_needs_a_correction(cfg: Any) -> str | None:
+    if cfg.rollout.mode == "async":
+        return ("ppo.correction='none' with rollout.mode='async' would train on rows an older policy sampled "
+                "as if the learner's had: async mode needs the weight pi_prox / pi_behav; set ppo.correction "
+                "to 'tis' (or 'mis', 'icepop', 'geometric_mask', 'off_policy_mask')")
+    return None
+
+
+CORRECTIONS.register(RolloutCorrection(
+    name="none", doc="no correction (sync mode only)", reads={}, rules=(async_needs_a_correction,),
+    weights=None))

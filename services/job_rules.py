@@ -28,31 +28,6 @@ def group_estimator_needs_a_group(cfg: Any) -> str | None:
     return None
 
 
-@rule("ppo.correction", "rollout.mode", example={"rollout": {"mode": "async"}, "ppo": {"correction": "none"}})
-def async_needs_a_correction(cfg: Any) -> str | None:
-    if cfg.ppo.correction == "none" and cfg.rollout.mode == "async":
-        return ("ppo.correction='none' with rollout.mode='async' would train on rows an older policy sampled "
-                "as if the learner's had: async mode needs the weight pi_prox / pi_behav; set ppo.correction "
-                "to 'tis' (or 'mis', 'icepop', 'geometric_mask', 'off_policy_mask')")
-    return None
-
-
-@rule("ppo.correction", "ppo.geometric_mask_low", "ppo.geometric_mask_high", "rollout.mode",
-      example={"rollout": {"mode": "async"}, "ppo": {"correction": "geometric_mask"}})
-def geometric_band_set_for_async(cfg: Any) -> str | None:
-    if cfg.ppo.correction != "geometric_mask" or cfg.rollout.mode != "async":
-        return None
-    if {"geometric_mask_low", "geometric_mask_high"} & set(cfg.ppo.changed_fields()):
-        return None
-    return ("ppo.correction='geometric_mask' with rollout.mode='async' keeps its default band [0.999, "
-            "1.001], which is for the engine-learner numeric difference of sync mode: in async mode a row's "
-            "geometric-mean ratio also holds one version's drift and leaves that band nearly always, so "
-            "nearly every row is masked (randomwalks, GRPO, 3 seeds: sampled optimality never reached 0.95 "
-            "and ended at 0.665; 8.7 iterations in sync mode). Set ppo.geometric_mask_low and "
-            "ppo.geometric_mask_high to a band the drift stays inside (each iteration logs "
-            "rollout_stale_logprob_shift), or take ppo.correction 'off_policy_mask' or 'tis'")
-
-
 @rule("ppo.grpo_normalize", "kl.placement",
       example={"ppo": {"advantage": "grpo", "grpo_normalize": "return"}, "rollout": {"samples_per_prompt": 4},
                "kl": {"placement": "loss", "loss_form": "kl_to_go"}})

@@ -49,32 +49,6 @@ GAE_ONLY_FIELDS = {
 }
 
 
-# what each policy loss clips with, where PPO's clip_range fields are set beside it
-POLICY_LOSS_CLIP = {
-    "gspo": "clips its sequence ratio with ppo.gspo_clip_low and ppo.gspo_clip_high",
-    "gspo_token": "clips its sequence ratio with ppo.gspo_clip_low and ppo.gspo_clip_high",
-    "cispo": "clips its detached token weight with ppo.cispo_clip_low and ppo.cispo_clip_high",
-    "sapo": "has no clip (its soft gate's temperatures are ppo.sapo_tau_pos and ppo.sapo_tau_neg)",
-}
-# the fields only some policy losses read: (those losses, what the field is)
-POLICY_LOSS_ONLY_FIELDS = {
-    "gspo_clip_low": (("gspo", "gspo_token"), "the lower clip epsilon of GSPO's sequence ratio"),
-    "gspo_clip_high": (("gspo", "gspo_token"), "the upper clip epsilon of GSPO's sequence ratio"),
-    "cispo_clip_low": (("cispo",), "the floor 1 - it of CISPO's detached weight"),
-    "cispo_clip_high": (("cispo",), "the ceiling 1 + it of CISPO's detached weight"),
-    "sapo_tau_pos": (("sapo",), "the temperature of SAPO's gate on tokens with a positive advantage"),
-    "sapo_tau_neg": (("sapo",), "the temperature of SAPO's gate on tokens with a negative advantage"),
-}
-# the fields only one rollout correction reads: (that correction, what the field is)
-CORRECTION_ONLY_FIELDS = {
-    "icepop_low": ("icepop", "the lower end of IcePop's band on each token's ratio"),
-    "icepop_high": ("icepop", "the upper end of IcePop's band on each token's ratio"),
-    "geometric_mask_low": ("geometric_mask", "the lower end of the band on a row's geometric-mean ratio"),
-    "geometric_mask_high": ("geometric_mask", "the upper end of the band on a row's geometric-mean ratio"),
-    "off_policy_mask_delta": ("off_policy_mask", "the divergence past which the off-policy mask drops a row"),
-}
-
-
 def _shown(value: Any) -> str:
     """A setting's value as the YAML and the command line write it: true, false, null, 'text', 0.5."""
     if isinstance(value, bool):
@@ -102,12 +76,11 @@ class PPOConfig(Section):
     clip_range_high: PositiveFloat | None = Field(
         None, description="upper ratio clip epsilon, the ratio's ceiling 1 + it (DAPO's clip-higher: 0.28 "
         "with a low of 0.2); none = clip_range (policy_loss ppo)")
-    policy_loss: Literal["ppo", "gspo", "gspo_token", "cispo", "sapo"] = Field(
-        "ppo", description="ppo: a ratio per token; gspo: one length-normalised ratio per sequence, "
-        "(pi/pi_old)^(1/|y|), clipped per sequence (Zheng et al. 2025); gspo_token: GSPO's ratio with each "
-        "token's gradient (its per-token advantages); cispo: -sg(clip(r)) * A * log pi, the token ratio "
-        "clipped and detached, no token's gradient dropped (MiniMax-M1); "
-        "sapo: -A * 4/tau * sigmoid(tau * (r - 1)), a soft gate in place of the clip (Qwen's SAPO)")
+    policy_loss: str = Field(
+        "ppo", description="the policy loss, a registered entry (learner/policy_losses.py): ppo, a ratio per "
+        "token; gspo, one length-normalised ratio per sequence (Zheng et al. 2025); gspo_token, GSPO's ratio "
+        "with each token's gradient; cispo, the token ratio clipped and detached (MiniMax-M1); sapo, a soft "
+        "gate in place of the clip (Qwen). Each entry's settings: the settings reference")
     gspo_clip_low: PositiveFloat = Field(3e-4, description="gspo, gspo_token: lower clip epsilon of the "
                                          "sequence ratio (the paper's 3e-4)")
     gspo_clip_high: PositiveFloat = Field(4e-4, description="gspo, gspo_token: upper clip epsilon of the "
@@ -142,14 +115,15 @@ class PPOConfig(Section):
         False, description="DAPO's overlong filtering: responses cut at rollout.max_new_tokens without EOS "
         "leave the policy and value losses (their advantages and the groups' baselines are computed with "
         "them, and their KL still counts in the controller's statistic)")
-    correction: Literal["tis", "mis", "icepop", "geometric_mask", "off_policy_mask", "none"] = Field(
-        "tis", description="rollout correction, both modes: each token's loss term times "
-        "w = pi_old / pi_behav, the learner's policy at the start of the update over the engine's sampled "
-        "log-probs; tis truncates w at is_cap, mis masks what exceeds it; icepop keeps a token's w inside "
-        "[icepop_low, icepop_high] and masks it outside (Ring-1T); geometric_mask is tis with the rows whose "
-        "geometric-mean token ratio is outside [geometric_mask_low, geometric_mask_high] masked (verl's geo "
-        "mask); off_policy_mask is tis with DeepSeek-V3.2's mask: a negative-advantage token of a row whose "
-        "mean log(pi_behav / pi) exceeds off_policy_mask_delta; none only in sync mode")
+    correction: str = Field(
+        "tis", description="the rollout correction, a registered entry (learner/correction.py), both modes: "
+        "each token's loss term times w = pi_old / pi_behav, the learner's policy at the start of the update "
+        "over the engine's sampled log-probs; tis truncates w at is_cap, mis masks what exceeds it; icepop "
+        "keeps a token's w inside [icepop_low, icepop_high] and masks it outside (Ring-1T); geometric_mask "
+        "is tis with the rows whose geometric-mean token ratio is outside [geometric_mask_low, "
+        "geometric_mask_high] masked (verl's geo mask); off_policy_mask is tis with DeepSeek-V3.2's mask: a "
+        "negative-advantage token of a row whose mean log(pi_behav / pi) exceeds off_policy_mask_delta; none "
+        "only in sync mode")
     correction_level: Literal["token", "sequence"] = Field(
         "token", description="the rollout correction's weight: per token, or the whole response's likelihood "
         "ratio on each of its tokens (gspo takes sequence)")
@@ -207,108 +181,6 @@ class PPOConfig(Section):
                              "ppo.gamma=1.0 (its default), or ppo.advantage 'gae' or 'reinforce_pp', which "
                              "discount")
         return self
-
-    def ratio_clip_range(self) -> tuple[float, float]:
-        """(eps_low, eps_high) of the policy ratio's clip: GSPO's own for gspo and gspo_token, CISPO's (on its
-        detached weight) for cispo; else clip_range_low and clip_range_high, each clip_range when unset. SAPO
-        has no clip."""
-        if self.policy_loss in ("gspo", "gspo_token"):
-            return self.gspo_clip_low, self.gspo_clip_high
-        if self.policy_loss == "cispo":
-            return self.cispo_clip_low, self.cispo_clip_high
-        if self.policy_loss == "sapo":
-            raise ValueError("ppo.policy_loss='sapo' has no clip: its soft gate reads ppo.sapo_tau_pos and "
-                             "ppo.sapo_tau_neg")
-        return (self.clip_range if self.clip_range_low is None else self.clip_range_low,
-                self.clip_range if self.clip_range_high is None else self.clip_range_high)
-
-    @model_validator(mode="after")
-    def _policy_loss_settings(self) -> PPOConfig:
-        loss, changed = self.policy_loss, self.changed_fields()
-        defaults = type(self).model_fields
-        if loss != "ppo":
-            for name in ("clip_range_low", "clip_range_high"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"ppo.{name} is set but ppo.policy_loss={loss!r} "
-                                     f"{POLICY_LOSS_CLIP[loss]}; set it to null")
-            if self.clip_range != defaults["clip_range"].default:
-                raise ValueError(f"ppo.clip_range={self.clip_range} is set but ppo.policy_loss={loss!r} "
-                                 f"ignores it: it {POLICY_LOSS_CLIP[loss]}; set those, and "
-                                 f"ppo.clip_range={defaults['clip_range'].default} (its default), or "
-                                 "ppo.policy_loss='ppo'")
-        both = self.clip_range_low is not None and self.clip_range_high is not None
-        if both and self.clip_range != defaults["clip_range"].default:
-            raise ValueError(f"ppo.clip_range={self.clip_range} is set but ppo.clip_range_low and "
-                             "ppo.clip_range_high are both set, and the ratio's clip takes them alone; drop "
-                             "ppo.clip_range or one of the two bounds")
-        for name, (owners, what) in POLICY_LOSS_ONLY_FIELDS.items():
-            value, default = getattr(self, name), defaults[name].default
-            if loss in owners or name not in changed:
-                continue
-            if loss == "ppo" and name.startswith("gspo_"):  # the message configs written before met
-                raise ValueError(f"ppo.{name}={value} is set but ppo.policy_loss='ppo' ignores it; set "
-                                 "ppo.policy_loss='gspo' (or 'gspo_token'), or ppo.clip_range_low/high for "
-                                 "PPO's ratio")
-            raise ValueError(f"ppo.{name}={_shown(value)} is set but ppo.policy_loss={loss!r} ignores it "
-                             f"({what}); set ppo.policy_loss={owners[0]!r}, or ppo.{name}={_shown(default)} "
-                             "(its default)")
-        if loss in ("ppo", "gspo", "gspo_token"):  # CISPO's floor may be 0 (none): its weight is a factor
-            low = self.ratio_clip_range()[0]
-            field = ("gspo_clip_low" if loss != "ppo" else "clip_range" if self.clip_range_low is None
-                     else "clip_range_low")
-            if low >= 1:
-                raise ValueError(f"ppo.{field}={low} puts the ratio's floor 1 - {low} at or below 0, where "
-                                 "no ratio reaches it (a ratio is > 0): the lower clip epsilon must be < 1")
-        if self.policy_loss == "gspo" and self.advantage == "gae":
-            raise ValueError("ppo.policy_loss='gspo' gives every token of a response the sequence's one "
-                             "ratio, so its gradient averages GAE's per-token advantages over the response; "
-                             "use ppo.policy_loss='gspo_token' (GSPO's ratio, each token's own advantage) "
-                             "with gae")
-        for name, (owner, what) in CORRECTION_ONLY_FIELDS.items():
-            value, default = getattr(self, name), defaults[name].default
-            if self.correction != owner and name in changed:
-                raise ValueError(f"ppo.{name}={_shown(value)} is set but ppo.correction={self.correction!r} "
-                                 f"ignores it ({what}); set ppo.correction={owner!r}, or "
-                                 f"ppo.{name}={_shown(default)} (its default)")
-        if self.correction == "none":
-            if self.correction_level != "token" or self.is_cap != defaults["is_cap"].default:
-                raise ValueError("ppo.correction_level or ppo.is_cap is set but ppo.correction='none' "
-                                 "ignores them; set ppo.correction to 'tis' or 'mis', or drop them")
-            return self
-        if self.correction == "icepop":
-            self._icepop_settings(defaults["is_cap"].default)
-            return self
-        if self.is_cap <= 1:
-            cut = "mask" if self.correction == "mis" else "truncate"
-            raise ValueError(f"ppo.is_cap={self.is_cap} must be > 1 with ppo.correction={self.correction!r}: "
-                             "where the engine and the learner agree the weight is 1, and a bound at or "
-                             f"below it would {cut} the tokens the learner favours even there")
-        if self.policy_loss == "gspo" and self.correction_level == "token":
-            raise ValueError("ppo.policy_loss='gspo' takes one ratio per response; its rollout correction "
-                             "must be one weight per response too, the response's likelihood ratio "
-                             "pi_old(y) / pi_behav(y): set ppo.correction_level='sequence' (or "
-                             "ppo.correction='none' in sync mode)")
-        return self
-
-    def _icepop_settings(self, default_cap: float) -> None:
-        """IcePop weighs and masks each token by its own ratio, inside its own band: no sequence level, no
-        cap, and not GSPO's one ratio per response."""
-        if self.correction_level != "token":
-            raise ValueError("ppo.correction_level='sequence' is set but ppo.correction='icepop' masks "
-                             "tokens one by one, each by its own ratio; set ppo.correction_level='token', or "
-                             "ppo.correction 'mis' (rows beyond ppo.is_cap) or 'geometric_mask' (rows by "
-                             "their geometric-mean ratio) for a mask of whole rows")
-        if self.is_cap != default_cap:
-            raise ValueError(f"ppo.is_cap={self.is_cap} is set but ppo.correction='icepop' ignores it: "
-                             "IcePop keeps the ratio untruncated inside its band "
-                             f"ppo.icepop_low..ppo.icepop_high; set ppo.is_cap={default_cap} (its default), "
-                             "or ppo.correction='tis'")
-        if self.policy_loss == "gspo":
-            raise ValueError("ppo.policy_loss='gspo' takes one ratio per response, but "
-                             "ppo.correction='icepop' weighs and masks each token by its own ratio; use "
-                             "ppo.policy_loss='gspo_token', or a sequence-level correction (ppo.correction "
-                             "'tis', 'mis', 'geometric_mask' or 'off_policy_mask' with "
-                             "ppo.correction_level='sequence')")
 
 
 class KLConfig(Section):

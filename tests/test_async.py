@@ -58,7 +58,7 @@ def test_admission_takes_at_most_max_staleness_versions_behind():
 
 def test_truncated_importance_weights_and_the_weighted_surrogate():
     from learner.correction import rollout_correction_weights
-    from learner.ppo import policy_loss
+    from learner.policy_losses import policy_loss
 
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     prox = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])

@@ -94,6 +94,23 @@ def test_a_model_directory_without_a_tokenizer_is_named_before_any_actor(tiny_mo
         proc.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--ppo.policy_loss", "ppo2"],
+     "ppo.policy_loss='ppo2' is not a registered policy loss; registered: ppo, gspo, gspo_token, cispo"),
+    (["--ppo.correction", "icepop", "--ppo.is_cap", "3"],
+     "[correction_reads] ppo.is_cap=3.0 is set but ppo.correction='icepop' ignores it"),
+])
+def test_a_registered_entry_the_config_cannot_run_is_named_before_any_actor(tiny_model_dir, tmp_path, args,
+                                                                             message):
+    """The config holds an entry's name as a string; the check of the entries it chooses runs with the plan,
+    before any actor (here before reaching the cluster, which does not exist)."""
+    proc = run_cli(["--model.path", tiny_model_dir, "--run.output_dir", str(tmp_path / "runs"),
+                    "--cluster.address", "127.0.0.1:1", *args])
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"[tether] error: {message}" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.integration
 def test_bad_task_data_with_a_local_ray_fails_before_any_actor_and_stops_that_ray(cache_dir, tmp_path):
     """With no cluster.address the driver starts its Ray while the plan checks the input: the plan's error is

@@ -21,8 +21,9 @@ from learner.kl import (
     kl_penalized_rewards,
     response_kl_loss,
 )
-from learner.ppo import AGGREGATIONS, gae_advantages, loss_denominator, policy_loss
-from services.config import KLConfig, load_config
+from learner.policy_losses import policy_loss
+from learner.ppo import AGGREGATIONS, gae_advantages, loss_denominator
+from services.config import KLConfig, PPOConfig, load_config
 from tests.batch_statistics import kl_stats, sequence_kl
 
 VOCAB, EOS, MAX_LEN = 3, 2, 3
@@ -299,7 +300,8 @@ def placement_gradients(logp_values, ref, mask, aggregation, form="kl_to_go", be
     advantages, _ = compute_advantages("gae", rewards, mask, values=torch.zeros_like(rewards), gamma=1.0,
                                        lam=1.0, whiten_advantages=False)
     count = loss_denominator(mask, aggregation)
-    policy, _ = policy_loss(logp, logp.detach(), advantages, mask, 0.2, aggregation, count)
+    policy, _ = policy_loss(logp, logp.detach(), advantages, mask, PPOConfig(clip_range=0.2), aggregation,
+                            count)
     in_reward = gradient(policy, logp)
     term = response_kl_loss(logp, logp.detach(), ref, mask, form, B,
                             loss_denominator(mask, kl_loss_aggregation(aggregation)))

@@ -88,8 +88,10 @@ def test_a_row_without_a_prompt_token_is_refused():
 def test_packed_micro_batches_give_the_padded_gradient(tiny_model_dir):
     """The gradient of the PPO loss (token mean over the minibatch, the value loss too) summed over packed
     micro-batches, each divided by the minibatch's count, equals the padded minibatch's (1e-4 relative)."""
+    from learner.policy_losses import policy_loss
     from learner.policy_model import PolicyWithValueHead
-    from learner.ppo import loss_denominator, policy_loss, value_loss
+    from learner.ppo import loss_denominator, value_loss
+    from services.config import PPOConfig
     from services.models import load_causal_lm
 
     torch.manual_seed(0)
@@ -118,7 +120,7 @@ def test_packed_micro_batches_give_the_padded_gradient(tiny_model_dir):
             logits, values = model(*model_inputs(part), part.prompt_ids.shape[1], 1.0)
         logprobs = token_logprobs(logits, part.response_ids)
         pg, _ = policy_loss(logprobs, old_logprobs[rows], advantages[rows], part.action_mask,
-                            0.2, "token_mean", denominator)
+                            PPOConfig(clip_range=0.2), "token_mean", denominator)
         vf, _ = value_loss(values, old_values[rows], returns[rows], part.action_mask, 0.2,
                            "token_mean", denominator)
         return pg + vf

@@ -1,18 +1,17 @@
-"""Unit tests of learner/ppo.py against hand-computed values and naive loops."""
+"""Unit tests of learner/ppo.py and learner/policy_losses.py against hand-computed values and naive loops."""
 
 import pytest
 import torch
 
+from learner.policy_losses import cispo_weight, policy_loss, sapo_gate
 from learner.ppo import (
-    cispo_weight,
     entropy_from_logits,
     gae_advantages,
     masked_mean,
     masked_whiten,
-    policy_loss,
-    sapo_gate,
     value_loss,
 )
+from services.config import PPOConfig
 from tests.batch_statistics import explained_variance
 
 
@@ -86,7 +85,7 @@ def test_policy_loss_golden():
     new = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))  # ratios 1.5, 0.5, 1.1
     adv = torch.tensor([[1.0, 1.0, -2.0]])
     mask = torch.ones(1, 3)
-    loss, stats = policy_loss(new, old, adv, mask, clip_range=0.2)
+    loss, stats = policy_loss(new, old, adv, mask, PPOConfig(clip_range=0.2))
     # per token max(-A r, -A clip(r)): max(-1.5, -1.2) = -1.2; max(-0.5, -0.8) = -0.5; max(2.2, 2.2) = 2.2
     assert float(loss) == pytest.approx((-1.2 - 0.5 + 2.2) / 3)
     assert float(stats["clipfrac"]) == pytest.approx(2 / 3)
@@ -108,11 +107,11 @@ def test_clip_higher_golden():
     old = torch.zeros(1, 2)
     new = torch.log(torch.tensor([[1.25, 0.75]])).requires_grad_()
     adv, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
-    symmetric, stats = policy_loss(new, old, adv, mask, clip_range=0.2)
+    symmetric, stats = policy_loss(new, old, adv, mask, PPOConfig(clip_range=0.2))
     # max(-1.25, -1.2) = -1.2 (clipped at 1.2); max(0.75, 0.8) = 0.8 (clipped at 0.8)
     assert float(symmetric.detach()) == pytest.approx((-1.2 + 0.8) / 2)
     assert float(stats["clipfrac"]) == 1.0
-    higher, stats = policy_loss(new, old, adv, mask, clip_range=0.2, clip_range_high=0.28)
+    higher, stats = policy_loss(new, old, adv, mask, PPOConfig(clip_range=0.2, clip_range_high=0.28))
     # 1.25 < 1.28: unclipped, -1.25; 0.75 is still below the floor 0.8
     assert float(higher.detach()) == pytest.approx((-1.25 + 0.8) / 2)
     assert float(stats["clipfrac"]) == 0.5
@@ -133,8 +132,8 @@ def test_gspo_golden_two_rows(flip):
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
     sign = -1.0 if flip else 1.0
     adv = sign * torch.tensor([[1.0] * 4, [-2.0] * 4])
-    loss, stats = policy_loss(new, old, adv, mask, 3e-4, "sequence_mean", clip_range_high=4e-4,
-                              ratio_level="sequence")
+    gspo = PPOConfig(policy_loss="gspo", gspo_clip_low=3e-4, gspo_clip_high=4e-4)
+    loss, stats = policy_loss(new, old, adv, mask, gspo, "sequence_mean")
     s0, s1 = 0.9048374180359595, 1.1051709180756477
     if not flip:
         # max(-1 * s0, -1 * 0.9997) = -s0; max(2 * s1, 2 * 1.0004) = 2 * s1
@@ -163,19 +162,19 @@ def test_gspo_token_gradient_equals_gspo_with_a_constant_advantage_per_row(aggre
     new = old + torch.randn(b, t, generator=g, dtype=torch.float64) * 4e-4  # some rows inside the clip range
     row_adv = torch.randn(b, 1, generator=g, dtype=torch.float64).expand(b, t)
 
-    def grad(ratio_level, advantages):
+    def grad(loss_name, advantages):
         logprobs = new.clone().requires_grad_()
-        loss, _ = policy_loss(logprobs, old, advantages, mask, 3e-4, aggregation, clip_range_high=4e-4,
-                              ratio_level=ratio_level)
+        settings = PPOConfig(policy_loss=loss_name, gspo_clip_low=3e-4, gspo_clip_high=4e-4)
+        loss, _ = policy_loss(logprobs, old, advantages, mask, settings, aggregation)
         loss.backward()
         return float(loss.detach()), logprobs.grad
 
-    (gspo_loss, gspo), (token_loss, token) = grad("sequence", row_adv), grad("sequence_token", row_adv)
+    (gspo_loss, gspo), (token_loss, token) = grad("gspo", row_adv), grad("gspo_token", row_adv)
     assert token_loss == pytest.approx(gspo_loss, rel=1e-12)
     assert torch.allclose(token, gspo, rtol=1e-10, atol=1e-15)
     assert gspo.abs().sum() > 0 and (gspo == 0).any()  # some rows clipped, some not
     varying = row_adv + torch.randn(b, t, generator=g, dtype=torch.float64)
-    assert not torch.allclose(grad("sequence_token", varying)[1], grad("sequence", varying)[1])
+    assert not torch.allclose(grad("gspo_token", varying)[1], grad("gspo", varying)[1])
 
 
 def test_cispo_golden():
@@ -188,7 +187,8 @@ def test_cispo_golden():
     for (low, high), weights, clipfrac in (((1.0, 4.0), (1.5, 0.5, 5.0), 1 / 3),
                                            ((0.2, 0.2), (1.2, 0.8, 1.2), 1.0)):
         new = torch.log(torch.tensor([[1.5, 0.5, 7.0]])).requires_grad_()
-        loss, stats = policy_loss(new, old, adv, mask, low, clip_range_high=high, surrogate="cispo")
+        cispo = PPOConfig(policy_loss="cispo", cispo_clip_low=low, cispo_clip_high=high)
+        loss, stats = policy_loss(new, old, adv, mask, cispo)
         a = (1.0, -1.0, 2.0)
         assert float(loss.detach()) == pytest.approx(sum(-ai * w for ai, w in zip(a, weights)) / 3)
         assert float(stats["clipfrac"]) == pytest.approx(clipfrac)
@@ -210,10 +210,10 @@ def test_cispo_unclipped_gradient_is_ppos_unclipped_surrogate_gradient():
     weights = torch.rand(b, t, generator=g, dtype=torch.float64) * 2
     for aggregation in ("token_mean", "sequence_mean", "seq_mean_token_sum_norm"):
         grads = []
-        for surrogate, low, high in (("cispo", 1.0, 4.0), ("clip", 0.999, 1e6)):
+        for settings in (PPOConfig(policy_loss="cispo", cispo_clip_low=1.0, cispo_clip_high=4.0),
+                         PPOConfig(clip_range=0.999, clip_range_high=1e6)):
             logprobs = new.clone().requires_grad_()
-            loss, _ = policy_loss(logprobs, old, adv, mask, low, aggregation, importance_weights=weights,
-                                  clip_range_high=high, surrogate=surrogate)
+            loss, _ = policy_loss(logprobs, old, adv, mask, settings, aggregation, importance_weights=weights)
             loss.backward()
             grads.append(logprobs.grad)
         assert torch.allclose(grads[0], grads[1], rtol=1e-12, atol=1e-15), aggregation
@@ -227,7 +227,8 @@ def test_sapo_golden():
     old = torch.zeros(1, 3)
     new = torch.log(torch.tensor([[1.0, 2.0, 0.5]], dtype=torch.float64)).requires_grad_()
     adv, mask = torch.tensor([[1.0, 1.0, -1.0]], dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64)
-    loss, stats = policy_loss(new, old.double(), adv, mask, surrogate="sapo", sapo_temperatures=(1.0, 1.05))
+    sapo = PPOConfig(policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+    loss, stats = policy_loss(new, old.double(), adv, mask, sapo)
     f_two, f_half = 2.9242343145200196, 1.4159383303033666  # 4 sigmoid(1), 4 / 1.05 sigmoid(-0.525)
     w_two, w_half = 1.5728954659318548, 0.4670699116426963  # 4 s (1 - s) r at r = 2 and 0.5
     assert float(loss.detach()) == pytest.approx((-2.0 - f_two + f_half) / 3, rel=1e-12)
@@ -240,7 +241,8 @@ def test_sapo_golden():
     assert gate.tolist() == [pytest.approx([4 / 2 * 0.5, 4 / 4 * 0.5])]
     # far off-policy the gate is flat: a finite value, no gradient, never nan
     far = torch.tensor([[-900.0, 900.0]], requires_grad=True)
-    loss, _ = policy_loss(far, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), surrogate="sapo")
+    loss, _ = policy_loss(far, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
+                          PPOConfig(policy_loss="sapo"))
     loss.backward()
     assert torch.isfinite(loss) and far.grad.tolist() == [[0.0, 0.0]]
 

@@ -10,6 +10,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from learner.algorithm import Algorithm
+from learner.policy_losses import POLICY_LOSSES
 from services.config import config_to_yaml, load_config
 
 NON_GAE = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
@@ -25,9 +27,10 @@ def _estimator(advantage: str, **ppo) -> dict:
 
 
 def _refused(overrides: dict, *fragments: str) -> str:
-    """The message of the refusal of ``overrides``, checked to hold every fragment (literal text)."""
-    with pytest.raises(ValidationError, match=re.escape(fragments[0])) as err:
-        load_config(None, overrides)
+    """The message of the refusal of ``overrides`` (by the config, or by the check of the registered entries
+    it chooses before any actor: ``Algorithm.from_config``), checked to hold every fragment (literal text)."""
+    with pytest.raises(ValueError, match=re.escape(fragments[0])) as err:
+        Algorithm.from_config(load_config(None, overrides))
     message = str(err.value)
     for fragment in fragments[1:]:
         assert fragment in message, (fragment, message)
@@ -118,15 +121,16 @@ def test_clip_range_is_refused_with_gspo(policy_loss):
     ppo = {"policy_loss": policy_loss, **GSPO[policy_loss], "clip_range": 0.3}
     overrides = {"ppo": ppo, "rollout": {"samples_per_prompt": 2}}
     _refused(overrides, f"ppo.clip_range=0.3 is set but ppo.policy_loss={policy_loss!r} ignores it",
-             "ppo.gspo_clip_low and ppo.gspo_clip_high", "ppo.clip_range=0.2 (its default)")
+             "read by ppo", "ppo.clip_range=0.2 (its default)")
 
 
 @pytest.mark.parametrize("policy_loss", ["gspo", "gspo_token"])
 def test_gspo_with_the_default_clip_range_and_ppo_with_its_own_are_accepted(policy_loss):
     ppo = {"policy_loss": policy_loss, **GSPO[policy_loss], "clip_range": 0.2, "gspo_clip_high": 5e-4}
     cfg = load_config(None, {"ppo": ppo, "rollout": {"samples_per_prompt": 2}})
-    assert cfg.ppo.ratio_clip_range() == (3e-4, 5e-4)
-    assert load_config(None, {"ppo": {"clip_range": 0.3}}).ppo.ratio_clip_range() == (0.3, 0.3)
+    assert Algorithm.from_config(cfg).policy.clip(cfg.ppo) == (3e-4, 5e-4)
+    ppo_cfg = load_config(None, {"ppo": {"clip_range": 0.3}})
+    assert Algorithm.from_config(ppo_cfg).policy.clip(ppo_cfg.ppo) == (0.3, 0.3)
 
 
 # ------------------------------------------------------- 4. the staleness bound in sync mode
@@ -178,8 +182,7 @@ def test_agents_take_every_kl_placement_an_episodes_rows_laid_end_to_end():
 
 
 def test_clip_range_beside_both_of_its_bounds_is_refused():
-    with pytest.raises(ValidationError, match=r"ppo.clip_range=0.1 is set but ppo.clip_range_low and "
-                                              r"ppo.clip_range_high are both set"):
-        load_config(None, {"ppo": {"clip_range": 0.1, "clip_range_low": 0.2, "clip_range_high": 0.28}})
-    assert load_config(None, {"ppo": {"clip_range": 0.1,
-                                      "clip_range_high": 0.28}}).ppo.ratio_clip_range() == (0.1, 0.28)
+    _refused({"ppo": {"clip_range": 0.1, "clip_range_low": 0.2, "clip_range_high": 0.28}},
+             "ppo.clip_range=0.1 is set but ppo.clip_range_low and ppo.clip_range_high are both set")
+    ppo = load_config(None, {"ppo": {"clip_range": 0.1, "clip_range_high": 0.28}}).ppo
+    assert POLICY_LOSSES.get("ppo").clip(ppo) == (0.1, 0.28)

@@ -16,7 +16,8 @@ from learner.correction import (
     off_policy_sequence_masked,
     rollout_correction_weights,
 )
-from learner.ppo import policy_loss
+from learner.policy_losses import POLICY_LOSSES, policy_loss
+from services.config import PPOConfig
 
 E = math.e
 
@@ -46,7 +47,7 @@ def test_token_and_sequence_weights_by_hand():
     assert w.tolist() == [[0.0, 0.0]]
     with pytest.raises(ValueError, match="correction level"):
         importance_log_weights(old, behaviour, mask, "row")
-    with pytest.raises(ValueError, match="rollout correction"):
+    with pytest.raises(ValueError, match="ppo.correction='clip' is not a registered correction"):
         rollout_correction_weights(old, behaviour, mask, "clip", "token", 2.0)
 
 
@@ -176,11 +177,19 @@ def policies(seed: int, gap: float, move: float):
     return theta, old, behaviour
 
 
-def expected_gradient(theta, sampler_logits, old_logits, advantages, ratio_level, clip, correction=None,
+def loss_settings(loss: str, clip: tuple[float, float]) -> PPOConfig:
+    """The settings of policy loss ``loss`` (ppo, gspo or gspo_token) with its clip epsilons (low, high)."""
+    if loss == "ppo":
+        return PPOConfig(clip_range=clip[0], clip_range_high=clip[1])
+    return PPOConfig(policy_loss=loss, gspo_clip_low=clip[0], gspo_clip_high=clip[1])
+
+
+def expected_gradient(theta, sampler_logits, old_logits, advantages, loss_name, clip, correction=None,
                       level="token", behaviour_logits=None, responses=RESPONSES):
     """d/dtheta of sum_y p_sampler(y) * loss(y): the exact expectation of one response's loss (``policy_loss``
-    of that row alone, sequence mean over one row) under the sampler, with the rollout correction's weights of
-    ``correction`` (pi_old against ``behaviour_logits``) when given."""
+    ``loss_name`` with ``clip``, of that row alone, sequence mean over one row) under the sampler, with the
+    rollout correction's weights of ``correction`` (pi_old against ``behaviour_logits``) when given."""
+    settings = loss_settings(loss_name, clip)
     logprobs, mask = tabular_logprobs(*theta, responses)
     old, _ = tabular_logprobs(*old_logits, responses)
     sampler, _ = tabular_logprobs(*sampler_logits, responses)
@@ -194,20 +203,19 @@ def expected_gradient(theta, sampler_logits, old_logits, advantages, ratio_level
     total = 0.0
     for i in range(len(responses)):
         row = slice(i, i + 1)
-        loss, _ = policy_loss(logprobs[row], old[row], advantages[row], mask[row], clip[0], "sequence_mean",
-                              1.0, None if weights is None else weights[row], clip_range_high=clip[1],
-                              ratio_level=ratio_level)
+        loss, _ = policy_loss(logprobs[row], old[row], advantages[row], mask[row], settings, "sequence_mean",
+                              1.0, None if weights is None else weights[row])
         total = total + p_sampler[i].detach() * loss
     # one-token responses leave ``second`` unused
     grads = torch.autograd.grad(total, theta, allow_unused=True)
     return torch.cat([(torch.zeros_like(x) if d is None else d).reshape(-1) for x, d in zip(theta, grads)])
 
 
-@pytest.mark.parametrize("ratio_level, clip, move", [("token", (0.2, 0.28), 0.3),
-                                                     ("sequence", (3e-4, 4e-4), 1e-3),
-                                                     ("sequence_token", (3e-4, 4e-4), 1e-3)])
+@pytest.mark.parametrize("loss_name, clip, move", [("ppo", (0.2, 0.28), 0.3),
+                                                   ("gspo", (3e-4, 4e-4), 1e-3),
+                                                   ("gspo_token", (3e-4, 4e-4), 1e-3)])
 @pytest.mark.parametrize("correction", ["tis", "mis"])
-def test_sequence_correction_gives_the_learner_policys_gradient_when_the_engine_differs(ratio_level, clip,
+def test_sequence_correction_gives_the_learner_policys_gradient_when_the_engine_differs(loss_name, clip,
                                                                                         move, correction):
     """PPO, GSPO and GSPO-token, sampled by an engine whose logits differ from pi_old's by 0.5: with the
     sequence weight pi_old(y) / pi_behav(y) under its bound, the expected gradient under the engine is exactly
@@ -215,12 +223,12 @@ def test_sequence_correction_gives_the_learner_policys_gradient_when_the_engine_
     theta, old, behaviour = policies(seed=7, gap=0.5, move=move)
     g = torch.Generator().manual_seed(11)
     advantages = torch.randn(len(RESPONSES), 1, generator=g, dtype=torch.float64).expand(-1, 2)
-    if ratio_level == "token":  # PPO's advantages may vary along a response
+    if loss_name == "ppo":  # PPO's advantages may vary along a response
         advantages = advantages + torch.randn(len(RESPONSES), 2, generator=g, dtype=torch.float64)
-    learner = expected_gradient(theta, old, old, advantages, ratio_level, clip)
-    corrected = expected_gradient(theta, behaviour, old, advantages, ratio_level, clip, correction,
+    learner = expected_gradient(theta, old, old, advantages, loss_name, clip)
+    corrected = expected_gradient(theta, behaviour, old, advantages, loss_name, clip, correction,
                                   "sequence", behaviour)
-    uncorrected = expected_gradient(theta, behaviour, old, advantages, ratio_level, clip)
+    uncorrected = expected_gradient(theta, behaviour, old, advantages, loss_name, clip)
     assert learner.abs().max() > 1e-3
     assert torch.allclose(corrected, learner, rtol=1e-10, atol=1e-14)
     assert (uncorrected - learner).norm() / learner.norm() > 0.05
@@ -235,15 +243,15 @@ def test_token_correction_is_exact_for_one_token_and_approximate_over_a_response
     g = torch.Generator().manual_seed(4)
     one_token = [(EOS,), (0,), (1,)]  # the second position is padding
     advantages = torch.randn(3, 2, generator=g, dtype=torch.float64)
-    learner = expected_gradient(theta, old, old, advantages, "token", (0.2, 0.2), responses=one_token)
-    corrected = expected_gradient(theta, behaviour, old, advantages, "token", (0.2, 0.2), "tis", "token",
+    learner = expected_gradient(theta, old, old, advantages, "ppo", (0.2, 0.2), responses=one_token)
+    corrected = expected_gradient(theta, behaviour, old, advantages, "ppo", (0.2, 0.2), "tis", "token",
                                   behaviour, responses=one_token)
     assert torch.allclose(corrected, learner, rtol=1e-10, atol=1e-14)
     advantages = torch.randn(len(RESPONSES), 2, generator=g, dtype=torch.float64)
-    learner = expected_gradient(theta, old, old, advantages, "token", (0.2, 0.2))
-    corrected = expected_gradient(theta, behaviour, old, advantages, "token", (0.2, 0.2), "tis", "token",
+    learner = expected_gradient(theta, old, old, advantages, "ppo", (0.2, 0.2))
+    corrected = expected_gradient(theta, behaviour, old, advantages, "ppo", (0.2, 0.2), "tis", "token",
                                   behaviour)
-    uncorrected = expected_gradient(theta, behaviour, old, advantages, "token", (0.2, 0.2))
+    uncorrected = expected_gradient(theta, behaviour, old, advantages, "ppo", (0.2, 0.2))
     token_error = float((corrected - learner).norm() / learner.norm())
     assert 1e-3 < token_error < float((uncorrected - learner).norm() / learner.norm())
 
@@ -315,16 +323,19 @@ def test_rank_sums_the_mismatch_k3_on_fresh_rows_and_counts_cut_tokens():
 @pytest.mark.parametrize("ppo, match", [
     ({"is_cap": 1.0}, "is_cap=1.0 must be > 1 with ppo.correction='tis'"),
     ({"correction": "mis", "is_cap": 0.8}, "is_cap=0.8 must be > 1 with ppo.correction='mis'"),
-    ({"correction": "none", "correction_level": "sequence"}, "ppo.correction='none' ignores them"),
-    ({"correction": "none", "is_cap": 3.0}, "ppo.correction='none' ignores them"),
+    ({"correction": "none", "correction_level": "sequence"},
+     "ppo.correction_level='sequence' is set but ppo.correction='none' ignores it"),
+    ({"correction": "none", "is_cap": 3.0}, "ppo.is_cap=3.0 is set but ppo.correction='none' ignores it"),
     ({"policy_loss": "gspo", "advantage": "grpo"}, "correction_level='sequence'"),
     ({"policy_loss": "gspo"}, "gspo_token"),  # gae's per-token advantages
-    ({"policy_loss": "gspo_token", "clip_range_high": 0.28}, "clip_range_high is set but"),
+    ({"policy_loss": "gspo_token", "clip_range_high": 0.28},
+     "ppo.clip_range_high=0.28 is set but ppo.policy_loss='gspo_token' ignores it"),
     ({"gspo_clip_high": 1e-3}, "gspo_clip_high=0.001 is set but ppo.policy_loss='ppo' ignores it"),
     ({"clip_range_low": 1.0}, "clip_range_low=1.0 puts the ratio's floor"),
     ({"clip_range": 1.2, "clip_range_high": 0.3}, "clip_range=1.2 puts the ratio's floor"),
     ({"policy_loss": "gspo_token", "gspo_clip_low": 1.5}, "gspo_clip_low=1.5 puts the ratio's floor"),
-    ({"correction": "icepop", "correction_level": "sequence"}, "ppo.correction='icepop' masks tokens one"),
+    ({"correction": "icepop", "correction_level": "sequence"},
+     "ppo.correction_level='sequence' is set but ppo.correction='icepop' ignores it"),
     ({"correction": "icepop", "is_cap": 3.0}, "ppo.is_cap=3.0 is set but ppo.correction='icepop' ignores it"),
     ({"correction": "icepop", "policy_loss": "gspo", "advantage": "grpo"}, "ppo.correction='icepop' weighs"),
     ({"icepop_low": 0.3}, "ppo.icepop_low=0.3 is set but ppo.correction='tis' ignores it"),
@@ -343,7 +354,7 @@ def test_rank_sums_the_mismatch_k3_on_fresh_rows_and_counts_cut_tokens():
     ({"correction": "icepop", "icepop_low": 1.2}, "icepop_low"),  # the band must hold 1
     ({"correction": "geometric_mask", "geometric_mask_high": 0.99}, "geometric_mask_high"),
     ({"policy_loss": "cispo", "clip_range_high": 0.28},
-     "clip_range_high is set but ppo.policy_loss='cispo' clips its detached token weight"),
+     "ppo.clip_range_high=0.28 is set but ppo.policy_loss='cispo' ignores it"),
     ({"policy_loss": "sapo", "clip_range": 0.3},
      "ppo.clip_range=0.3 is set but ppo.policy_loss='sapo' ignores it"),
     ({"policy_loss": "sapo", "cispo_clip_high": 1.0},
@@ -354,42 +365,54 @@ def test_rank_sums_the_mismatch_k3_on_fresh_rows_and_counts_cut_tokens():
     ({"policy_loss": "cispo", "cispo_clip_low": 1.5}, "cispo_clip_low"),  # a floor below 0
 ])
 def test_settings_that_make_no_sense_are_refused(ppo, match):
-    from pydantic import ValidationError
+    """Refused when the layer resolves the config (``Algorithm.from_config``: each registry's check of the
+    entry it chooses), or already by a field's own bounds in ``load_config``; the message names the field."""
+    from learner.algorithm import Algorithm
+    from services.config import load_config
 
-    from services.config import PPOConfig
-
-    with pytest.raises(ValidationError, match=match.replace("(", r"\(").replace(")", r"\)")):
-        PPOConfig(**ppo)
+    # the group estimators need a group: two samples of each prompt
+    overrides = {"ppo": ppo, **({"rollout": {"samples_per_prompt": 2}} if ppo.get("advantage") == "grpo"
+                                else {})}
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        Algorithm.from_config(load_config(None, overrides))
 
 
 def test_async_without_a_correction_is_refused_and_the_defaults_correct_in_both_modes():
-    from pydantic import ValidationError
+    from learner.algorithm import Algorithm
+    from services.config import load_config
 
-    from services.config import PPOConfig, load_config
+    def resolved(overrides):
+        """The config of ``overrides`` after the layer's check of its entries (``Algorithm.from_config``)."""
+        cfg = load_config(None, overrides)
+        Algorithm.from_config(cfg)
+        return cfg
 
-    with pytest.raises(ValidationError, match="async mode needs the weight pi_prox / pi_behav"):
-        load_config(None, {"rollout": {"mode": "async"}, "ppo": {"correction": "none"}})
+    with pytest.raises(ValueError, match="async mode needs the weight pi_prox / pi_behav"):
+        resolved({"rollout": {"mode": "async"}, "ppo": {"correction": "none"}})
     default = PPOConfig()
     assert (default.correction, default.correction_level, default.is_cap) == ("tis", "token", 2.0)
-    assert default.ratio_clip_range() == (0.2, 0.2)
-    assert PPOConfig(clip_range_high=0.28).ratio_clip_range() == (0.2, 0.28)
+
+    def clip(p):
+        return POLICY_LOSSES.get(p.policy_loss).clip(p)
+
+    assert clip(default) == (0.2, 0.2)
+    assert clip(PPOConfig(clip_range_high=0.28)) == (0.2, 0.28)
     gspo = PPOConfig(policy_loss="gspo", advantage="rloo", correction_level="sequence")
-    assert gspo.ratio_clip_range() == (3e-4, 4e-4)
-    assert load_config(None, {"ppo": {"correction": "none"}}).ppo.correction == "none"  # sync may turn it off
+    assert clip(gspo) == (3e-4, 4e-4)
+    assert resolved({"ppo": {"correction": "none"}}).ppo.correction == "none"  # sync may turn it off
     for correction in ("icepop", "off_policy_mask"):  # corrections: async mode takes them
-        cfg = load_config(None, {"rollout": {"mode": "async"}, "ppo": {"correction": correction}})
+        cfg = resolved({"rollout": {"mode": "async"}, "ppo": {"correction": correction}})
         assert cfg.ppo.correction == correction
     # the geometric mask too, with a band set for a stale row's drift: its default is the numerics' alone
-    with pytest.raises(ValidationError, match=r"\[geometric_band_set_for_async\].*default band "
-                                              r"\[0.999, 1.001\]"):
-        load_config(None, {"rollout": {"mode": "async"}, "ppo": {"correction": "geometric_mask"}})
+    with pytest.raises(ValueError, match=r"\[geometric_band_set_for_async\].*default band "
+                                         r"\[0.999, 1.001\]"):
+        resolved({"rollout": {"mode": "async"}, "ppo": {"correction": "geometric_mask"}})
     band = {"correction": "geometric_mask", "geometric_mask_low": 0.8, "geometric_mask_high": 1.25}
-    assert load_config(None, {"rollout": {"mode": "async"}, "ppo": band}).ppo.geometric_mask_high == 1.25
+    assert resolved({"rollout": {"mode": "async"}, "ppo": band}).ppo.geometric_mask_high == 1.25
     cispo = PPOConfig(policy_loss="cispo", cispo_clip_low=0.2, cispo_clip_high=0.28)
-    assert cispo.ratio_clip_range() == (0.2, 0.28)
-    assert PPOConfig(policy_loss="cispo").ratio_clip_range() == (1.0, 4.0)
+    assert clip(cispo) == (0.2, 0.28)
+    assert clip(PPOConfig(policy_loss="cispo")) == (1.0, 4.0)
     sapo = PPOConfig(policy_loss="sapo", sapo_tau_pos=2.0, correction="icepop", icepop_low=0.4,
                      icepop_high=3.0)
     assert (sapo.sapo_tau_pos, sapo.sapo_tau_neg, sapo.icepop_low, sapo.icepop_high) == (2.0, 1.05, 0.4, 3.0)
-    with pytest.raises(ValueError, match="has no clip"):
-        sapo.ratio_clip_range()
+    assert POLICY_LOSSES.get("sapo").clip is None  # a soft gate, no clip

@@ -62,11 +62,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from pydantic import ValidationError
 from torch import Tensor
 
 from learner.algorithm import Algorithm, episode_view
 from learner.kl import kl_stats_from_sums
+from learner.policy_losses import POLICY_LOSSES
 from services.config import JobConfig, load_config
 from services.experience import FINISH_LENGTH, FINISH_STOP, Episodes, RolloutBatch, make_batch, pad_right
 
@@ -84,7 +84,7 @@ AXES: dict[str, tuple] = {
     "loss_form": (None, "kl_to_go", "response_k2", "grpo_token_k3"),
     "scope": ("response_sum", "token_mean"),
     "advantage": ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"),
-    "policy_loss": ("ppo", "gspo", "gspo_token", "cispo", "sapo"),
+    "policy_loss": POLICY_LOSSES.names(),
     "aggregation": ("token_mean", "sequence_mean", "seq_mean_token_sum_norm"),
     "correction": (("tis", "token"), ("tis", "sequence"), ("mis", "token"), ("mis", "sequence"),
                    ("none", "token"), ("icepop", "token"), ("icepop", "token", "narrow"),
@@ -237,11 +237,15 @@ _RESOLVED: dict = {}
 
 
 def _resolve(c: dict) -> tuple[JobConfig | None, str | None]:
+    """The config, then the check of the registered entries it chooses (``Algorithm.from_config``), as the
+    job does before any actor."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # token_mean and grpo_token_k3 warn by design
         try:
-            return load_config(None, overrides(c)), None
-        except ValidationError as err:
+            cfg = load_config(None, overrides(c))
+            Algorithm.from_config(cfg)
+            return cfg, None
+        except ValueError as err:  # pydantic's ValidationError is one
             return None, str(err)
 
 
@@ -504,7 +508,8 @@ def expected_classes(c: dict, mask_binds: bool = False) -> dict[str, str]:
         SAPO are the policy gradient at the step's start (rho = 1): as PPO."""
         if c["aggregation"] == "sequence_mean" or c["mask_truncated"] or mask_binds:
             return "biased"
-        if c["advantage"] in ("reinforce_pp", "reinforce_pp_baseline") or (c["policy_loss"] == "gspo"
+        sequence_ratio = POLICY_LOSSES.get(c["policy_loss"]).ratio_level == "sequence"
+        if c["advantage"] in ("reinforce_pp", "reinforce_pp_baseline") or (sequence_ratio
                                                                            and per_token_advantages):
             return "biased"
         return base
@@ -866,3 +871,60 @@ def test_policy_loss_figures_off_the_first_step():
     assert max(rows["cispo, weight in [0, 5] (the default)"]) < EXACT
     for name in ("cispo, weight in [0.95, 1.05]", "sapo, tau 1.0 / 1.05 (the default)", "sapo, tau 5 / 5"):
         assert min(rows[name]) > EXACT, name
+
+
+# ---------------------------------------------------------------------------- each entry off-policy
+
+# how far the current policy's logits are moved from the proximal one's: the ratios pi / pi_prox then
+# spread from inside every clip to far beyond CISPO's ceiling and SAPO's gate
+# (GSPO's band is 3e-4 wide: the first shift keeps its rows inside)
+OFF_POLICY_SHIFTS = (3e-4, 0.3, 1.0, 3.0)
+
+
+def policy_loss_objective_errors(name: str, seed: int = 7, **ppo) -> list[tuple[float, float, float, float]]:
+    """The entry ``name``'s loss (``ppo.policy_loss``, through ``Algorithm.loss``: the terms the update
+    descends) against the gradient of its documented objective (the entry's ``objective``, float64 from the
+    token ratios), both in expectation over the problem's responses, at current policies off the proximal
+    one by ``OFF_POLICY_SHIFTS``. In sync mode (behaviour = proximal) without a correction, GRPO in groups
+    of 2, so only the loss differs between the two. Returns (shift, relative error, the fraction of the
+    tokens whose ratio is outside [0.2, 5], the norm of the objective's gradient) for each shift."""
+    cfg = load_config(None, {"ppo": {"advantage": "grpo", "policy_loss": name, "correction": "none", **ppo},
+                             "rollout": {"samples_per_prompt": 2}})
+    algorithm, entry = Algorithm.from_config(cfg), POLICY_LOSSES.get(name)
+    problem = Problem.make(seed, "sync")
+    e = enumerate_batch(problem, "single", 2)
+    batch = e.batch.clone()
+    algorithm.prepare(batch, 0.0)
+    counts = algorithm.loss_counts(batch)
+    g = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for shift in OFF_POLICY_SHIFTS:
+        at = problem.proximal + shift * torch.randn(7, 3, generator=g).double()
+        got, _ = layer_gradient(algorithm, e, at, 0.0)
+        theta = at.expand(batch.shape[0], *at.shape).clone().requires_grad_(True)
+        log_ratio = (logprob_rows(theta, e.states, e.ids) - batch.old_logprobs) * batch.action_mask
+        terms = entry.objective(log_ratio, batch.advantages, batch.action_mask, cfg.ppo)
+        (per_row,) = torch.autograd.grad((terms * batch.action_mask).sum() / counts["denominator"], theta)
+        want = -torch.einsum("r,rsv->sv", e.weight, per_row) / e.group_size * float(counts["denominator"])
+        tokens = batch.action_mask > 0
+        far = float(((log_ratio.abs() > math.log(5.0)) & tokens).sum() / tokens.sum())
+        out.append((shift, relative_error(got, want), far, float(want.norm())))
+    return out
+
+
+def check_policy_loss_entry(name: str, **ppo) -> None:
+    """The harness's check of a registered policy loss off-policy: its gradient is its documented objective's
+    at every shift (exact), where some tokens' ratios are beyond 5 (or 0.2) and some near 1."""
+    errors = policy_loss_objective_errors(name, **ppo)
+    print(f"{name}: " + "; ".join(f"shift {s:g}: error {err:.1e}, ratios beyond [0.2, 5] {far:.0%}, gradient "
+                                  f"{norm:.2e}" for s, err, far, norm in errors))
+    assert max(err for _, err, _, _ in errors) < EXACT, (name, errors)
+    fars = [far for _, _, far, _ in errors]
+    assert min(fars) < 0.05 and max(fars) > 0.2, (name, fars)
+    # a gradient to compare at every shift, the first one's (the ratios near 1) above all
+    assert min(norm for *_, norm in errors) > 1e-9 and errors[0][3] > 1e-3, (name, errors)
+
+
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
+def test_each_policy_loss_descends_its_documented_objective_off_policy(name):
+    check_policy_loss_entry(name)

@@ -9,7 +9,9 @@ import torch
 
 from learner.advantages import compute_advantages, reward_to_go
 from learner.kl import kl_penalized_rewards, last_token_index, response_kl_loss
-from learner.ppo import gae_advantages, policy_loss
+from learner.policy_losses import policy_loss
+from learner.ppo import gae_advantages
+from services.config import PPOConfig
 from tests.batch_statistics import kl_stats, sequence_kl
 
 # Three trajectories of width 10: model turns (1) and environment tokens (0) between them, then padding.
@@ -159,6 +161,7 @@ def test_losses_on_trajectories_equal_the_compacted_batch():
         torch.testing.assert_close(full.grad, expand(small.grad))
 
     for aggregation in ("token_mean", "sequence_mean"):
-        both(lambda lp, m, c, a=aggregation: policy_loss(lp, c(old), c(adv), m, 0.2, a)[0])
+        both(lambda lp, m, c, a=aggregation: policy_loss(lp, c(old), c(adv), m, PPOConfig(clip_range=0.2),
+                                                        a)[0])
     for form in ("kl_to_go", "response_k2"):
         both(lambda lp, m, c, f=form: response_kl_loss(lp, c(old), c(ref), m, f))
