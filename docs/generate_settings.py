@@ -101,10 +101,10 @@ def entries() -> list[str]:
     """Each registered entry of each setting that chooses one: its line, the settings it reads and its
     rules."""
     lines = ["\n# Registered entries\n", (
-        "A policy loss, a rollout correction: each is one registered entry (`learner/registry.py`), with its "
-        "function, the settings it reads and its rules, checked before any actor starts. A setting that "
-        "another entry reads, set away from its default while the chosen entry does not read it, is refused "
-        "(`[<setting>_reads]`).\n")]
+        "An advantage estimator, a policy loss, a rollout correction, a KL estimator: each is one registered "
+        "entry (`learner/registry.py`), with its function, the settings it reads and its rules, checked "
+        "before any actor starts. A setting that another entry reads, set away from its default while the "
+        "chosen entry does not read it, is refused (`[<setting>_reads]`).\n")]
     for registry in REGISTRIES:
         lines += [f"\n## {registry.setting}\n", "| entry | what it is | reads | rules |", "|---|---|---|---|"]
         for entry in registry.entries.values():

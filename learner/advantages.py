@@ -19,19 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from learner.kl import last_token_index
 from learner.ppo import LOCAL, Reducer, gae_advantages, global_whiten
+from learner.registry import Entry, Registry, entry_rule
 
 GRPO_EPS = 1e-6
-
-
-def uses_critic(estimator: str) -> bool:
-    """True when the estimator needs a value head (and a value loss): only GAE."""
-    return estimator == "gae"
 
 
 # ---------------------------------------------------------------- groups
@@ -296,13 +293,90 @@ def _checked_groups(group_index: Tensor | None, rewards: Tensor) -> Tensor:
     return group_index
 
 
-ESTIMATORS: dict[str, EstimatorFn] = {
-    "gae": _gae,
-    "grpo": _grpo,
-    "rloo": _per_sequence(rloo_sequence_advantages),
-    "reinforce_pp": _reinforce_pp,
-    "reinforce_pp_baseline": _reinforce_pp_baseline,
-}
+@dataclass(frozen=True, kw_only=True)
+class AdvantageEstimator(Entry):
+    """``function``: the advantages (and the critic's returns) of a batch (``EstimatorFn``); ``critic``: it
+    reads a value head's values (and the value loss trains one); ``group``: its baseline is taken over the
+    samples of one prompt, so a group never splits across chunks or ranks."""
+
+    function: EstimatorFn
+    critic: bool = False
+    group: bool = False
+
+
+ESTIMATORS: Registry[AdvantageEstimator] = Registry("ppo.advantage", "advantage estimator")
+
+
+@entry_rule("ppo.advantage", "rollout.samples_per_prompt", example={"ppo": {"advantage": "grpo"}})
+def group_estimator_needs_a_group(cfg: Any) -> str | None:
+    n = cfg.rollout.samples_per_prompt
+    if n < 2:
+        return (f"ppo.advantage={cfg.ppo.advantage!r} takes its baseline over the samples of one prompt: it "
+                f"needs rollout.samples_per_prompt >= 2 (got {n})")
+    return None
+
+
+@entry_rule("rollout.dynamic_sampling", "ppo.advantage", example={"rollout": {"dynamic_sampling": True}})
+def dynamic_sampling_needs_a_group_estimator(cfg: Any) -> str | None:
+    if cfg.rollout.dynamic_sampling:
+        groups = ", ".join(name for name, entry in ESTIMATORS.entries.items() if entry.group)
+        return ("rollout.dynamic_sampling drops prompt groups whose scores tie, which carry no signal only "
+                f"for a group estimator ({groups}); ppo.advantage={cfg.ppo.advantage!r} learns from every "
+                "row")
+    return None
+
+
+@entry_rule("learner.critic", "ppo.advantage",
+            example={"learner": {"critic": "separate"}, "ppo": {"advantage": "grpo"},
+                     "rollout": {"samples_per_prompt": 4}})
+def separate_critic_needs_gae(cfg: Any) -> str | None:
+    if cfg.learner.critic == "separate":
+        critics = ", ".join(repr(name) for name, entry in ESTIMATORS.entries.items() if entry.critic)
+        return (f"learner.critic='separate' builds a critic, but ppo.advantage={cfg.ppo.advantage!r} uses "
+                f"none (those that do: {critics}); set learner.critic='value_head' (ignored without a "
+                "critic)")
+    return None
+
+
+@entry_rule("ppo.advantage", "ppo.gamma",
+            example={"ppo": {"advantage": "reinforce_pp_baseline", "gamma": 0.9},
+                     "rollout": {"samples_per_prompt": 2}})
+def reinforce_pp_baseline_needs_gamma_one(cfg: Any) -> str | None:
+    if cfg.ppo.gamma == 1:
+        return None
+    return (f"ppo.advantage='reinforce_pp_baseline' needs ppo.gamma=1 (got {cfg.ppo.gamma}): the group "
+            "baseline subtracted at the last token and discounted reaches token t as -gamma^(L-1-t) * "
+            "baseline, a bias by the response's length L (OpenRLHF forces 1)")
+
+
+GAMMA_READ = "the discount per model token"
+CRITIC_FREE = (dynamic_sampling_needs_a_group_estimator, separate_critic_needs_gae)
+ESTIMATORS.register(AdvantageEstimator(
+    name="gae", doc="generalised advantage estimation with a critic (the value head, or learner.critic "
+    "separate)",
+    reads={"gamma": GAMMA_READ, "lam": "GAE's lambda",
+           "whiten_rewards": "the whitening of the per-token rewards GAE sees",
+           "whiten_advantages": "the whitening of GAE's advantages (the other estimators normalise theirs as "
+                                "they define)",
+           "vf_coef": "the weight of the critic's value loss",
+           "clip_range_value": "the clip of the critic's values in its value loss"},
+    rules=(dynamic_sampling_needs_a_group_estimator,), function=_gae, critic=True))
+ESTIMATORS.register(AdvantageEstimator(
+    name="grpo", doc="GRPO: each response's score normalised in its prompt's group (mean and std)",
+    reads={"grpo_normalize": "what GRPO normalises in its group, the score or the return"},
+    rules=(group_estimator_needs_a_group, separate_critic_needs_gae), function=_grpo, group=True))
+ESTIMATORS.register(AdvantageEstimator(
+    name="rloo", doc="RLOO: each response's return less the mean of the others' in its group", reads={},
+    rules=(group_estimator_needs_a_group, separate_critic_needs_gae),
+    function=_per_sequence(rloo_sequence_advantages), group=True))
+ESTIMATORS.register(AdvantageEstimator(
+    name="reinforce_pp", doc="REINFORCE++: the discounted reward-to-go, whitened over the batch",
+    reads={"gamma": GAMMA_READ}, rules=CRITIC_FREE, function=_reinforce_pp))
+ESTIMATORS.register(AdvantageEstimator(
+    name="reinforce_pp_baseline", doc="REINFORCE++-baseline: the reward-to-go less its group's mean score, "
+    "whitened over the batch", reads={"gamma": GAMMA_READ},
+    rules=(group_estimator_needs_a_group, separate_critic_needs_gae, reinforce_pp_baseline_needs_gamma_one),
+    function=_reinforce_pp_baseline, group=True))
 
 
 def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values: Tensor | None = None,
@@ -331,8 +405,7 @@ def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values:
     Returns:
         (advantages [B, T], returns [B, T] for the critic or None), 0 where ``mask`` is 0.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown ppo.advantage {estimator!r}; expected one of {sorted(ESTIMATORS)}")
+    entry = ESTIMATORS.get(estimator)
     if rewards.shape != mask.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must share one "
                          "[B, T] shape")
@@ -345,7 +418,7 @@ def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values:
     if teacher is not None and teacher_credit == "reward_to_go":
         rewards = rewards + teacher * mask
         kl_rewards = teacher * mask if kl_rewards is None else kl_rewards + teacher * mask
-    advantages, returns = ESTIMATORS[estimator](rewards, mask, values, group_index, kl_rewards, settings)
+    advantages, returns = entry.function(rewards, mask, values, group_index, kl_rewards, settings)
     if teacher is not None and teacher_credit == "token":
         advantages = advantages + teacher * mask
     return advantages, returns

@@ -40,14 +40,15 @@ import torch
 from torch import Tensor
 
 from learner.advantages import (
+    ESTIMATORS,
     check_whole_groups,
     compute_advantages,
     differing_groups,
     dynamic_sampling_rows,
-    uses_critic,
 )
 from learner.correction import CORRECTIONS, SEQUENCE_STATS, rollout_correction_weights
 from learner.kl import (
+    KL_ESTIMATORS,
     check_finite,
     episode_kl,
     grpo_token_k3_loss,
@@ -70,11 +71,10 @@ from learner.ppo import (
     truncated_loss_mask,
     value_loss,
 )
-from services.choices import GROUP_ESTIMATORS
 from services.config import DistillConfig, JobConfig, KLConfig, PPOConfig
 
 # the registered entries a config chooses, checked in this order (``Algorithm.from_config``)
-REGISTRIES = (POLICY_LOSSES, CORRECTIONS)
+REGISTRIES = (ESTIMATORS, POLICY_LOSSES, CORRECTIONS, KL_ESTIMATORS)
 
 if TYPE_CHECKING:  # the batch's module loads in the rank, not in the driver (services/experience.py)
     from services.experience import RolloutBatch
@@ -185,7 +185,7 @@ class Algorithm:
 
     @property
     def has_critic(self) -> bool:
-        return uses_critic(self.ppo.advantage)
+        return ESTIMATORS.get(self.ppo.advantage).critic
 
     # ------------------------------------------------------------------ scores and dynamic sampling
 
@@ -275,7 +275,7 @@ class Algorithm:
         if self.distill is not None:
             teacher = teacher_penalties(logp, view.merge(batch.teacher_logprobs * mask), m, self.distill.coef)
         groups = view.first(batch.group_index)
-        if self.ppo.advantage in GROUP_ESTIMATORS:  # a chunk holds whole groups, and a rank whole chunks
+        if ESTIMATORS.get(self.ppo.advantage).group:  # a chunk holds whole groups, and a rank whole chunks
             check_whole_groups(groups, self.samples_per_prompt)
         p = self.ppo
         advantages, returns = compute_advantages(

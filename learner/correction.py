@@ -158,7 +158,7 @@ class RolloutCorrection(Entry):
     beyond_cap: Literal["truncated", "masked"] | None = None
 
 
-CORRECTIONS: Registry[RolloutCorrection] = Registry("ppo.correction")
+CORRECTIONS: Registry[RolloutCorrection] = Registry("ppo.correction", "rollout correction")
 LEVEL_READ = "whether its weight is each token's or the whole response's likelihood ratio"
 CAP_READ = "the bound on the weight pi_old / pi_behav"
 

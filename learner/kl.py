@@ -28,17 +28,18 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 from learner.ppo import Aggregation, masked_mean
+from learner.registry import Entry, Registry
 from services.choices import GRPO_TOKEN_K3_WARNING, LossForm
 
-Estimator = Literal["k1", "k2", "k3"]
 Scope = Literal["response_sum", "token_mean"]
-ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 SCOPES: tuple[str, ...] = get_args(Scope)
 LOSS_FORMS: tuple[str, ...] = get_args(LossForm)
 # loss forms whose expected gradient is exactly that of the response KL (tests/test_kl_loss.py enumerates)
@@ -62,9 +63,32 @@ def check_finite(name: str, x: Tensor) -> None:
         )
 
 
-def check_estimator(estimator: str) -> None:
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {ESTIMATORS}")
+@dataclass(frozen=True, kw_only=True)
+class KLEstimator(Entry):
+    """``per_token(r)``: [B, T] the estimate k(r) from ``r = logprobs - ref_logprobs`` of tokens sampled from
+    pi; ``unbiased``: its expectation is KL(pi || pi_ref), so the controller's statistic is exact;
+    ``exact_penalty_gradient``: its penalty in the reward has the policy gradient of KL(pi || pi_ref) (k1
+    alone: the others' expectations are right or close, their gradients through the reward are not)."""
+
+    per_token: Callable[[Tensor], Tensor]
+    unbiased: bool
+    exact_penalty_gradient: bool = False
+
+
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("kl.estimator", "KL estimator")
+KL_ESTIMATORS.register(KLEstimator(name="k1", doc="r: unbiased, the default; an unbiased gradient in the "
+                                   "reward", reads={}, per_token=lambda r: r, unbiased=True,
+                                   exact_penalty_gradient=True))
+KL_ESTIMATORS.register(KLEstimator(name="k2", doc="r^2 / 2: biased, low variance", reads={},
+                                   per_token=lambda r: 0.5 * r.square(), unbiased=False))
+# expm1 keeps k3 accurate (and >= 0) for small |r|, where exp(-r) - 1 cancels
+KL_ESTIMATORS.register(KLEstimator(name="k3", doc="exp(-r) - 1 + r: unbiased, always >= 0", reads={},
+                                   per_token=lambda r: torch.expm1(-r) + r, unbiased=True))
+
+
+def check_estimator(estimator: str) -> KLEstimator:
+    """The registered KL estimator ``estimator`` (ValueError naming the registered ones)."""
+    return KL_ESTIMATORS.get(estimator)
 
 
 def check_response_mask(mask: Tensor, shape: torch.Size | tuple[int, ...], prefix: bool = False) -> Tensor:
@@ -114,28 +138,23 @@ def _check_coef(name: str, value: float, *, positive: bool = False) -> float:
 # ---------------------------------------------------------------- estimators, penalties, rewards
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: Estimator = "k1") -> Tensor:
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -> Tensor:
     """Per-token KL estimate, unmasked.
 
     Args:
         logprobs: [B, T] log pi(a_t) of the sampled tokens under the policy.
         ref_logprobs: [B, T] log pi_ref(a_t) of the same tokens under the frozen reference.
-        estimator: "k1" (r), "k2" (r^2/2) or "k3" (exp(-r) - 1 + r), with r = logprobs - ref_logprobs.
+        estimator: a registered one (``KL_ESTIMATORS``): "k1" (r), "k2" (r^2/2) or "k3" (exp(-r) - 1 + r),
+            with r = logprobs - ref_logprobs.
     Returns:
         [B, T] per-token estimates.
     """
-    check_estimator(estimator)
+    entry = check_estimator(estimator)
     _check_logprob_pair(logprobs, ref_logprobs)
-    r = logprobs - ref_logprobs
-    if estimator == "k1":
-        return r
-    if estimator == "k2":
-        return 0.5 * r.square()
-    # expm1 keeps k3 accurate (and >= 0) for small |r|, where exp(-r) - 1 cancels.
-    return torch.expm1(-r) + r
+    return entry.per_token(logprobs - ref_logprobs)
 
 
-def masked_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1") -> Tensor:
+def masked_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str = "k1") -> Tensor:
     """[B, T] per-token penalty ``kl_t = k(r_t) * mask_t``."""
     kl = kl_estimate(logprobs, ref_logprobs, estimator)
     return kl * check_response_mask(mask, kl.shape).to(kl.dtype)
@@ -154,7 +173,7 @@ def kl_penalized_rewards(
     ref_logprobs: Tensor,
     mask: Tensor,
     kl_coef: float,
-    estimator: Estimator = "k1",
+    estimator: str = "k1",
     turn_rewards: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token rewards: ``-kl_coef * kl_t``, plus each sequence's score at its last model token, or, for
@@ -343,7 +362,7 @@ def prefix_log_weights(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tenso
     return torch.cumsum((logprobs - behaviour_logprobs).detach().double() * mask, dim=-1)
 
 
-def episode_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1",
+def episode_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str = "k1",
                behaviour_logprobs: Tensor | None = None) -> Tensor:
     """[B] float64 ``x_b = sum_t W_t k(r_t)`` over the ``mask`` of each row, one row an episode (an agent's
     several rows laid end to end: ``learner.algorithm.EpisodeView``).
@@ -360,7 +379,7 @@ def episode_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: 
     return per_token.sum(dim=-1)
 
 
-def kl_sums(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Estimator = "k1",
+def kl_sums(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str = "k1",
             behaviour_logprobs: Tensor | None = None) -> dict[str, float]:
     """Additive sums of the rows' ``episode_kl`` for every estimator: summing these over disjoint shards then
     calling ``kl_stats_from_sums`` gives the exact statistics of the whole batch.
@@ -368,8 +387,8 @@ def kl_sums(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: Est
     check_estimator(estimator)
     m = check_response_mask(mask, logprobs.shape)
     sums: dict[str, float] = {}
-    for k in ESTIMATORS:
-        values = episode_kl(logprobs, ref_logprobs, m, k, behaviour_logprobs)  # type: ignore[arg-type]
+    for k in KL_ESTIMATORS.names():
+        values = episode_kl(logprobs, ref_logprobs, m, k, behaviour_logprobs)
         sums[f"{k}_response_sum"] = float(values.sum())
         if k == estimator:
             sums["response_sq_sum"] = float(values.square().sum())
@@ -401,7 +420,7 @@ def kl_stats_from_sums(sums: dict[str, float]) -> dict[str, float]:
         "num_responses": n,
         "num_tokens": sums["num_tokens"],
     }
-    for k in ESTIMATORS:
+    for k in KL_ESTIMATORS.names():
         stats[f"{k}_response_mean"] = sums[f"{k}_response_sum"] / n
     # the unweighted response KL of the trained episodes: what the reward penalised
     if sums.get("penalty_episodes"):

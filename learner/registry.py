@@ -1,5 +1,6 @@
-"""Registered entries: each policy loss and rollout correction is one ``Entry`` in the ``Registry`` of the
-setting that chooses it (``ppo.policy_loss``, ``ppo.correction``), as verl's ``@register_policy_loss``. An
+"""Registered entries: each advantage estimator, policy loss, rollout correction and KL estimator is one
+``Entry`` in the ``Registry`` of the setting that chooses it (``ppo.advantage``, ``ppo.policy_loss``,
+``ppo.correction``, ``kl.estimator``), as verl's ``@register_policy_loss``. An
 entry carries its function, the settings it reads (each one a field of the config tree, the only source of
 settings, with what the field is to this entry), its rules and its line in the settings reference; a registry
 checks a config against the chosen entry (``Registry.check``) when ``Algorithm.from_config`` resolves it,
@@ -49,12 +50,13 @@ E = TypeVar("E", bound=Entry)
 
 
 class Registry(Generic[E]):
-    """The entries of one setting (``setting``: its dotted path, ``ppo.policy_loss``), by name, in the order
-    registered."""
+    """The entries of one setting (``setting``: its dotted path, ``ppo.policy_loss``; ``kind``: what an entry
+    is, in messages), by name, in the order registered."""
 
-    def __init__(self, setting: str) -> None:
+    def __init__(self, setting: str, kind: str | None = None) -> None:
         self.setting = setting
         self.section, self.field = setting.split(".")
+        self.kind = kind or self.field.replace("_", " ")
         self.entries: dict[str, E] = {}
 
     def register(self, entry: E) -> E:
@@ -77,7 +79,7 @@ class Registry(Generic[E]):
 
     def get(self, name: str) -> E:
         if name not in self.entries:
-            raise ValueError(f"{self.setting}={name!r} is not a registered {self.field.replace('_', ' ')}; "
+            raise ValueError(f"{self.setting}={name!r} is not a registered {self.kind}; "
                              f"registered: {', '.join(self.entries)}")
         return self.entries[name]
 

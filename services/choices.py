@@ -1,6 +1,5 @@
-"""The config's enumerated choices (KL loss forms, advantage estimators) as plain data: ``services.config``
-reads them from here, so that loading the config (the driver, the pre-flight checks) never imports torch
-through ``learner.kl`` or ``learner.advantages``."""
+"""The config's enumerated KL loss forms as plain data: ``services.config`` reads them from here, so that
+loading the config (the driver, the pre-flight checks) never imports torch through ``learner.kl``."""
 
 from __future__ import annotations
 
@@ -12,7 +11,3 @@ GRPO_TOKEN_K3_WARNING = (
     "KL(pi_ref || pi) per token, not of the response KL, and as a token mean its beta and kl.target do not "
     "mean what they mean with kl.placement='reward'; use it only to reproduce GRPO"
 )
-
-Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
-# estimators whose baseline is taken over the samples of one prompt: they need samples_per_prompt >= 2
-GROUP_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_pp_baseline"})

@@ -109,7 +109,7 @@ class JobConfig(BaseSettings):
                 r.batch_size, RolloutConfig.model_fields["chunk_size"].default,
                 lambda d: d % r.samples_per_prompt == 0 and (r.batch_size // d) % w == 0) or r.chunk_size)
         if "lr" not in p.model_fields_set:  # the estimator's rate, and its schedule unless the user chose one
-            follow(p, "lr", ADVANTAGE_LR[p.advantage])
+            follow(p, "lr", ADVANTAGE_LR.get(p.advantage, p.lr))
             if "lr_schedule" not in p.model_fields_set:
                 follow(p, "lr_schedule", ADVANTAGE_LR_SCHEDULE.get(p.advantage, p.lr_schedule))
         if "epochs" not in p.model_fields_set and r.mode == "async" and (

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.choices import GROUP_ESTIMATORS
 from services.rules import Rules
 from services.settings_training import VLLM_LORA_RANKS
 
@@ -19,15 +18,6 @@ AGENT = {"task": {"name": "agent", "path": "rows.jsonl"}, "rollout": {"agent": "
 
 # --- the algorithm's own combinations ---
 
-@rule("ppo.advantage", "rollout.samples_per_prompt", example={"ppo": {"advantage": "grpo"}})
-def group_estimator_needs_a_group(cfg: Any) -> str | None:
-    n = cfg.rollout.samples_per_prompt
-    if cfg.ppo.advantage in GROUP_ESTIMATORS and n < 2:
-        return (f"ppo.advantage={cfg.ppo.advantage!r} takes its baseline over the samples of one prompt: it "
-                f"needs rollout.samples_per_prompt >= 2 (got {n})")
-    return None
-
-
 @rule("ppo.grpo_normalize", "kl.placement",
       example={"ppo": {"advantage": "grpo", "grpo_normalize": "return"}, "rollout": {"samples_per_prompt": 4},
                "kl": {"placement": "loss", "loss_form": "kl_to_go"}})
@@ -35,15 +25,6 @@ def return_normalisation_needs_the_kl_in_the_return(cfg: Any) -> str | None:
     if cfg.ppo.grpo_normalize == "return" and cfg.kl.placement == "loss":
         return ("ppo.grpo_normalize='return' normalises score - beta * KL_b, but kl.placement='loss' puts no "
                 "KL in the return; set ppo.grpo_normalize='score'")
-    return None
-
-
-@rule("rollout.dynamic_sampling", "ppo.advantage", example={"rollout": {"dynamic_sampling": True}})
-def dynamic_sampling_needs_a_group_estimator(cfg: Any) -> str | None:
-    if cfg.rollout.dynamic_sampling and cfg.ppo.advantage not in GROUP_ESTIMATORS:
-        return ("rollout.dynamic_sampling drops prompt groups whose scores tie, which carry no signal only "
-                f"for a group estimator ({', '.join(sorted(GROUP_ESTIMATORS))}); "
-                f"ppo.advantage={cfg.ppo.advantage!r} learns from every row")
     return None
 
 
@@ -94,16 +75,6 @@ def loss_kl_over_every_row(cfg: Any) -> str | None:
                 "gradient of the batch's mean response KL, the statistic the controller is fed, over every "
                 "row; leaving the truncated rows out of it would make the two differ. Use "
                 "kl.placement='reward'")
-    return None
-
-
-@rule("learner.critic", "ppo.advantage",
-      example={"learner": {"critic": "separate"}, "ppo": {"advantage": "grpo"},
-               "rollout": {"samples_per_prompt": 4}})
-def separate_critic_needs_gae(cfg: Any) -> str | None:
-    if cfg.learner.critic == "separate" and cfg.ppo.advantage != "gae":
-        return (f"learner.critic='separate' builds a critic, but ppo.advantage={cfg.ppo.advantage!r} uses "
-                "none (only 'gae' does); set learner.critic='value_head' (ignored without GAE)")
     return None
 
 

@@ -228,9 +228,9 @@ def test_group_estimators_refuse_singleton_groups_and_split_groups():
         check_whole_groups(torch.tensor([2, 2, 5]), 2, "rank 1: ")
     with pytest.raises(ValueError, match="carry no group"):
         check_whole_groups(torch.tensor([-1, -1]), 2)
-    with pytest.raises(ValueError, match="unknown ppo.advantage 'ppo'"):
+    with pytest.raises(ValueError, match="ppo.advantage='ppo' is not a registered advantage estimator"):
         compute_advantages("ppo", REWARDS, MASK)
-    assert set(ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
+    assert set(ESTIMATORS.names()) == {"gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
 
 
 # ---------------------------------------------------------------- REINFORCE++ whitening over two ranks
@@ -331,18 +331,18 @@ def test_with_n_samples_per_prompt_each_group_lands_whole_on_one_rank(n, chunk, 
      "but kl.placement='loss' puts no KL in the return"),
 ])
 def test_config_refuses_what_the_estimators_cannot_use(overrides, message):
-    from pydantic import ValidationError
-
+    """Refused by the config, or by the check of the estimator it chooses (before any actor)."""
+    from learner.algorithm import Algorithm
     from services.config import load_config
 
-    with pytest.raises(ValidationError, match=message.replace("(", "\\(").replace(")", "\\)")):
-        load_config(None, overrides)
+    with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        Algorithm.from_config(load_config(None, overrides))
 
 
 def test_config_accepts_the_benchmark_settings():
     from services.config import load_config
 
-    for estimator in ESTIMATORS:
+    for estimator in ESTIMATORS.names():
         n = 8 if estimator in ("grpo", "rloo", "reinforce_pp_baseline") else 1
         cfg = load_config(None, {"ppo": {"advantage": estimator}, "rollout": {"samples_per_prompt": n}})
         assert cfg.rollout.batch_size == 128 and cfg.ppo.advantage == estimator
@@ -356,14 +356,13 @@ def test_config_accepts_the_benchmark_settings():
 def test_only_gae_builds_a_value_head():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from learner.advantages import uses_critic
     from learner.policy_model import PolicyWithValueHead
 
     lm = GPT2LMHeadModel(GPT2Config(vocab_size=23, n_positions=16, n_embd=32, n_layer=1, n_head=2))
     ids = torch.randint(0, 23, (2, 5))
     ones = torch.ones_like(ids)
-    for estimator in ESTIMATORS:
-        model = PolicyWithValueHead(lm, value_head=uses_critic(estimator))
+    for estimator in ESTIMATORS.names():
+        model = PolicyWithValueHead(lm, value_head=ESTIMATORS.get(estimator).critic)
         logits, values = model(ids, ones, ones.cumsum(-1) - 1, prompt_width=2)
         assert logits.shape == (2, 3, 23)
         names = {name for name, _ in model.named_parameters()}

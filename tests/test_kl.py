@@ -177,7 +177,7 @@ def test_nonfinite_logprobs_named_with_count_and_location():
         (lambda: check_response_mask(torch.tensor([[1, 0, 1], [1, 1, 0]]), (2, 3), prefix=True),
          "not a prefix in row 0"),
         (lambda: sequence_kl(LOGP, REF, torch.tensor([[1, 2, 0], [1, 1, 0]])), "only 0/1"),
-        (lambda: kl_estimate(LOGP, REF, "k4"), "unknown KL estimator 'k4'"),
+        (lambda: kl_estimate(LOGP, REF, "k4"), "kl.estimator='k4' is not a registered KL estimator"),
         (lambda: kl_penalized_rewards(torch.zeros(2), LOGP, REF, MASK, -0.1), "kl_coef must be"),
         (lambda: kl_penalized_rewards(torch.zeros(3), LOGP, REF, MASK, 0.1), "scores has shape"),
         (lambda: AdaptiveKLController(0.1, target=0.0, horizon=100), "target must be"),

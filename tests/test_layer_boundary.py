@@ -29,8 +29,8 @@ import torch
 from pydantic import BaseModel
 from torch import Tensor
 
+from learner.advantages import ESTIMATORS
 from learner.algorithm import Algorithm
-from services.choices import GROUP_ESTIMATORS
 from services.config import JobConfig, load_config, merge_settings
 from services.experience import FINISH_LENGTH, FINISH_STOP, RolloutBatch, make_batch
 
@@ -199,7 +199,7 @@ BASE_FIELDS = {"ppo.advantage", "rollout.mode", "kl.placement", "rollout.samples
                "rollout.dynamic_sampling"}
 BASES = {f"{advantage}-{mode}-{placement}": {
     "ppo": {"advantage": advantage},
-    "rollout": {"mode": mode, **({"samples_per_prompt": 2} if advantage in GROUP_ESTIMATORS else {})},
+    "rollout": {"mode": mode, **({"samples_per_prompt": 2} if ESTIMATORS.get(advantage).group else {})},
     "kl": {"placement": placement, **({"loss_form": "kl_to_go"} if placement == "loss" else {})},
 } for advantage, mode, placement in itertools.product(("gae", "grpo", "rloo", "reinforce_pp",
                                                        "reinforce_pp_baseline"),

@@ -47,7 +47,7 @@ def test_token_and_sequence_weights_by_hand():
     assert w.tolist() == [[0.0, 0.0]]
     with pytest.raises(ValueError, match="correction level"):
         importance_log_weights(old, behaviour, mask, "row")
-    with pytest.raises(ValueError, match="ppo.correction='clip' is not a registered correction"):
+    with pytest.raises(ValueError, match="ppo.correction='clip' is not a registered rollout correction"):
         rollout_correction_weights(old, behaviour, mask, "clip", "token", 2.0)
 
 

@@ -65,7 +65,7 @@ import torch
 from torch import Tensor
 
 from learner.algorithm import Algorithm, episode_view
-from learner.kl import kl_stats_from_sums
+from learner.kl import KL_ESTIMATORS, kl_stats_from_sums
 from learner.policy_losses import POLICY_LOSSES
 from services.config import JobConfig, load_config
 from services.experience import FINISH_LENGTH, FINISH_STOP, Episodes, RolloutBatch, make_batch, pad_right
@@ -80,7 +80,7 @@ EXACT = 1e-6
 AXES: dict[str, tuple] = {
     "mode": ("sync", "async", "async_mixed"),
     "placement": ("reward", "loss"),
-    "estimator": ("k1", "k2", "k3"),
+    "estimator": KL_ESTIMATORS.names(),
     "loss_form": (None, "kl_to_go", "response_k2", "grpo_token_k3"),
     "scope": ("response_sum", "token_mean"),
     "advantage": ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"),
@@ -453,7 +453,7 @@ def fed_statistic(algorithm: Algorithm, e: Enumeration) -> float:
     x = algorithm.controller_values(sampled)
     total = {"response_sum": float((w * x).sum()), "num_responses": float(w.sum()),
              "num_tokens": float((w * view.total(sampled.action_mask.sum(-1))).sum()), "empty_responses": 0.0,
-             **{f"{k}_response_sum": 0.0 for k in ("k1", "k2", "k3")}}
+             **{f"{k}_response_sum": 0.0 for k in KL_ESTIMATORS.names()}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return controller_statistic(kl_stats_from_sums(total), algorithm.kl.scope)
@@ -496,7 +496,8 @@ def expected_classes(c: dict, mask_binds: bool = False) -> dict[str, str]:
     correction's mask (IcePop's band, the geometric band, the off-policy sequence mask) drops a token of the
     problem at the step the gradient is taken (``mask_binds``); one that drops none leaves the class of the
     weights it multiplies."""
-    statistic = "exact" if c["estimator"] in ("k1", "k3") and c["scope"] == "response_sum" else "biased"
+    unbiased = KL_ESTIMATORS.get(c["estimator"]).unbiased
+    statistic = "exact" if unbiased and c["scope"] == "response_sum" else "biased"
     # the token-level correction weighs a token by its own ratio, not its prefix's: bounded, in async mode
     # only (IcePop's weight inside its band is the token's ratio, untruncated: the same)
     base = "bounded" if c["mode"] != "sync" and c["correction"][1] == "token" else "exact"
@@ -526,7 +527,7 @@ def expected_classes(c: dict, mask_binds: bool = False) -> dict[str, str]:
     elif c["placement"] == "loss":
         kl = "biased" if c["loss_form"] == "grpo_token_k3" else "exact"
     else:
-        kl = ("biased" if c["estimator"] != "k1" or normalised_return
+        kl = ("biased" if not KL_ESTIMATORS.get(c["estimator"]).exact_penalty_gradient or normalised_return
               else policy_term(c["advantage"] != "rloo"))
     out = {"statistic": statistic, "score": score, "kl": kl}
     if c["distill"] != "off":
