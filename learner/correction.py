@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from torch import Tensor
 
 from learner.ppo import masked_mean
@@ -151,9 +152,14 @@ class RolloutCorrection(Entry):
     """``weights(log_w, inputs)``: (the factor before the masks [B, T], the tokens beyond the cap or None, the
     tokens its mask drops or None) from ``log_w`` [B, T] = log(pi_old / pi_behav) at the level; None for no
     correction. ``arguments(ppo)``: its own settings as ``rollout_correction_weights``' keywords.
-    ``beyond_cap``: what it does to the tokens beyond ``ppo.is_cap`` (the update's counts)."""
+    ``beyond_cap``: what it does to the tokens beyond ``ppo.is_cap`` (the update's counts). ``objective(old,
+    behaviour, current, advantages, mask, level, ppo)``: [B, T] the documented factor, written again from the
+    paper in float64 from the three policies' log-probs without calling ``weights``: the reference the
+    settings-space harness checks the update's gradient against, masks included (their bias is the
+    objective's)."""
 
     weights: Callable[[Tensor, CorrectionInputs], tuple[Tensor, Tensor | None, Tensor | None]] | None
+    objective: Callable[..., Tensor]
     arguments: Callable[[Any], dict[str, Any]] = lambda p: {}
     beyond_cap: Literal["truncated", "masked"] | None = None
 
@@ -161,6 +167,49 @@ class RolloutCorrection(Entry):
 CORRECTIONS: Registry[RolloutCorrection] = Registry("ppo.correction", "rollout correction")
 LEVEL_READ = "whether its weight is each token's or the whole response's likelihood ratio"
 CAP_READ = "the bound on the weight pi_old / pi_behav"
+
+
+# ---- the documented factors (``RolloutCorrection.objective``), from the papers' formulas
+
+
+def likelihood_ratio(old: Tensor, behaviour: Tensor, mask: Tensor, level: str) -> Tensor:
+    """[B, T] w = pi_old / pi_behav of each token, or of the whole response on each of its tokens."""
+    log_k = (old - behaviour) * mask
+    return (log_k.sum(-1, keepdim=True).expand_as(log_k) if level == "sequence" else log_k).exp()
+
+
+def tis_objective(old, behaviour, current, advantages, mask, level, p) -> Tensor:
+    """TIS: min(w, C)."""
+    return likelihood_ratio(old, behaviour, mask, level).clamp(max=p.is_cap)
+
+
+def mis_objective(old, behaviour, current, advantages, mask, level, p) -> Tensor:
+    """MIS: w 1[w <= C]."""
+    w = likelihood_ratio(old, behaviour, mask, level)
+    return torch.where(w <= p.is_cap, w, torch.zeros_like(w))
+
+
+def icepop_objective(old, behaviour, current, advantages, mask, level, p) -> Tensor:
+    """IcePop (Ring-1T, eq. 2): k 1[alpha <= k <= beta], k = pi_old / pi_behav of the token."""
+    k = likelihood_ratio(old, behaviour, mask, "token")
+    return torch.where((k >= p.icepop_low) & (k <= p.icepop_high), k, torch.zeros_like(k))
+
+
+def geometric_mask_objective(old, behaviour, current, advantages, mask, level, p) -> Tensor:
+    """TIS times 1[low <= (prod_t k_t)^(1/|y|) <= high] of the row."""
+    k = likelihood_ratio(old, behaviour, mask, "token")
+    geometric = (k.log() * mask).sum(-1, keepdim=True).div(mask.sum(-1, keepdim=True).clamp(min=1)).exp()
+    keep = (geometric >= p.geometric_mask_low) & (geometric <= p.geometric_mask_high)
+    return tis_objective(old, behaviour, current, advantages, mask, level, p) * keep
+
+
+def off_policy_mask_objective(old, behaviour, current, advantages, mask, level, p) -> Tensor:
+    """TIS times DeepSeek-V3.2's M: 0 where A < 0 and (1 / |y|) sum_t log(pi_behav / pi_theta) > delta."""
+    tokens = mask.sum(-1, keepdim=True).clamp(min=1)
+    divergence = ((behaviour - current) * mask).sum(-1, keepdim=True) / tokens
+    dropped = (advantages < 0) & (divergence > p.off_policy_mask_delta)
+    tis = tis_objective(old, behaviour, current, advantages, mask, level, p)
+    return torch.where(dropped, torch.zeros_like(tis), tis)
 
 
 def truncated(log_w: Tensor, x: CorrectionInputs) -> tuple[Tensor, Tensor, None]:
@@ -189,10 +238,10 @@ def cap_above_one(cfg: Any) -> str | None:
 CAPPED_READS = {"correction_level": LEVEL_READ, "is_cap": CAP_READ}
 CORRECTIONS.register(RolloutCorrection(
     name="tis", doc="truncated importance sampling: min(w, ppo.is_cap)", reads=CAPPED_READS,
-    rules=(cap_above_one,), weights=truncated, beyond_cap="truncated"))
+    rules=(cap_above_one,), weights=truncated, objective=tis_objective, beyond_cap="truncated"))
 CORRECTIONS.register(RolloutCorrection(
     name="mis", doc="masked importance sampling: w, and 0 where w exceeds ppo.is_cap", reads=CAPPED_READS,
-    rules=(cap_above_one,), weights=masked_beyond_cap, beyond_cap="masked"))
+    rules=(cap_above_one,), weights=masked_beyond_cap, objective=mis_objective, beyond_cap="masked"))
 
 
 def icepop(log_w: Tensor, x: CorrectionInputs) -> tuple[Tensor, None, Tensor]:
@@ -210,7 +259,7 @@ CORRECTIONS.register(RolloutCorrection(
     "token masked outside it",
     reads={"icepop_low": "the lower end of IcePop's band on each token's ratio",
            "icepop_high": "the upper end of IcePop's band on each token's ratio"},
-    weights=icepop, arguments=lambda p: {"band": (p.icepop_low, p.icepop_high)}))
+    weights=icepop, objective=icepop_objective, arguments=lambda p: {"band": (p.icepop_low, p.icepop_high)}))
 
 
 def geometric_mask(log_w: Tensor, x: CorrectionInputs) -> tuple[Tensor, Tensor, Tensor]:
@@ -246,6 +295,7 @@ CORRECTIONS.register(RolloutCorrection(
            "geometric_mask_low": "the lower end of the band on a row's geometric-mean ratio",
            "geometric_mask_high": "the upper end of the band on a row's geometric-mean ratio"},
     rules=(cap_above_one, geometric_band_set_for_async), weights=geometric_mask,
+    objective=geometric_mask_objective,
     arguments=lambda p: {"band": (p.geometric_mask_low, p.geometric_mask_high)}, beyond_cap="truncated"))
 
 
@@ -264,7 +314,7 @@ CORRECTIONS.register(RolloutCorrection(
     "whose mean log(pi_behav / pi) exceeds ppo.off_policy_mask_delta",
     reads={**CAPPED_READS,
            "off_policy_mask_delta": "the divergence past which the off-policy mask drops a row"},
-    rules=(cap_above_one,), weights=off_policy_mask,
+    rules=(cap_above_one,), weights=off_policy_mask, objective=off_policy_mask_objective,
     arguments=lambda p: {"delta": p.off_policy_mask_delta}, beyond_cap="truncated"))
 
 
@@ -280,4 +330,4 @@ def async_needs_a_correction(cfg: Any) -> str | None:
 
 CORRECTIONS.register(RolloutCorrection(
     name="none", doc="no correction (sync mode only)", reads={}, rules=(async_needs_a_correction,),
-    weights=None))
+    weights=None, objective=lambda old, *_: torch.ones_like(old)))

@@ -68,22 +68,27 @@ class KLEstimator(Entry):
     """``per_token(r)``: [B, T] the estimate k(r) from ``r = logprobs - ref_logprobs`` of tokens sampled from
     pi; ``unbiased``: its expectation is KL(pi || pi_ref), so the controller's statistic is exact;
     ``exact_penalty_gradient``: its penalty in the reward has the policy gradient of KL(pi || pi_ref) (k1
-    alone: the others' expectations are right or close, their gradients through the reward are not)."""
+    alone: the others' expectations are right or close, their gradients through the reward are not);
+    ``objective(r)``: the documented k(r), written again in float64 (the harness's reference of the
+    controller's statistic, whose expectation it computes by enumeration)."""
 
     per_token: Callable[[Tensor], Tensor]
+    objective: Callable[[Tensor], Tensor]
     unbiased: bool
     exact_penalty_gradient: bool = False
 
 
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("kl.estimator", "KL estimator")
-KL_ESTIMATORS.register(KLEstimator(name="k1", doc="r: unbiased, the default; an unbiased gradient in the "
-                                   "reward", reads={}, per_token=lambda r: r, unbiased=True,
-                                   exact_penalty_gradient=True))
-KL_ESTIMATORS.register(KLEstimator(name="k2", doc="r^2 / 2: biased, low variance", reads={},
-                                   per_token=lambda r: 0.5 * r.square(), unbiased=False))
+KL_ESTIMATORS.register(KLEstimator(
+    name="k1", doc="r: unbiased, the default; an unbiased gradient in the reward", reads={},
+    per_token=lambda r: r, objective=lambda r: r, unbiased=True, exact_penalty_gradient=True))
+KL_ESTIMATORS.register(KLEstimator(
+    name="k2", doc="r^2 / 2: biased, low variance", reads={}, per_token=lambda r: 0.5 * r.square(),
+    objective=lambda r: r**2 / 2, unbiased=False))
 # expm1 keeps k3 accurate (and >= 0) for small |r|, where exp(-r) - 1 cancels
-KL_ESTIMATORS.register(KLEstimator(name="k3", doc="exp(-r) - 1 + r: unbiased, always >= 0", reads={},
-                                   per_token=lambda r: torch.expm1(-r) + r, unbiased=True))
+KL_ESTIMATORS.register(KLEstimator(
+    name="k3", doc="exp(-r) - 1 + r: unbiased, always >= 0", reads={},
+    per_token=lambda r: torch.expm1(-r) + r, objective=lambda r: torch.exp(-r) - 1 + r, unbiased=True))
 
 
 def check_estimator(estimator: str) -> KLEstimator:

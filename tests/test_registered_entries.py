@@ -1,6 +1,6 @@
 """A policy loss registered here, inside the test, runs through the config, the rules, the update and the
-settings-space harness without a change to any other file; with a wrong declared objective, or with a
-plausible bug in a registered loss's terms, the harness fails."""
+settings-space harness without a change to any other file; with a wrong declared objective the harness fails
+(plausible bugs in the registered entries: tests/test_mutations.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,7 @@ from learner.algorithm import Algorithm
 from learner.policy_losses import (
     POLICY_LOSSES,
     PolicyLoss,
-    cispo_terms,
     clipped_objective,
-    clipped_terms,
-    ppo_clip,
-    sapo_terms,
 )
 from learner.registry import entry_rule
 from services.config import load_config
@@ -112,46 +108,3 @@ def test_a_policy_loss_registered_here_passes_the_harness_and_fails_it_with_a_wr
         log_r.exp(), a, (p.clip_range, p.clip_range)))
     with POLICY_LOSSES.registered(wrong), pytest.raises(AssertionError, match="soft_clip"):
         harness.check_policy_loss_entry("soft_clip", clip_range=0.3)
-
-
-# plausible bugs in the registered losses' terms, each checked against the correct entry's objective
-def _cispo_weight_not_detached(log_ratio, a, mask, p):
-    return -a * log_ratio.exp().clamp(1.0 - p.cispo_clip_low, 1.0 + p.cispo_clip_high), {}
-
-
-def _sapo_temperatures_swapped(log_ratio, a, mask, p):
-    return sapo_terms(log_ratio, a, mask, p.model_copy(update={"sapo_tau_pos": p.sapo_tau_neg,
-                                                               "sapo_tau_neg": p.sapo_tau_pos}))
-
-
-def _ppo_clip_on_the_wrong_side(log_ratio, a, mask, p):
-    ratio, (low, high) = log_ratio.exp(), ppo_clip(p)
-    return torch.minimum(-a * ratio, -a * ratio.clamp(1.0 - low, 1.0 + high)), {}
-
-
-def _cispo_weight_unclipped(log_ratio, a, mask, p):
-    return cispo_terms(log_ratio, a, mask, p.model_copy(update={"cispo_clip_high": 1e9}))
-
-
-def _ppo_one_bound_for_both(log_ratio, a, mask, p):
-    return clipped_terms(log_ratio, a, mask, (ppo_clip(p)[0], ppo_clip(p)[0]))
-
-
-MUTANTS = {"cispo weight not detached": ("cispo", _cispo_weight_not_detached, {}),
-           "cispo weight unclipped": ("cispo", _cispo_weight_unclipped, {}),
-           "sapo temperatures swapped": ("sapo", _sapo_temperatures_swapped, {}),
-           "ppo clip on the wrong side": ("ppo", _ppo_clip_on_the_wrong_side, {}),
-           "ppo clip-higher ignored": ("ppo", _ppo_one_bound_for_both, {"clip_range_high": 0.28})}
-
-
-@pytest.mark.parametrize("mutant", MUTANTS)
-def test_the_harness_fails_on_a_plausible_bug_in_a_policy_loss(mutant):
-    name, terms, ppo = MUTANTS[mutant]
-    original = POLICY_LOSSES.entries[name]
-    POLICY_LOSSES.entries[name] = dataclasses.replace(original, terms=terms)
-    try:
-        with pytest.raises(AssertionError, match=name):
-            harness.check_policy_loss_entry(name, **ppo)
-    finally:
-        POLICY_LOSSES.entries[name] = original
-    harness.check_policy_loss_entry(name, **ppo)

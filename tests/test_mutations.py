@@ -1,0 +1,179 @@
+"""Mutation testing of the settings-space harness: plausible bugs, each a small patch of one named function or
+registered entry, applied one at a time; the harness's check of the entry the bug is in (its own axes) must
+fail on each by an assertion on the numbers, and pass once the patch is gone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from learner import correction, kl, policy_losses
+from learner.algorithm import Algorithm
+from tests import test_settings_space as harness
+
+
+def entry_patch(registry, name, **fields):
+    """A patch of the registered entry ``name``: its fields replaced."""
+    def apply(monkeypatch):
+        monkeypatch.setitem(registry.entries, name, dataclasses.replace(registry.entries[name], **fields))
+    return apply
+
+
+def function_patch(module, name, make):
+    """A patch of ``module.name``: ``make(original)`` in its place."""
+    def apply(monkeypatch):
+        monkeypatch.setattr(module, name, make(getattr(module, name)))
+    return apply
+
+
+def _sapo_temperatures_swapped(log_ratio, a, mask, p):
+    return policy_losses.sapo_terms(log_ratio, a, mask, p.model_copy(update={"sapo_tau_pos": p.sapo_tau_neg,
+                                                                             "sapo_tau_neg": p.sapo_tau_pos}))
+
+
+def _cispo_weight_not_detached(log_ratio, a, mask, p):
+    return -a * log_ratio.exp().clamp(1.0 - p.cispo_clip_low, 1.0 + p.cispo_clip_high), {}
+
+
+def _cispo_weight_unclipped(log_ratio, a, mask, p):
+    return policy_losses.cispo_terms(log_ratio, a, mask, p.model_copy(update={"cispo_clip_high": 1e9}))
+
+
+def _ppo_clip_on_the_wrong_side(log_ratio, a, mask, p):
+    ratio, (low, high) = log_ratio.exp(), policy_losses.ppo_clip(p)
+    return torch.minimum(-a * ratio, -a * ratio.clamp(1.0 - low, 1.0 + high)), {}
+
+
+def _ppo_one_bound_for_both(log_ratio, a, mask, p):
+    low = policy_losses.ppo_clip(p)[0]
+    return policy_losses.clipped_terms(log_ratio, a, mask, (low, low))
+
+
+def _icepop_keeps_tokens_outside_its_band(log_w, x):
+    weights, beyond, _ = correction.icepop(log_w, x)
+    return weights, beyond, None
+
+
+def _geometric_band_on_the_product(log_k, mask, low, high):
+    import math
+
+    log_product = (log_k * mask).sum(-1, keepdim=True)
+    return ((log_product < math.log(low)) | (log_product > math.log(high))) & (mask > 0)
+
+
+def _off_policy_divergence_from_the_proximal_policy(log_w, x):
+    weights, beyond, _ = correction.truncated(log_w, x)
+    return weights, beyond, correction.off_policy_sequence_masked(x.old_logprobs, x.behaviour_logprobs,
+                                                                  x.advantages, x.mask, x.delta)
+
+
+def _controller_sums_per_row(self, batch, dropped=None):
+    rows = self.sampled(batch, dropped)
+    mask = rows.action_mask
+    behaviour = rows.rollout_logprobs * mask if self.off_policy else None
+    return kl.kl_sums(rows.old_logprobs * mask, rows.ref_logprobs * mask, mask, self.kl.estimator, behaviour)
+
+
+def _controller_inputs_unweighted(original):
+    def unweighted(self, batch):
+        logprobs, ref_logprobs, mask, _ = original(self, batch)
+        return logprobs, ref_logprobs, mask, None
+    return unweighted
+
+
+POLICY = "policy loss"
+CORRECTION = "correction"
+ESTIMATOR = "kl estimator"
+LOSSES, CORRECTIONS, KL_ESTIMATORS = policy_losses.POLICY_LOSSES, correction.CORRECTIONS, kl.KL_ESTIMATORS
+
+
+def _gspo_ratio_a_sum(original):
+    return lambda logprobs, old, mask: ((logprobs - old) * mask).sum(-1, keepdim=True)
+
+
+def _off_policy_mask_sign_flipped(original):
+    def flipped(logprobs, behaviour, advantages, mask, delta):
+        return original(logprobs, behaviour, -advantages, mask, delta)
+    return flipped
+
+
+# name -> (the kind of entry, the entry whose check runs, the patch, the settings of the check)
+MUTANTS = {
+    "SAPO's temperatures swapped between positive and negative advantages":
+        (POLICY, "sapo", entry_patch(LOSSES, "sapo", terms=_sapo_temperatures_swapped), {}),
+    "CISPO's weight not detached":
+        (POLICY, "cispo", entry_patch(LOSSES, "cispo", terms=_cispo_weight_not_detached), {}),
+    "CISPO's weight unclipped":
+        (POLICY, "cispo", entry_patch(LOSSES, "cispo", terms=_cispo_weight_unclipped), {}),
+    "PPO's clip on the wrong side (min for max)":
+        (POLICY, "ppo", entry_patch(LOSSES, "ppo", terms=_ppo_clip_on_the_wrong_side), {}),
+    "PPO's clip-higher ignored":
+        (POLICY, "ppo", entry_patch(LOSSES, "ppo", terms=_ppo_one_bound_for_both), {"clip_range_high": 0.28}),
+    "GSPO's sequence ratio a sum, not a mean":
+        (POLICY, "gspo", function_patch(policy_losses, "sequence_log_ratio", _gspo_ratio_a_sum), {}),
+    "GSPO-token's ratio not detached (GSPO's sequence ratio on every token)":
+        (POLICY, "gspo_token", entry_patch(LOSSES, "gspo_token", ratio_level="sequence"), {}),
+    "IcePop keeping the tokens outside its band":
+        (CORRECTION, "icepop",
+         entry_patch(CORRECTIONS, "icepop", weights=_icepop_keeps_tokens_outside_its_band), {}),
+    "the off-policy mask's sign flipped":
+        (CORRECTION, "off_policy_mask",
+         function_patch(correction, "off_policy_sequence_masked", _off_policy_mask_sign_flipped), {}),
+    "the off-policy mask's divergence from the proximal policy, not the one trained":
+        (CORRECTION, "off_policy_mask",
+         entry_patch(CORRECTIONS, "off_policy_mask", weights=_off_policy_divergence_from_the_proximal_policy),
+         {}),
+    "TIS masking instead of truncating":
+        (CORRECTION, "tis", entry_patch(CORRECTIONS, "tis", weights=correction.masked_beyond_cap), {}),
+    "MIS truncating instead of masking":
+        (CORRECTION, "mis", entry_patch(CORRECTIONS, "mis", weights=correction.truncated), {}),
+    "the geometric mask's band on the product, not the geometric mean":
+        (CORRECTION, "geometric_mask",
+         function_patch(correction, "geometric_mean_outside_band", lambda f: _geometric_band_on_the_product),
+         {}),
+    "k1 with its sign flipped":
+        (ESTIMATOR, "k1", entry_patch(KL_ESTIMATORS, "k1", per_token=lambda r: -r), {}),
+    "k2 without its half":
+        (ESTIMATOR, "k2", entry_patch(KL_ESTIMATORS, "k2", per_token=lambda r: r.square()), {}),
+    "k3 with exp(r) for exp(-r)":
+        (ESTIMATOR, "k3", entry_patch(KL_ESTIMATORS, "k3", per_token=lambda r: torch.expm1(r) - r), {}),
+    "the controller's sums counted per row instead of per episode":
+        (ESTIMATOR, "k1", lambda mp: mp.setattr(Algorithm, "controller_sums", _controller_sums_per_row), {}),
+    "the async statistic unweighted (k3 of the learner's log-probs on the engine's rows)":
+        (ESTIMATOR, "k3", function_patch(Algorithm, "_controller_inputs", _controller_inputs_unweighted), {}),
+}
+
+
+def check(kind: str, name: str, settings: dict, problems: dict) -> None:
+    if kind == POLICY:
+        harness.check_policy_loss_entry(name, **settings)
+    elif kind == CORRECTION:
+        reads_level = "correction_level" in CORRECTIONS.get(name).reads
+        for level in ("token", "sequence") if reads_level else ("token",):
+            harness.check_correction_entry(name, level, **settings)
+    else:
+        harness.check_kl_estimator_entry(name, problems)
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return harness.problems.__wrapped__()
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_the_harness_fails_on_each_plausible_bug(mutant, problems):
+    kind, name, patch, settings = MUTANTS[mutant]
+    with pytest.MonkeyPatch.context() as mp:
+        patch(mp)
+        with pytest.raises(AssertionError):
+            check(kind, name, settings, problems)
+    check(kind, name, settings, problems)  # and passes on the tree itself
+
+
+def test_the_list_covers_every_registered_policy_loss_correction_and_kl_estimator():
+    covered = {(kind, name) for kind, name, _, _ in MUTANTS.values()}
+    assert {(POLICY, n) for n in LOSSES.names()} <= covered
+    assert {(CORRECTION, n) for n in CORRECTIONS.names() if n != "none"} <= covered
+    assert {(ESTIMATOR, n) for n in KL_ESTIMATORS.names()} <= covered
