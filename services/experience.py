@@ -135,8 +135,7 @@ def make_batch(
     )
     if token_versions is not None:
         batch.token_version = pad_right(token_versions, -1, response_width)
-        oldest = [min((v for v in row if v >= 0), default=policy_version) for row in token_versions]
-        batch.policy_version = torch.tensor(oldest, dtype=torch.long)
+        batch.policy_version = row_versions(token_versions, policy_version)
     if episodes is not None:
         batch.turn_rewards = pad_right(episodes.turn_rewards, 0.0, response_width, dtype=torch.float32)
         batch.num_turns = torch.tensor(episodes.num_turns, dtype=torch.long)
@@ -155,6 +154,13 @@ class Episodes:
     tool_calls: list[int]
     environment_seconds: list[float]
     environment_failures: list[int]
+
+
+def row_versions(token_versions: list[list[int]], default: int) -> Tensor:
+    """[B] long: each row's version, its oldest sampled token's (-1 marks the environment's tokens; a row
+    without a sampled token takes ``default``): the staleness a row is admitted by."""
+    return torch.tensor([min((v for v in row if v >= 0), default=default) for row in token_versions],
+                        dtype=torch.long)
 
 
 def stale_tokens(batch: RolloutBatch, mask: Tensor, version: int | None) -> Tensor:

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from learner import correction, kl, policy_losses
+from learner import update as update_module
 from learner.algorithm import Algorithm
+from learner.update import RankScoring
+from services import experience
 from tests import test_settings_space as harness
 
 
@@ -76,6 +79,25 @@ def _controller_sums_per_row(self, batch, dropped=None):
     return kl.kl_sums(rows.old_logprobs * mask, rows.ref_logprobs * mask, mask, self.kl.estimator, behaviour)
 
 
+def _stamped_by_the_newest_token(original):
+    def newest(token_versions, default):
+        return torch.tensor([max((v for v in row if v >= 0), default=default) for row in token_versions])
+    return newest
+
+
+def _reference_from_the_engine(original):
+    def trained(self, chunk):
+        logprobs, _, _ = self.engine.forward(chunk, grad=False)
+        return logprobs * chunk.action_mask
+    return trained
+
+
+def _epochs_without_the_kl(original):
+    def epochs(engine, algorithm, settings, batch, kl_coef, iteration, step_forward=None):
+        return original(engine, algorithm, settings, batch, 0.0, iteration, step_forward)
+    return epochs
+
+
 def _controller_inputs_unweighted(original):
     def unweighted(self, batch):
         logprobs, ref_logprobs, mask, _ = original(self, batch)
@@ -84,6 +106,8 @@ def _controller_inputs_unweighted(original):
 
 
 POLICY = "policy loss"
+COLLECTION = "collection"  # the enumeration is collected again under the patch
+UPDATE = "update"  # learner.update's plumbing around the layer
 CORRECTION = "correction"
 ESTIMATOR = "kl estimator"
 LOSSES, CORRECTIONS, KL_ESTIMATORS = policy_losses.POLICY_LOSSES, correction.CORRECTIONS, kl.KL_ESTIMATORS
@@ -141,13 +165,28 @@ MUTANTS = {
         (ESTIMATOR, "k3", entry_patch(KL_ESTIMATORS, "k3", per_token=lambda r: torch.expm1(r) - r), {}),
     "the controller's sums counted per row instead of per episode":
         (ESTIMATOR, "k1", lambda mp: mp.setattr(Algorithm, "controller_sums", _controller_sums_per_row), {}),
+    "in-flight rows stamped with their newest token instead of their oldest":
+        (COLLECTION, "admission",
+         function_patch(experience, "row_versions", _stamped_by_the_newest_token), {}),
+    "the reference the rank scores with is the policy being trained, not its frozen copy":
+        (COLLECTION, "k1", function_patch(RankScoring, "reference_logprobs", _reference_from_the_engine), {}),
+    "the update's epochs without the KL coefficient (the loss-placed KL dropped)":
+        (UPDATE, "update", function_patch(update_module, "ppo_epochs", _epochs_without_the_kl), {}),
     "the async statistic unweighted (k3 of the learner's log-probs on the engine's rows)":
         (ESTIMATOR, "k3", function_patch(Algorithm, "_controller_inputs", _controller_inputs_unweighted), {}),
 }
 
 
 def check(kind: str, name: str, settings: dict, problems: dict) -> None:
-    if kind == POLICY:
+    if kind == UPDATE:
+        harness.check_update(problems, every=4)
+    elif kind == COLLECTION:  # the rows as collected under the patch
+        problems = harness.make_problems()
+        if name == "admission":
+            harness.check_admission(problems)
+        else:
+            harness.check_kl_estimator_entry(name, problems)
+    elif kind == POLICY:
         harness.check_policy_loss_entry(name, **settings)
     elif kind == CORRECTION:
         reads_level = "correction_level" in CORRECTIONS.get(name).reads
@@ -159,7 +198,7 @@ def check(kind: str, name: str, settings: dict, problems: dict) -> None:
 
 @pytest.fixture(scope="module")
 def problems():
-    return harness.problems.__wrapped__()
+    return harness.make_problems()
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)

@@ -89,7 +89,7 @@ def test_a_policy_loss_registered_here_runs_through_the_update(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def problems():
-    return harness.problems.__wrapped__()
+    return harness.make_problems()
 
 
 def test_a_policy_loss_registered_here_passes_the_harness_and_fails_it_with_a_wrong_objective(problems):

@@ -68,10 +68,12 @@ from learner.algorithm import Algorithm, episode_view
 from learner.correction import CORRECTIONS
 from learner.kl import KL_ESTIMATORS, kl_stats_from_sums
 from learner.policy_losses import POLICY_LOSSES
+from learner.update import RankScoring, collect_chunk
 from services.config import JobConfig, load_config
 from services.experience import FINISH_LENGTH, FINISH_STOP, Episodes, RolloutBatch, make_batch, pad_right
 
 EOS, ENV = 2, 3
+LEARNER_VERSION = 2  # the learner's version; the engine's are this or older (Problem.token_version)
 WIDTH = 4  # response positions: a, ENV, b, c at most
 BETA, DISTILL_COEF = 0.3, 0.2
 # relative gradient error of token-level correction at the harness's shift (0.15-0.2 nats/token)
@@ -285,6 +287,7 @@ class Problem:
     values: torch.Tensor  # [7] the critic's value of each state
     turn_reward: torch.Tensor  # [2] the first turn's reward by its token (multi-turn shapes)
     score: dict  # response -> final score, 0 or 1
+    mode: str = "sync"
 
     @classmethod
     def make(cls, seed: int, mode: str) -> Problem:
@@ -308,7 +311,18 @@ class Problem:
         if mode == "async_mixed":  # drawn last: the other tables are async mode's own
             newer = proximal + 0.15 * table()
             problem.behaviour = torch.cat([behaviour[:1], newer[1:]])
+        problem.mode = mode
         return problem
+
+    def token_version(self, state: tuple | None) -> int:
+        """The version that sampled a token from ``state`` (-1: the environment's): the learner's
+        ``LEARNER_VERSION`` in sync mode, one older in async mode; in flight (async_mixed), two older for
+        the first token and one older for the later ones."""
+        if state is None:
+            return -1
+        if self.mode == "sync":
+            return LEARNER_VERSION
+        return LEARNER_VERSION - (2 if self.mode == "async_mixed" and state == () else 1)
 
 
 def rows_of(y: tuple[int, ...], shape: str) -> list[tuple[list[int], list[int], list[tuple | None]]]:
@@ -353,6 +367,73 @@ def logprob_rows(table: torch.Tensor, states: list[list], ids: list[list[int]]) 
     return torch.stack(out)
 
 
+# ---------------------------------------------------------------------------- a rank over the tables
+
+
+class TabularEngine:
+    """``learner.engine.TrainingEngine`` over the harness's tabular policy: each row of an enumeration has its
+    own copy of the logit table (``theta`` [R, 7, 3], a row found by its ``prompt_index``), so that a step's
+    gradient holds each row's; values from the problem's table. ``step`` keeps the gradient and moves
+    nothing, so every step of an update is taken at the table it started from."""
+
+    rank, world_size, device, lm = 0, 1, torch.device("cpu"), None
+
+    def __init__(self, table: Tensor, states: list[list], ids: list[list[int]], values: Tensor) -> None:
+        from learner.ppo import LOCAL
+
+        self.reducer, self.states, self.ids, self.values = LOCAL, states, ids, values
+        self.theta = torch.nn.Parameter(table.expand(len(ids), *table.shape).clone())
+        self.steps: list[Tensor] = []
+        self._lr = 1.0
+
+    def forward(self, batch: RolloutBatch, grad: bool):
+        rows = batch.prompt_index.tolist()
+        states, ids = [self.states[i] for i in rows], [self.ids[i] for i in rows]
+        with torch.set_grad_enabled(grad):
+            logprobs = logprob_rows(self.theta[rows], states, ids)
+        zero = self.values.new_zeros(())
+        values = torch.stack([torch.stack([self.values[STATES[s]] if s is not None else zero for s in row]
+                                          + [zero] * (WIDTH - len(row))) for row in states])
+        return logprobs, values, torch.zeros(*logprobs.shape, 3, dtype=torch.float64)
+
+    def backward(self, loss: Tensor, boundary: bool | None = None) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.steps.append(self.theta.grad.clone())
+        self.theta.grad = None
+
+    def set_lr(self, lr: float) -> None:
+        self._lr = lr
+
+    def lr(self) -> float:
+        return self._lr
+
+    def agree(self, count: int) -> int:
+        return count
+
+    def lockstep(self, forwards: int):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def filler_backward(self, boundary: bool | None) -> None:
+        raise AssertionError("one rank has no filler")
+
+
+class TabularReference:
+    """The frozen reference a rank scores with (``actors.reference.ReferenceModel``'s ``score``), over a
+    table."""
+
+    def __init__(self, table: Tensor, states: list[list], ids: list[list[int]]) -> None:
+        self.table, self.states, self.ids = table, states, ids
+
+    def score(self, chunk: RolloutBatch) -> Tensor:
+        rows = chunk.prompt_index.tolist()
+        return logprob_rows(self.table, [self.states[i] for i in rows],
+                            [self.ids[i] for i in rows]) * chunk.action_mask
+
+
 @dataclass
 class Enumeration:
     """Every episode (every pair of episodes for a group estimator) as one batch, with each row's weight."""
@@ -386,24 +467,27 @@ def enumerate_batch(problem: Problem, shape: str, group_size: int) -> Enumeratio
             episode += 1
     behaviour = logprob_rows(problem.behaviour, states, ids)
     episodic = shape != "single"
+    # each token's version as the engine reports it: in flight, a row's tokens span two
+    versions = [[problem.token_version(s) for s in row] for row in states]
     batch = make_batch(prompts, ids, [row[: len(i)].tolist() for row, i in zip(behaviour, ids, strict=True)],
-                       finish, list(range(len(ids))), 0, 0, BETA, response_width=WIDTH,
+                       finish, list(range(len(ids))), 0, LEARNER_VERSION, BETA, response_width=WIDTH,
                        group_index=group_index, action_masks=masks, episode_index=episode_index,
                        episodes=Episodes(rewards, [1] * len(ids), [0] * len(ids), [0.0] * len(ids),
-                                         [0] * len(ids)) if episodic else None)
+                                         [0] * len(ids)) if episodic else None,
+                       token_versions=versions if problem.mode == "async_mixed" else None)
+    if problem.mode == "async":  # one older version sampled each row
+        batch.policy_version = batch.policy_version - 1
     batch.rollout_logprobs = behaviour  # the harness is float64 throughout
     batch.action_mask = batch.action_mask.double()
     batch.response_mask = batch.response_mask.double()
     if batch.turn_rewards is not None:  # exact: make_batch's float32 would round them
         batch.turn_rewards = pad_right(rewards, 0.0, WIDTH, dtype=torch.float64)
-    batch.scores = torch.tensor([sum(r) for r in rewards], dtype=torch.float64)
-    batch.old_logprobs = logprob_rows(problem.proximal, states, ids)
-    batch.ref_logprobs = logprob_rows(problem.reference, states, ids)
-    batch.teacher_logprobs = logprob_rows(problem.teacher, states, ids)
-    batch.old_values = torch.stack([torch.stack([problem.values[STATES[s]] if s is not None
-                                                 else problem.values.new_zeros(()) for s in row]
-                                                + [problem.values.new_zeros(())] * (WIDTH - len(row)))
-                                    for row in states])
+    # collected as a rank collects a chunk: the learner's forward at the start of the update (old log-probs
+    # and values), the reference the rank scores itself (its frozen copy), the scores and the teacher's
+    engine = TabularEngine(problem.proximal, states, ids, problem.values)
+    scoring = RankScoring(engine, TabularReference(problem.reference, states, ids), None)
+    scores = torch.tensor([sum(r) for r in rewards], dtype=torch.float64)
+    collect_chunk(engine, scoring, batch, 0, False, scores, None, logprob_rows(problem.teacher, states, ids))
     return Enumeration(batch, states, ids, torch.tensor(weight, dtype=torch.float64), group_size, of)
 
 
@@ -691,8 +775,8 @@ def meets(expected: str, error: float) -> bool:
 # ---------------------------------------------------------------------------- the harness
 
 
-@pytest.fixture(scope="module")
-def problems() -> dict:
+def make_problems() -> dict:
+    """(mode, shape, group size) -> (the problem, its enumeration, collected as a rank collects)."""
     out = {}
     for mode in AXES["mode"]:
         for shape in AXES["shape"]:
@@ -700,6 +784,11 @@ def problems() -> dict:
             for group in (1, 2):
                 out[(mode, shape, group)] = (problem, enumerate_batch(problem, shape, group))
     return out
+
+
+@pytest.fixture(scope="module")
+def problems() -> dict:
+    return make_problems()
 
 
 def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_every_refusal_names_its_fields(
@@ -1059,3 +1148,86 @@ def check_kl_estimator_entry(name: str, problems: dict) -> None:
 @pytest.mark.parametrize("name", KL_ESTIMATORS.names())
 def test_each_kl_estimator_feeds_the_controller_its_documented_statistic(name, problems):
     check_kl_estimator_entry(name, problems)
+
+
+# ---------------------------------------------------------------------------- the update itself
+
+
+def update_gradient(algorithm: Algorithm, cfg: JobConfig, e: Enumeration, at: Tensor, kl_coef: float,
+                    values: Tensor) -> Tensor:
+    """``layer_gradient``'s measure of the step ``learner.update.update`` takes on the enumeration, driven
+    with a ``TabularEngine`` at ``at`` (the rows' old log-probs are the engine's own there): one epoch, one
+    minibatch of every row, so one step."""
+    from dataclasses import replace
+
+    from learner.plan import UpdateSettings
+    from learner.update import update
+
+    rows, _ = trained_rows(algorithm, e.batch)
+    engine = TabularEngine(at, e.states, e.ids, values)
+    spp = cfg.rollout.samples_per_prompt
+    settings = UpdateSettings(cfg.ppo.model_copy(update={"epochs": 1, "minibatch_size": rows.numel(),
+                                                         "lr_schedule": "constant"}),
+                              rollout_batch_size=rows.numel() if algorithm.dynamic_sampling else None,
+                              rows_per_episode_vary=not episode_view(e.batch).trivial)
+    algorithm = replace(algorithm, samples_per_prompt=spp)
+    batch = e.batch.clone()
+    update(engine, algorithm, settings, batch, kl_coef, 1, version=LEARNER_VERSION)
+    (per_row,) = engine.steps
+    trained = e.batch[rows]
+    algorithm.prepare(trained, kl_coef)  # the loss's mask: DAPO's overlong filtering takes rows out of it
+    counts = algorithm.loss_counts(trained)
+    weight = e.weight[rows]
+    expected = torch.einsum("r,rsv->sv", weight, per_row[rows]) / e.group_size
+    kl_only = "kl_count" in counts and kl_coef > 0 and algorithm.kl.placement == "loss"
+    return -expected * float(counts["kl_count"] if kl_only else counts["denominator"])
+
+
+def check_update(problems: dict, every: int = 1) -> int:
+    """``learner.update.update``, through a training engine as a rank runs it (the rows to train on, the
+    controller's sums, the advantages, the epochs and minibatches), takes the gradient step whose expectation
+    the harness checks (``layer_gradient``), on the covering rows (every ``every``-th) of every mode, shape
+    and estimator. Returns how many it checked."""
+    rows, _ = covering_array(AXES, tries=8)
+    checked = 0
+    for c in rows[::every]:
+        cfg, refusal = resolve(c)
+        assert cfg is not None, refusal
+        algorithm = Algorithm.from_config(cfg)
+        group = 2 if cfg.rollout.samples_per_prompt > 1 else 1
+        problem, e = problems[(c["mode"], c["shape"], group)]
+        e = with_logprobs(e, teacher_logprobs=problem.proximal)
+        want, _ = layer_gradient(algorithm, e, problem.proximal, BETA)
+        got = update_gradient(algorithm, cfg, e, problem.proximal, BETA, problem.values)
+        assert relative_error(got, want) < EXACT, (c, relative_error(got, want))
+        checked += 1
+    return checked
+
+
+def test_the_update_takes_the_step_the_layer_checks(problems):
+    checked = check_update(problems)
+    print(f"the update's step equals the layer's on {checked} combinations")
+    assert checked >= 40
+
+
+def check_admission(problems: dict) -> None:
+    """The staleness admission the rank applies (``learner.records.Admission``) to the rows as the engine
+    stamps them: a row whose tokens span versions (in flight) is as stale as its oldest token, so at each
+    bound exactly the rows whose oldest token is beyond it are refused."""
+    from learner.records import Admission
+
+    for mode in ("sync", "async", "async_mixed"):
+        for shape in AXES["shape"]:
+            problem, e = problems[(mode, shape, 1)]
+            oldest = [min(problem.token_version(s) for s in row if s is not None) for row in e.states]
+            assert e.batch.policy_version.tolist() == oldest, (mode, shape)
+            for bound in (0, 1, 2):
+                refused = Admission(LEARNER_VERSION, None, bound).refuses(e.batch.policy_version,
+                                                                          e.batch.kl_coef)
+                assert refused.tolist() == [LEARNER_VERSION - v > bound for v in oldest], (mode, shape, bound)
+    mixed, e = problems[("async_mixed", "single", 1)]
+    assert {v for row in e.states for v in map(mixed.token_version, row)} >= {0, 1}  # rows span two versions
+
+
+def test_rows_are_admitted_by_their_oldest_token(problems):
+    check_admission(problems)
