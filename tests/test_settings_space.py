@@ -54,8 +54,10 @@ enough that no ratio is clipped at the step the gradient is taken.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -71,6 +73,7 @@ from learner.policy_losses import POLICY_LOSSES
 from learner.update import RankScoring, collect_chunk
 from services.config import JobConfig, load_config
 from services.experience import FINISH_LENGTH, FINISH_STOP, Episodes, RolloutBatch, make_batch, pad_right
+from tests.conftest import ROOT
 
 EOS, ENV = 2, 3
 LEARNER_VERSION = 2  # the learner's version; the engine's are this or older (Problem.token_version)
@@ -762,6 +765,42 @@ def mask_binds(c: dict, cfg: JobConfig, problems: dict) -> bool | None:
     return bool((-per_episode > p.off_policy_mask_delta).any())
 
 
+CHECKS = {"statistic": "the controller's statistic against KL(pi_prox \\|\\| pi_ref)",
+          "statistic_documented": "the controller's statistic against its estimator's documented expectation",
+          "score": "the task score's expected gradient", "kl": "the reference KL's expected gradient",
+          "teacher": "the teacher's reverse KL's expected gradient"}
+FIGURES = ROOT / "docs" / "harness-figures.md"
+
+
+def span(errors: list[float], cls: str = "") -> str:
+    """A range of relative errors as the docs give it: an exact class by its bound, and an error below it as 0
+    (their digits at 1e-16 are the machine's rounding); the others to two significant digits."""
+    if cls == "exact":
+        return "below 1e-6"
+    low, high = (f"{x:.2g}" if x >= EXACT else "0" for x in (min(errors), max(errors)))
+    return low if low == high else f"{low} .. {high}"
+
+
+def figures(section: str, lines: list[str]) -> None:
+    """The harness's figures of ``section`` in docs/harness-figures.md, between its markers: the page must
+    hold exactly what this run measured (``TETHER_WRITE_FIGURES=1`` writes them instead)."""
+    text = FIGURES.read_text()
+    start, end = f"<!-- {section} -->\n", f"<!-- /{section} -->"
+    i, j = text.index(start) + len(start), text.index(end)
+    body = "\n".join(lines) + "\n"
+    if os.environ.get("TETHER_WRITE_FIGURES"):
+        FIGURES.write_text(text[:i] + body + text[j:])
+        return
+    assert text[i:j] == body, (f"docs/harness-figures.md's {section!r} figures are not this run's; run the "
+                               "harness with TETHER_WRITE_FIGURES=1 to write them:\n" + body)
+
+
+def seed_table(what: str, rows: dict[str, list[float]], against: str = "") -> list[str]:
+    """A table of each row's relative gradient errors over the seeds, an exact row by its class's bound."""
+    return [f"| {what} | relative gradient error{against} (min .. max over seeds) |", "|---|---|",
+            *(f"| {name} | {span(errors)} |" for name, errors in rows.items())]
+
+
 def meets(expected: str, error: float) -> bool:
     """Whether a measured error fits its documented class: exact below ``EXACT``; bounded within
     ``TOKEN_CORRECTION_BOUND``; biased by design never silently exact."""
@@ -820,18 +859,23 @@ def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_eve
                     by_value.setdefault(value, {}).setdefault(expected[check], []).append(err)
             if not meets(expected[check], err):
                 failures.append((check, expected[check], err, c))
-    print(f"\n{len(combos) + len(refused_pairs)} combinations: {len(combos) + len(refused_pairs) - refused} "
-          f"accepted, {refused} refused ({len(refused_pairs)} pairs of values no accepted combination holds)")
-    print("| check | class | combinations | error (min .. max) |\n|---|---|---|---|")
-    for (check, cls), errors in sorted(table.items()):
-        print(f"| {check} | {cls} | {len(errors)} | {min(errors):.2e} .. {max(errors):.2e} |")
-    print("| setting | gradient checks: class, how many, error (min .. max) |\n|---|---|")
-    for value in NEW_VALUES:
-        print(f"| {value} | " + "; ".join(f"{cls} {len(errors)}: {min(errors):.1e} .. {max(errors):.1e}"
-                                          for cls, errors in sorted(by_value[value].items())) + " |")
-    print("| mask | mode | binds on the problem |\n|---|---|---|")
-    for (kind, mode), binds in sorted(bound.items()):
-        print(f"| {kind} | {mode} | {' and '.join(sorted(map(str, binds)))} |")
+    total = len(combos) + len(refused_pairs)
+    counts = (f"{total} combinations: {total - refused} accepted, {refused} refused ({len(refused_pairs)} "
+              "pairs of values no accepted combination holds).")
+    lines = [counts, "",
+             "| check | class | accepted combinations | relative error (min .. max) |", "|---|---|---|---|"]
+    order = {cls: i for i, cls in enumerate(("exact", "bounded", "biased"))}
+    lines += [f"| {CHECKS[check]} | {cls} | {len(errors)} | {span(errors, cls)} |"
+              for (check, cls), errors in sorted(table.items(), key=lambda kv: (list(CHECKS).index(kv[0][0]),
+                                                                                 order[kv[0][1]]))]
+    lines += ["", "| setting | gradient checks: class, how many, relative error (min .. max) |", "|---|---|"]
+    lines += [f"| `{value}` | " + "; ".join(f"{cls} {len(errors)}: {span(errors, cls)}"
+                                            for cls, errors in sorted(by_value[value].items())) + " |"
+              for value in NEW_VALUES]
+    lines += ["", "| mask | mode | drops a token of the problem |", "|---|---|---|"]
+    lines += [f"| `{kind}` | {mode} | {' and '.join(sorted(map(str, binds)))} |"
+              for (kind, mode), binds in sorted(bound.items())]
+    figures("combinations", lines)
     assert not failures, "\n".join(map(repr, failures[:10])) + f"\n... {len(failures)} in all"
     # every mask is exercised both ways: not binding where the engine holds the learner's version (k = 1),
     # binding at the async shift, where the class it changes to (biased) is checked
@@ -864,7 +908,8 @@ def token_shift(problem: Problem, other: Tensor | None = None) -> float:
     return total / length
 
 
-GEOMETRIC_DEFAULT = "geometric_mask token, band [0.999, 1.001] (the default), uncapped"
+GEOMETRIC_DEFAULT = "geometric_mask token, band [0.999, 1.001] (the default; async mode refuses it), uncapped"
+GEOMETRIC_ASYNC = "geometric_mask token, band [0.95, 1.05], uncapped"
 
 
 def mixed_target(problem: Problem) -> Tensor:
@@ -897,6 +942,7 @@ def test_rollout_correction_and_placement_figures_over_seeds():
                 ("mis sequence, uncapped", "mis", "sequence", 1e6, {}, False),
                 ("icepop, band [0.5, 5] (the default)", "icepop", "token", None, {}, False),
                 ("icepop, band [0.8, 1.25]", "icepop", "token", None, NARROW_ICEPOP, False),
+                (GEOMETRIC_ASYNC, "geometric_mask", "token", 1e6, ASYNC_GEOMETRIC, False),
                 (GEOMETRIC_DEFAULT, "geometric_mask", "token", 1e6, {}, False),
                 ("geometric_mask sequence, band [0.5, 2], uncapped", "geometric_mask", "sequence", 1e6,
                  {"geometric_mask_low": 0.5, "geometric_mask_high": 2.0}, False),
@@ -909,15 +955,17 @@ def test_rollout_correction_and_placement_figures_over_seeds():
             settings = overrides({**GRPO_ASYNC, "correction": (correction, level)})
             settings["ppo"] |= extra | ({} if cap is None else {"is_cap": cap})
             cfg = load_config(None, settings)
+            algorithm = Algorithm.from_config(cfg)
+            if name == GEOMETRIC_DEFAULT:  # measured to show why async mode refuses it
+                algorithm = dataclasses.replace(algorithm, ppo=cfg.ppo.model_copy(
+                    update={"geometric_mask_low": 0.999, "geometric_mask_high": 1.001}))
             at, batch, want = ((mixed.proximal, e_mixed, mixed_target(mixed)) if in_flight
                                else (problem.proximal, e, target))
-            got, _ = layer_gradient(Algorithm.from_config(cfg), batch, at, BETA)
+            got, _ = layer_gradient(algorithm, batch, at, BETA)
             rows.setdefault(name, []).append(relative_error(got, want))
-    print(f"\nasync shift: {min(shifts):.2f} .. {max(shifts):.2f} nats per token "
-          f"|log pi_prox - log pi_behav|, {len(SEEDS)} seeds")
-    print("| correction | relative gradient error (min .. max over seeds) |\n|---|---|")
-    for name, errors in rows.items():
-        print(f"| {name} | {min(errors):.3f} .. {max(errors):.3f} |")
+    shift = f"{min(shifts):.2f} .. {max(shifts):.2f}"
+    head = f"The async shift: {shift} nats per token |log pi_prox - log pi_behav|, {len(SEEDS)} seeds."
+    figures("corrections", [head, "", *seed_table("correction", rows)])
     assert max(rows["tis sequence, uncapped"]) < EXACT and max(rows["mis sequence, uncapped"]) < EXACT
     assert max(rows["tis token, uncapped"]) <= TOKEN_CORRECTION_BOUND
     assert min(rows["tis token, cap 2 (the default)"]) > EXACT  # a cap is a bias: never silently exact
@@ -948,8 +996,10 @@ def test_rollout_correction_and_placement_figures_over_seeds():
             placements[(defaults, placement)] = got
     exact_lambda = relative_error(placements[(False, "loss")], placements[(False, "reward")])
     defaults = relative_error(placements[(True, "loss")], placements[(True, "reward")])
-    print(f"kl.placement loss against reward, GAE at gamma = lambda = 1 unwhitened: {exact_lambda:.1e}; at "
-          f"the job's lambda 0.95 with whitening: {defaults:.3f}")
+    figures("placements", [
+        ("`kl.placement` loss against reward, the relative difference of the gradients: at GAE with gamma = "
+         f"lambda = 1 unwhitened {span([exact_lambda], 'exact')}; at the job's lambda 0.95 with whitening "
+         f"{span([defaults])}.")])
     assert exact_lambda < EXACT and defaults > 0.01
 
 
@@ -985,12 +1035,11 @@ def test_policy_loss_figures_off_the_first_step():
         target = grads.pop("ppo, unclipped (the target)")
         for name, got in grads.items():
             rows.setdefault(name, []).append(relative_error(got, target))
-    print(f"\ncurrent policy's shift from the proximal: {min(shifts):.2f} .. {max(shifts):.2f} nats per "
-          f"token |log rho|, {len(SEEDS)} seeds")
-    print("| policy loss | relative gradient error against PPO's unclipped surrogate (min .. max over seeds) "
-          "|\n|---|---|")
-    for name, errors in rows.items():
-        print(f"| {name} | {min(errors):.2e} .. {max(errors):.2e} |")
+    shift = f"{min(shifts):.2f} .. {max(shifts):.2f}"
+    head = (f"The current policy's shift from the proximal one: {shift} nats per token |log rho|, "
+            f"{len(SEEDS)} seeds.")
+    table = seed_table("policy loss", rows, " against PPO's unclipped surrogate")
+    figures("policy_losses", [head, "", *table])
     assert max(rows["cispo, weight in [0, 5] (the default)"]) < EXACT
     for name in ("cispo, weight in [0.95, 1.05]", "sapo, tau 1.0 / 1.05 (the default)", "sapo, tau 5 / 5"):
         assert min(rows[name]) > EXACT, name
