@@ -202,8 +202,8 @@ def truncated_loss_mask(mask: Tensor, finish_reason: Tensor) -> Tensor:
 
 def scheduled_lr(lr: float, schedule: Literal["constant", "linear"], iteration: int,
                  iterations: int) -> float:
-    """The learning rate of 1-based ``iteration`` of ``iterations``: ``lr`` (constant), or annealed
-    linearly to 0 over the run, one step per iteration, as lm-human-preferences' ``lr * (1 - step /
+    """The learning rate of 1-based ``iteration`` of ``iterations``: ``lr`` (constant), or falling linearly
+    toward 0 over the run, one step per iteration, as lm-human-preferences' ``lr * (1 - step /
     nupdates)``: ``lr * (1 - (iteration - 1) / iterations)``, from ``lr`` down to ``lr / iterations``.
     A pure function of the iteration, so a resumed run continues the same schedule."""
     if schedule == "constant":

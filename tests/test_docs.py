@@ -97,3 +97,42 @@ def test_every_learner_main_command_in_the_docs_parses(page, tmp_path, monkeypat
         capsys.readouterr()
         assert parse_cli([*args, "--print-config"]) is None, args
         assert "kl:" in capsys.readouterr().out, args
+
+
+DEFAULT_COLUMN = re.compile(r"^\| setting \| tether \(?default\)? \|")
+ONE_SETTING = re.compile(r"^\| `([a-z_]+(?:\.[a-z_]+)+)` \| ([^|]*) \|")
+
+
+def shown_default(value) -> set[str]:
+    """The ways a docs table may write a setting's default."""
+    if value is None:
+        return {"none", "null", "unset"}
+    if isinstance(value, bool):
+        return {str(value).lower()}
+    return {str(value), repr(value)}
+
+
+def test_the_defaults_the_docs_tables_give_are_the_configs():
+    """A row of a docs table headed "setting | tether default" that names one setting gives the config's own
+    default first, and where the default follows other settings when unset, names them."""
+    from services.config import FOLLOWED_DEFAULTS
+
+    followed = {f"{section}.{name}": sources for section, name, sources in FOLLOWED_DEFAULTS}
+    checked = []
+    for page in PAGES:
+        in_table = False
+        for line in page.read_text().splitlines():
+            in_table = bool(DEFAULT_COLUMN.match(line)) or (in_table and line.startswith("|"))
+            if not in_table or not (row := ONE_SETTING.match(line)):
+                continue
+            path, cell = row.groups()
+            *sections, name = path.split(".")
+            model = JobConfig
+            for key in sections:
+                model = _section(model, key)
+            default = model.model_fields[name].default
+            first = re.split(r"[\s:(;,]", cell.strip().replace("`", ""), maxsplit=1)[0]
+            assert first in shown_default(default), (page.name, path, cell, default)
+            assert all(source in cell for source in followed.get(path, ())), (page.name, path, cell)
+            checked.append(path)
+    assert {"ppo.lr_schedule", "ppo.whiten_rewards", "distill.coef"} <= set(checked), checked
