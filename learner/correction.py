@@ -63,19 +63,30 @@ def geometric_mean_outside_band(log_k: Tensor, mask: Tensor, low: float, high: f
     return ((log_mean < math.log(low)) | (log_mean > math.log(high))) & (mask > 0)
 
 
+def sequence_advantage(advantages: Tensor, mask: Tensor) -> Tensor:
+    """[B, 1] the advantage of each row as a whole: its first model token's, which credits everything the
+    row sampled after it. For GRPO with the KL in the loss and for RLOO it is the row's one advantage (the
+    group-normalised score, the leave-one-out return); for GRPO with the KL in the reward, that less beta
+    times the row's whole KL; for GAE and REINFORCE++ the return to go from the row's first token, less the
+    baseline (GAE's value of the prompt). 0 for a row without a token."""
+    first = (mask > 0).to(torch.long).argmax(-1, keepdim=True)
+    return advantages.gather(-1, first) * (mask.sum(-1, keepdim=True) > 0)
+
+
 def off_policy_sequence_masked(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                                delta: float) -> Tensor:
-    """[B, T] bool: DeepSeek-V3.2's off-policy sequence masking (2025): token t of row b is masked when its
-    advantage is negative and the row's divergence from the sampler, ``D_b = (1 / |y_b|) sum_t log(pi_behav_t
-    / pi_theta_t)`` over the row's masked tokens, exceeds ``delta``. pi_theta is the policy being trained
-    (``logprobs``, detached), pi_behav the engine's sampled log-probs, so D_b holds the engine-learner
-    mismatch, the staleness of an older version (async) and the update's own move since its start. False
-    outside ``mask``.
+    """[B, T] bool: DeepSeek-V3.2's off-policy sequence masking (2025, eq. 9): row b is masked when its
+    advantage (``sequence_advantage``) is negative and its divergence from the sampler, ``D_b = (1 / |y_b|)
+    sum_t log(pi_behav_t / pi_theta_t)`` over the row's masked tokens, exceeds ``delta``: the whole row, also
+    where its tokens' advantages change sign along it (the KL to go, GAE). pi_theta is the policy being
+    trained (``logprobs``, detached), pi_behav the engine's sampled log-probs, so D_b holds the
+    engine-learner mismatch, the staleness of an older version (async) and the update's own move since its
+    start. False outside ``mask``.
 
     Args: logprobs, behaviour_logprobs, advantages, mask: [B, T]; delta: the threshold, nats per token.
     """
     divergence = _row_mean((behaviour_logprobs - logprobs).detach(), mask)
-    return (advantages < 0) & (divergence > delta) & (mask > 0)
+    return (sequence_advantage(advantages, mask) < 0) & (divergence > delta) & (mask > 0)
 
 
 def _mask_stats(masked: Tensor, mask: Tensor) -> dict[str, Tensor]:
@@ -204,10 +215,13 @@ def geometric_mask_objective(old, behaviour, current, advantages, mask, level, p
 
 
 def off_policy_mask_objective(old, behaviour, current, advantages, mask, level, p) -> Tensor:
-    """TIS times DeepSeek-V3.2's M: 0 where A < 0 and (1 / |y|) sum_t log(pi_behav / pi_theta) > delta."""
+    """TIS times DeepSeek-V3.2's M: 0 on a row whose advantage A_i (its first model token's) is negative and
+    whose (1 / |y|) sum_t log(pi_behav / pi_theta) exceeds delta."""
     tokens = mask.sum(-1, keepdim=True).clamp(min=1)
     divergence = ((behaviour - current) * mask).sum(-1, keepdim=True) / tokens
-    dropped = (advantages < 0) & (divergence > p.off_policy_mask_delta)
+    first = [int(row.nonzero()[0]) if row.any() else 0 for row in mask > 0]  # the row's advantage: its first
+    negative = (advantages[torch.arange(len(first)), first] < 0).unsqueeze(-1)
+    dropped = negative & (divergence > p.off_policy_mask_delta)
     tis = tis_objective(old, behaviour, current, advantages, mask, level, p)
     return torch.where(dropped, torch.zeros_like(tis), tis)
 
@@ -300,8 +314,8 @@ CORRECTIONS.register(RolloutCorrection(
 
 
 def off_policy_mask(log_w: Tensor, x: CorrectionInputs) -> tuple[Tensor, Tensor, Tensor]:
-    """TIS at the level, times 0 on the negative-advantage tokens of the rows that diverge from the sampler by
-    more than delta."""
+    """TIS at the level, times 0 on the rows with a negative advantage that diverge from the sampler by more
+    than delta."""
     if x.delta is None or x.logprobs is None or x.advantages is None:
         raise ValueError("off_policy_mask needs delta, the current logprobs and the advantages")
     weights, beyond, _ = truncated(log_w, x)
@@ -310,12 +324,13 @@ def off_policy_mask(log_w: Tensor, x: CorrectionInputs) -> tuple[Tensor, Tensor,
 
 
 CORRECTIONS.register(RolloutCorrection(
-    name="off_policy_mask", doc="TIS, with DeepSeek-V3.2's mask: the negative-advantage tokens of a row "
-    "whose mean log(pi_behav / pi) exceeds ppo.off_policy_mask_delta",
+    name="off_policy_mask", doc="TIS, with DeepSeek-V3.2's mask: a row whose advantage is negative and whose "
+    "mean log(pi_behav / pi) exceeds ppo.off_policy_mask_delta",
     reads={**CAPPED_READS,
            "off_policy_mask_delta": "the divergence past which the off-policy mask drops a row"},
     rules=(cap_above_one,), weights=off_policy_mask, objective=off_policy_mask_objective,
-    arguments=lambda p: {"delta": p.off_policy_mask_delta}, beyond_cap="truncated"))
+    arguments=lambda p: {"delta": p.off_policy_mask_delta},
+    beyond_cap="truncated"))
 
 
 @entry_rule("ppo.correction", "rollout.mode",

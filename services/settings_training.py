@@ -104,7 +104,7 @@ class PPOConfig(Section):
         "keeps a token's w inside [icepop_low, icepop_high] and masks it outside (Ring-1T); geometric_mask "
         "is tis with the rows whose geometric-mean token ratio is outside [geometric_mask_low, "
         "geometric_mask_high] masked (verl's geo mask); off_policy_mask is tis with DeepSeek-V3.2's mask: a "
-        "negative-advantage token of a row whose mean log(pi_behav / pi) exceeds off_policy_mask_delta; none "
+        "row with a negative advantage whose mean log(pi_behav / pi) exceeds off_policy_mask_delta; none "
         "only in sync mode")
     correction_level: Literal["token", "sequence"] = Field(
         "token", description="the rollout correction's weight: per token, or the whole response's likelihood "
@@ -127,7 +127,7 @@ class PPOConfig(Section):
         "(verl's 1.001)")
     off_policy_mask_delta: PositiveFloat = Field(
         1e-4, description="off_policy_mask: the threshold, nats per token, on a row's mean log(pi_behav / "
-        "pi) over its tokens (pi the policy being trained) above which its negative-advantage tokens are "
+        "pi) over its tokens (pi the policy being trained) above which a row with a negative advantage is "
         "masked (slime's 1e-4)")
     grpo_normalize: Literal["score", "return"] = Field(
         "score", description="grpo with the KL in the reward: score normalises the score in its group and "

@@ -145,6 +145,9 @@ MUTANTS = {
     "the off-policy mask's sign flipped":
         (CORRECTION, "off_policy_mask",
          function_patch(correction, "off_policy_sequence_masked", _off_policy_mask_sign_flipped), {}),
+    "the off-policy mask by each token's advantage, not the row's":
+        (CORRECTION, "off_policy_mask",
+         function_patch(correction, "sequence_advantage", lambda f: lambda advantages, mask: advantages), {}),
     "the off-policy mask's divergence from the proximal policy, not the one trained":
         (CORRECTION, "off_policy_mask",
          entry_patch(CORRECTIONS, "off_policy_mask", weights=_off_policy_divergence_from_the_proximal_policy),

@@ -98,21 +98,22 @@ def test_geometric_mask_drops_whole_rows_by_their_mean_log_ratio_by_hand():
                           pytest.approx([math.exp(-0.002)] * 3)]
 
 
-def test_off_policy_sequence_mask_drops_the_negative_tokens_of_divergent_rows_by_hand():
+def test_off_policy_sequence_mask_drops_the_negative_rows_that_diverge_by_hand():
     """DeepSeek-V3.2's mask, delta 1e-4: D_b = mean_t (log pi_behav - log pi). Row 0: D = (0.3 + 0.1) / 2 =
-    0.2 > delta, A = (-1, 0.5): its negative token masked, the positive kept. Row 1: D = -0.1 (the learner's
-    policy favours the row more than the sampler did): nothing masked, A < 0 or not. Row 2: D = 0.2 but every
-    A > 0: kept. The kept tokens keep TIS's weight (here pi_old = pi_behav: 1)."""
+    0.2 > delta, A = (-1, 0.5): the row's advantage (its first token's) is negative, the whole row masked,
+    its positive token too (the paper masks sequences). Row 1: D = -0.1 (the learner's policy
+    favours the row more than the sampler did): nothing masked, A < 0 or not. Row 2: D = 0.2 but A > 0: kept.
+    The kept tokens keep TIS's weight (here pi_old = pi_behav: 1)."""
     behaviour = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]])
     logprobs = torch.tensor([[-1.3, -1.1], [-0.9, -0.9], [-1.2, -1.2]])
     advantages = torch.tensor([[-1.0, 0.5], [-1.0, -2.0], [1.0, 0.1]])
     mask = torch.ones(3, 2)
     masked = off_policy_sequence_masked(logprobs, behaviour, advantages, mask, 1e-4)
-    assert masked.tolist() == [[True, False], [False, False], [False, False]]
+    assert masked.tolist() == [[True, True], [False, False], [False, False]]
     w, stats = rollout_correction_weights(behaviour, behaviour, mask, "off_policy_mask", "token", 2.0,
                                           delta=1e-4, logprobs=logprobs, advantages=advantages)
-    assert w.tolist() == [[0.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
-    assert float(stats["masked_token_fraction"]) == pytest.approx(1 / 6)
+    assert w.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+    assert float(stats["masked_token_fraction"]) == pytest.approx(2 / 6)
     assert float(stats["masked_sequence_fraction"]) == pytest.approx(1 / 3)
     # a threshold above row 0's divergence keeps it; the logprobs' gradient never flows through the mask
     assert not off_policy_sequence_masked(logprobs, behaviour, advantages, mask, 0.25).any()

@@ -1115,14 +1115,14 @@ CORRECTION_SETTINGS = {"tis": {"is_cap": 1.2}, "mis": {"is_cap": 1.2}, "icepop":
 
 
 def correction_objective_error(name: str, level: str, mode: str = "async", seed: int = 7,
-                               **ppo) -> tuple[float, float]:
+                               advantage: str = "rloo", **ppo) -> tuple[float, float]:
     """The entry ``name``'s factor on the policy term (``ppo.correction``, through ``Algorithm.loss``) against
     its documented factor (the entry's ``objective``, from the three policies' log-probs), as the expected
     gradient of PPO's term at the current policy: behaviour, proximal and current all differ (``mode``
-    async), RLOO in groups of 2. Returns (the relative error, the fraction of tokens whose factor the cap or
-    mask changed from w)."""
+    async), ``advantage`` (RLOO's one per response, or GAE's per token) in groups of 2. Returns (the relative
+    error, the fraction of tokens whose factor the cap or mask changed from w)."""
     entry = CORRECTIONS.get(name)
-    settings = {"advantage": "rloo", "correction": name, **ppo}
+    settings = {"advantage": advantage, "correction": name, **ppo}
     if "correction_level" in entry.reads:
         settings["correction_level"] = level
     cfg = load_config(None, {"ppo": settings, "rollout": {"samples_per_prompt": 2,
@@ -1152,11 +1152,14 @@ def check_correction_entry(name: str, level: str = "token", mode: str = "async",
     """The harness's check of a registered correction: the update's gradient is its documented factor's
     (exact: a mask's bias is the objective's), where the cap or mask changes some tokens' factor and not
     all (``none`` and sync mode: none)."""
-    error, changed = correction_objective_error(name, level, mode, **{**CORRECTION_SETTINGS[name], **ppo})
-    print(f"{name} {level} {mode}: error {error:.1e}, factor changed on {changed:.0%} of the tokens")
-    assert error < EXACT, (name, level, mode, error)
-    if name != "none" and mode != "sync":
-        assert 0 < changed < 1, (name, level, changed)
+    for advantage in ("rloo", "gae"):  # one advantage per response, and per token
+        error, changed = correction_objective_error(name, level, mode, advantage=advantage,
+                                                    **{**CORRECTION_SETTINGS[name], **ppo})
+        print(f"{name} {level} {mode} {advantage}: error {error:.1e}, factor changed on {changed:.0%} of the "
+              "tokens")
+        assert error < EXACT, (name, level, mode, advantage, error)
+        if name != "none" and mode != "sync":
+            assert 0 < changed < 1, (name, level, advantage, changed)
 
 
 CORRECTION_LEVELS = [(name, level) for name in CORRECTIONS.names() if name != "none"
