@@ -34,6 +34,9 @@ class UpdateSettings:
     rows_per_episode_vary: bool = False  # rollout.agent: an episode gives a row per trajectory of its calls
     max_tokens_per_microbatch: int | None = None  # learner.max_tokens_per_microbatch: packed micro-batches
     zero3: bool = False  # learner.zero_stage 3: every forward gathers the parameters from all ranks
+    # rollout.in_flight_updates keep_kv: a token sampled after a load is of its request's starting version's
+    # cache mixed with the new weights
+    cache_kept: bool = False
 
     @property
     def minibatches(self) -> int:
@@ -87,7 +90,7 @@ class RankSpec:
             threads = max(1, machine_cpus // cfg.learner.world_size)
         update = UpdateSettings(cfg.ppo, cfg.run.seed, cfg.run.iterations, cfg.rollout.batch_size,
                                 cfg.rollout.agent is not None, cfg.learner.max_tokens_per_microbatch,
-                                cfg.learner.zero_stage == 3)
+                                cfg.learner.zero_stage == 3, cfg.rollout.in_flight_updates == "keep_kv")
         return cls(model, cfg.learner, Algorithm.from_config(cfg), update, cfg.rollout.temperature,
                    cfg.run.seed, cfg.device("learner"), cfg.cluster.learner, reference, reward, threads)
 

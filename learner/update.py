@@ -118,7 +118,7 @@ def update(engine: TrainingEngine, algorithm: Algorithm, settings: UpdateSetting
         moments = explained_variance_moments(batch.old_values * mask, batch.returns, mask)
         ppo_sums["explained_variance_moments"] = moments.tolist()
     update_seconds = time.perf_counter() - t0
-    sums |= batch_sums(algorithm, batch, mask, version, group_counts)
+    sums |= batch_sums(algorithm, batch, mask, version, group_counts, settings.cache_kept)
     return RankUpdate(
         sums=sums,
         ppo_sums=ppo_sums,
@@ -213,17 +213,18 @@ def micro_batches(mb: RolloutBatch, budget: int | None) -> list[Tensor | None]:
 
 
 def batch_sums(algorithm: Algorithm, batch: RolloutBatch, mask: Tensor, version: int | None,
-               group_counts: dict[str, int]) -> dict[str, float]:
+               group_counts: dict[str, int], cache_kept: bool = False) -> dict[str, float]:
     """The update's sums over the rows besides the algorithm's own: lengths, the forward's tokens, the
-    engine-learner mismatch (rows of an older version apart), the rollout correction's, values and returns,
-    dynamic sampling's groups, the in-flight rows' and the environment's."""
+    engine-learner mismatch (tokens of an older version apart, and with ``cache_kept`` the tokens sampled
+    after a load from the older version's cache), the rollout correction's, values and returns, dynamic
+    sampling's groups, the in-flight rows' and the environment's."""
     from services.experience import in_flight_sums, sequence_lengths, stale_tokens
 
     old_logprobs, behaviour = batch.old_logprobs * mask, batch.rollout_logprobs * mask
     mismatch = (old_logprobs - behaviour).abs() * mask
     # rows an older version generated (async): their mismatch is mostly the policy's move since, reported
     # apart from the engine-learner numeric difference, which only rows of the learner's version measure
-    stale = stale_tokens(batch, mask, version)
+    stale = stale_tokens(batch, mask, version, cache_kept)
     sums = {
         "length_sum": float(mask.sum()),
         # the tokens a forward of these rows runs: the real ones, and in the padded [B, P + T] layout

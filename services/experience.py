@@ -163,15 +163,18 @@ def row_versions(token_versions: list[list[int]], default: int) -> Tensor:
                         dtype=torch.long)
 
 
-def stale_tokens(batch: RolloutBatch, mask: Tensor, version: int | None) -> Tensor:
+def stale_tokens(batch: RolloutBatch, mask: Tensor, version: int | None, cache_kept: bool = False) -> Tensor:
     """[B, T] float: 1 on the tokens of ``mask`` sampled by a version other than the learner's ``version``
-    (None: unknown, none counted); token by token with in-flight updates, where a response may span
-    versions."""
+    (None: unknown, none counted); token by token with in-flight updates, where a response may span versions.
+    ``cache_kept`` (``rollout.in_flight_updates: keep_kv``): a token sampled after a load came from the old
+    weights' keys and values mixed with the new weights, so it is the learner's version only where its request
+    started under it (the row's oldest token's)."""
     if version is None:
         return torch.zeros_like(mask)
+    row_stale = (batch.policy_version != version).unsqueeze(-1)
     if batch.token_version is not None:
-        return mask * (batch.token_version != version)
-    return mask * (batch.policy_version != version).unsqueeze(-1)
+        return mask * ((batch.token_version != version) | (row_stale & cache_kept))
+    return mask * row_stale
 
 
 def in_flight_sums(batch: RolloutBatch, mask: Tensor, version: int | None) -> dict[str, float]:

@@ -203,3 +203,21 @@ def test_async_overlaps_within_the_bound_and_resumes_with_an_empty_pipeline(ray_
     for r in after_kill:
         assert set(r["batch_policy_versions"]) <= {max(r["iteration"] - 2, 0), r["iteration"] - 1}, r
         assert r["in_flight_token_staleness_mean"] <= r["batch_staleness_max"] <= 1
+
+
+def test_keep_kv_tokens_after_a_load_count_as_their_requests_version_in_the_mismatch():
+    """A row whose request started under version 1 and went on after version 2 loaded: under keep_kv its
+    later tokens came from version 1's cache mixed with version 2's weights, so for a learner at version 2
+    the whole row is apart from the same-version mismatch; under partial (prefix prefilled again) the later
+    tokens are version 2's. A row started under version 2 is the learner's either way."""
+    import torch
+
+    from services.experience import make_batch, stale_tokens
+
+    batch = make_batch([[1], [1]], [[3, 3, 3], [3, 3]], [[0.0] * 3, [0.0] * 2], [0, 0], [0, 1], 0, 2, 0.1,
+                       token_versions=[[1, 2, 2], [2, 2]])
+    mask = batch.action_mask
+    kept = stale_tokens(batch, mask, 2, cache_kept=True)
+    assert kept.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    assert stale_tokens(batch, mask, 2).tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    assert torch.equal(stale_tokens(batch, mask, None, cache_kept=True), torch.zeros_like(mask))
