@@ -55,11 +55,15 @@ class TaskConfig(Section):
     eval_path: str | None = Field(None, description="dataset: evaluation prompts from this file or directory")
     eval_split: str | None = Field(None, description="dataset: evaluation prompts from this split (of "
                                    "eval_path, or else of path); neither: the training prompts")
-    reward_function: str | None = Field(None, description="dataset: package.module:function called per "
-                                        "sample as function(prompt=, completion=, **fields) -> float "
-                                        "(reward.kind=function)")
+    reward_function: str | None = Field(
+        None, description="dataset: package.module:function (reward.kind=function), called as its parameters "
+        "say: per sample as function(prompt=, completion=, **fields) -> float; TRL's per batch as "
+        "function(prompts=, completions=, **columns) -> list (conversational completions where the prompts "
+        "are chat messages); verl's compute_score(data_source, solution_str, ground_truth, extra_info) per "
+        "sample")
     reward_fields: list[str] = Field(default_factory=list, description="dataset: the row's fields passed to "
-                                     "reward_function by name, e.g. a reference answer")
+                                     "reward_function by name, e.g. a reference answer; a nested field "
+                                     "(verl's reward_model.ground_truth) by its last part")
     # task.name=environment: multi-turn episodes with your own environment (services/environments)
     environment: str | None = Field(None, description="environment: package.module:factory returning an "
                                     "environment (reset(row, seed), step(action)) or a gymnasium.Env")
@@ -117,10 +121,12 @@ class TaskConfig(Section):
         if self.reward_function is not None and ":" not in self.reward_function:
             raise ValueError(f"task.reward_function={self.reward_function!r} is not of the form "
                              "package.module:function")
-        reserved = {"prompt", "completion"} & set(self.reward_fields)
+        reserved = {"prompt", "completion", "prompts", "completions", "solution_str"} & {
+            f.rsplit(".", 1)[-1] for f in self.reward_fields}
         if reserved:
             raise ValueError(f"task.reward_fields names {sorted(reserved)}: the reward function already "
-                             "receives prompt= and completion=; rename the field in the dataset")
+                             "receives the prompt and the completion by those names; rename the field in the "
+                             "dataset")
         return self
 
 

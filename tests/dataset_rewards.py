@@ -32,3 +32,17 @@ def no_fields(prompt: str, completion: str) -> float:
 
 
 not_a_function = 42
+
+
+def trl_letter_distance(prompts: list, completions: list, answer: list, **kwargs) -> list[float]:
+    """``letter_distance`` as TRL's reward function: a batch, the row's column as a list, conversational
+    completions (message lists) where the prompts are chat messages."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [letter_distance("", text, a) for text, a in zip(texts, answer, strict=True)]
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:
+    """``letter_distance`` as verl's compute_score, over a verl-style row (its ground truth under
+    reward_model)."""
+    assert data_source == "letters", data_source
+    return letter_distance("", solution_str, ground_truth)

@@ -197,6 +197,59 @@ def test_a_bad_reward_function_is_refused_where_the_task_is_built(tmp_path, func
         dataset_task(_write("jsonl", tmp_path), reward_function=function)
 
 
+VERL = "tests.dataset_rewards:compute_score"
+VERL_ROWS = [{"prompt": [{"role": "user", "content": p}], "data_source": "letters",
+              "reward_model": {"style": "rule", "ground_truth": a}, "extra_info": {"index": i}}
+             for i, (p, a) in enumerate(zip("bcdefgh", "cdefghi"))]
+
+
+def test_a_trl_reward_function_scores_a_chunk_in_one_call_with_its_columns(tmp_path):
+    """TRL's shape, recognised from the function: ``(prompts, completions, **columns)``, one call for the
+    chunk, the row fields as lists; with chat prompts the completions arrive as TRL's conversational ones."""
+    from services.tasks.dataset import reward_style
+    from tests.dataset_rewards import letter_distance, trl_letter_distance
+
+    assert reward_style(trl_letter_distance) == "trl"
+    trl = "tests.dataset_rewards:trl_letter_distance"
+    task = dataset_task(_write("jsonl", tmp_path), reward_function=trl)
+    rows, completions = [0, 3, 6], ["c", "zz", "g"]
+    want = [letter_distance("", c, ROWS[r]["answer"]) for r, c in zip(rows, completions, strict=True)]
+    assert task.reward_rows([""] * 3, completions, rows, "train") == pytest.approx(want)
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": r["prompt"]}],
+                                                   "answer": r["answer"]} for r in ROWS])
+    task = dataset_task(chat, reward_function=trl)
+    assert task.reward_rows([""] * 3, completions, rows, "train") == pytest.approx(want)
+    with pytest.raises(ValueError, match=r"\(TRL's reward function, one call per batch\) cannot be called "
+                                         r"with \(prompts, completions, note\)"):
+        dataset_task(_write("jsonl", tmp_path), reward_function=trl, reward_fields=["note"])
+
+
+def test_verls_compute_score_reads_the_nested_ground_truth_of_a_verl_parquet(tmp_path):
+    """verl's shape, recognised from the function: ``compute_score(data_source, solution_str, ground_truth,
+    extra_info)`` per sample, over a parquet laid out as verl's (the ground truth under reward_model), the
+    nested field named task.reward_fields reward_model.ground_truth."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.dataset_rewards import letter_distance
+
+    path = tmp_path / "verl.parquet"
+    pq.write_table(pa.Table.from_pylist(VERL_ROWS), path)
+    fields = ["data_source", "reward_model.ground_truth", "extra_info"]
+    task = dataset_task(path, reward_function=VERL, reward_fields=fields)
+    rows, completions = [0, 3, 6], ["c", "zz", "g"]
+    want = [letter_distance("", c, VERL_ROWS[r]["reward_model"]["ground_truth"])
+            for r, c in zip(rows, completions, strict=True)]
+    assert task.reward_rows([""] * 3, completions, rows, "train") == pytest.approx(want)
+    with pytest.raises(ValueError, match=r"verl's compute_score.* cannot be called with \(solution_str, "
+                                         r"data_source\)"):
+        dataset_task(path, reward_function=VERL, reward_fields=["data_source"])
+    task.reward_fields = ["data_source", "reward_model.answer"]  # a key the rows do not hold
+    with pytest.raises(ValueError, match=r"'reward_model.answer': train row 0's 'reward_model' holds no "
+                                         r"'answer'"):
+        task.row_fields([0], "train")
+
+
 def test_long_prompts_are_named_by_file_row_and_field_or_truncated(tmp_path):
     from services.models import build_char_tokenizer
     from services.prompts import encode_prompts
@@ -428,3 +481,50 @@ def test_dataset_job_trains_with_the_rows_answers(ray_head, cache_dir, tiny_mode
                                           abs=1e-3), (prompt, response, score)
         # the evaluation file's answers, not the training file's 'a': a score the training answer cannot give
         assert any(abs(score - letter_distance(p, r, "a")) > 1e-3 for score, p, r in samples), samples
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("style", ["trl", "verl"])
+def test_a_job_trains_with_a_trl_or_verl_reward_function_as_written(style, ray_head, cache_dir,
+                                                                      tiny_model_dir, tmp_path):
+    """A one-iteration dataset job whose task.reward_function is TRL's batch function over a JSONL file, or
+    verl's compute_score over a verl-style parquet (the ground truth under reward_model): it completes, and
+    each saved evaluation sample's score is the function's on that row's answer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.dataset_rewards import letter_distance
+
+    answers = dict(zip("bcdefghijk", "cdefghijkl"))
+    if style == "trl":
+        data = write_jsonl(tmp_path / "train.jsonl", [{"prompt": p, "answer": a} for p, a in answers.items()])
+        reward = ["--task.reward_function", "tests.dataset_rewards:trl_letter_distance"]
+    else:
+        data = tmp_path / "train.parquet"
+        rows = [{"prompt": p, "data_source": "letters", "extra_info": {"index": i},
+                 "reward_model": {"style": "rule", "ground_truth": a}}
+                for i, (p, a) in enumerate(answers.items())]
+        pq.write_table(pa.Table.from_pylist(rows), data)
+        reward = ["--task.reward_function", VERL, "--task.reward_fields",
+                  '["data_source", "reward_model.ground_truth", "extra_info"]']
+    args = _job_args(cache_dir, tiny_model_dir, tmp_path, data)
+    for setting in ("--task.reward_function", "--task.reward_fields"):  # a list given twice is joined
+        at = args.index(setting)
+        del args[at:at + 2]
+    if style == "trl":
+        reward += ["--task.reward_fields", '["answer"]']
+    proc = run_job([*args, *reward, "--cluster.address",
+                    ray_head.address, "--run.name", style, "--run.seed", "1", "--run.iterations", "1",
+                    "--no-run.eval_before_training", "--rollout.batch_size", "16",
+                    "--rollout.chunk_size", "8",
+                    "--ppo.minibatch_size", "16", "--rollout.eval_samples_per_prompt", "2",
+                    "--metrics.eval_samples_saved", "8", "--no-checkpoint.export_hf",
+                    "--cluster.placement_timeout_s", "300"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = tmp_path / style
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert -1.0 <= record["score_mean"] <= 0.0, record["score_mean"]
+    samples = _samples(run_dir / "samples" / "iteration-0001.md")
+    assert len(samples) == 8, samples
+    for score, prompt, response in samples:
+        assert score == pytest.approx(letter_distance(prompt, response, answers[prompt]), abs=1e-3), samples

@@ -110,6 +110,26 @@ def check_prompt(value: Any, where: str) -> None:
                      '{"role": ..., "content": ...}')
 
 
+def reward_style(function: Callable) -> str:
+    """How a reward function is called, read from its parameters: ``trl`` (TRL's batch function,
+    ``(prompts, completions, **columns) -> list``), ``verl`` (verl's ``compute_score(data_source,
+    solution_str, ground_truth, extra_info)``, one sample), or ``sample`` (tether's, ``(prompt, completion,
+    **fields) -> score``, one sample)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except ValueError:  # a builtin without a signature: called as tether's
+        return "sample"
+    if "completions" in parameters:
+        return "trl"
+    return "verl" if "solution_str" in parameters else "sample"
+
+
+def field_argument(field_name: str) -> str:
+    """The keyword a reward field reaches the function by: a nested field (``reward_model.ground_truth``,
+    verl's parquet layout) by its last part."""
+    return field_name.rsplit(".", 1)[-1]
+
+
 def import_reward_function(name: str, setting: str = "task.reward_function") -> Callable:
     """``package.module:function``, imported and checked to be callable; ValueError naming ``setting``
     otherwise."""
@@ -152,8 +172,9 @@ class DatasetTask(Task):
         if self.path is None:
             raise ValueError("task.name='dataset' needs task.path: a .jsonl, .json, .csv or .parquet file, "
                              "or a saved Hugging Face dataset directory")
-        columns = [(self.prompt_field, "task.prompt_field")] + [(f, "task.reward_fields")
-                                                                for f in self.reward_fields]
+        # a nested field (reward_model.ground_truth) is read with its column
+        columns = [(self.prompt_field, "task.prompt_field")] + [
+            (c, "task.reward_fields") for c in dict.fromkeys(f.split(".")[0] for f in self.reward_fields)]
         train = read_rows(self.path, self.split, columns, "task.path")
         if self.eval_path:
             evaluation = read_rows(self.eval_path, self.eval_split or self.split, columns, "task.eval_path")
@@ -205,7 +226,7 @@ class DatasetTask(Task):
         """What a reward actor builds this task from: the prompt column and the reward fields as one
         ``Shipment`` (the driver ships it once Ray is up: ``Plan.shipments``); never the path."""
         if not hasattr(self, "_rows"):  # one shipment for every spec that holds these options
-            keep = [self.prompt_field, *self.reward_fields]
+            keep = list(dict.fromkeys([self.prompt_field, *(f.split(".")[0] for f in self.reward_fields)]))
             self._rows = Shipment({split: {c: rows[c] for c in keep} for split, rows in self.rows.items()})
         return {"prompt_field": self.prompt_field, "reward_function": self.reward_function,
                 "reward_fields": list(self.reward_fields), "rows": self._rows}
@@ -215,18 +236,39 @@ class DatasetTask(Task):
         return import_reward_function(self.reward_function)
 
     def check_reward_function(self, function: Callable) -> None:
+        """The function takes the arguments its style is called with (``reward_style``), or ValueError naming
+        them and task.reward_fields."""
+        style, fields = reward_style(function), [field_argument(f) for f in self.reward_fields]
+        text = {"trl": ["prompts", "completions"], "verl": ["solution_str"],
+                "sample": ["prompt", "completion"]}
         try:
-            inspect.signature(function).bind(prompt="", completion="", **dict.fromkeys(self.reward_fields))
+            inspect.signature(function).bind(**dict.fromkeys(text[style] + fields))
         except TypeError as err:
-            arguments = ", ".join(["prompt", "completion", *self.reward_fields])
-            raise ValueError(f"task.reward_function={self.reward_function!r} cannot be called with "
+            arguments = ", ".join(text[style] + fields)
+            called = {"trl": " (TRL's reward function, one call per batch)",
+                      "verl": " (verl's compute_score: task.reward_fields gives data_source, "
+                              "reward_model.ground_truth and extra_info)"}.get(style, "")
+            raise ValueError(f"task.reward_function={self.reward_function!r}{called} cannot be called with "
                              f"({arguments}) (task.reward_fields={self.reward_fields}): {err}") from err
         except ValueError:
             pass  # a builtin without a signature: called as it is
 
     def row_fields(self, rows: list[int], split: str) -> list[dict]:
-        columns = self.rows[split]
-        return [{f: columns[f][r] for f in self.reward_fields} for r in rows]
+        """Each row's reward fields by the keyword they reach the function by (``field_argument``)."""
+        columns, out = self.rows[split], []
+        for r in rows:
+            fields = {}
+            for name in self.reward_fields:
+                column, *keys = name.split(".")
+                value = columns[column][r]
+                for key in keys:
+                    if not isinstance(value, dict) or key not in value:
+                        raise ValueError(f"task.reward_fields {name!r}: {split} row {r}'s {column!r} holds "
+                                         f"no {key!r} ({value!r:.80})")
+                    value = value[key]
+                fields[field_argument(name)] = value
+            out.append(fields)
+        return out
 
     def reward_rows(self, prompts: list[str], completions: list[str], rows: list[int], split: str) -> list:
         if not self.reward_function:
@@ -234,16 +276,41 @@ class DatasetTask(Task):
         if len(rows) != len(completions):
             raise ValueError(f"{len(rows)} rows but {len(completions)} completions")
         row_prompts, fields = self.rows[split][self.prompt_field], self.row_fields(rows, split)
+        style = reward_style(self.function)
+        if style == "trl":
+            return self._trl_scores([row_prompts[r] for r in rows], completions, fields, rows, split)
         scores = []
         for r, completion, kwargs in zip(rows, completions, fields, strict=True):
             try:
-                score = self.function(prompt=row_prompts[r], completion=completion, **kwargs)
+                score = (self.function(solution_str=completion, **kwargs) if style == "verl" else
+                         self.function(prompt=row_prompts[r], completion=completion, **kwargs))
             except Exception as err:
                 raise ValueError(f"{self.reward_function} raised {type(err).__name__} on {split} row {r}: "
                                  f"{err}") from err
+            if style == "verl" and isinstance(score, dict):  # verl's compute_score may return {"score": ...}
+                score = score.get("score")
             scores.append(float(score) if isinstance(score, numbers.Real) and not isinstance(score, bool)
                           else score)
         return scores
+
+    def _trl_scores(self, prompts: list, completions: list[str], fields: list[dict], rows: list[int],
+                    split: str) -> list:
+        """TRL's call: the whole chunk at once, each row's fields as columns (lists); where the prompts are
+        chat messages, each completion as TRL gives a conversational one, ``[{"role": "assistant",
+        "content": ...}]``."""
+        chat = all(isinstance(p, list) for p in prompts)
+        given = [[{"role": "assistant", "content": c}] for c in completions] if chat else list(completions)
+        columns = {name: [f[name] for f in fields] for name in (fields[0] if fields else {})}
+        try:
+            scores = self.function(prompts=prompts, completions=given, **columns)
+        except Exception as err:
+            raise ValueError(f"{self.reward_function} raised {type(err).__name__} on {split} rows "
+                             f"{rows[0]}..{rows[-1]}: {err}") from err
+        if not isinstance(scores, list | tuple) or len(scores) != len(completions):
+            raise ValueError(f"{self.reward_function} returned {scores!r:.80} for {len(completions)} "
+                             f"completions of {split} rows {rows[0]}..{rows[-1]}; a TRL reward function "
+                             "returns one score per completion")
+        return [float(s) if isinstance(s, numbers.Real) and not isinstance(s, bool) else s for s in scores]
 
     def evaluate_rows(self, prompts: list[str], completions: list[str], rows: list[int], split: str) -> dict:
         """The mean score of the reward function; none without one (the job's reward is used then)."""
