@@ -300,11 +300,105 @@ class AdvantageEstimator(Entry):
     samples of one prompt, so a group never splits across chunks or ranks."""
 
     function: EstimatorFn
+    objective: EstimatorFn
     critic: bool = False
     group: bool = False
 
 
 ESTIMATORS: Registry[AdvantageEstimator] = Registry("ppo.advantage", "advantage estimator")
+
+
+# ---- the documented advantages (``AdvantageEstimator.objective``), written again from the papers' formulas
+# row by row and token by token in float64 without the functions above: the references the harness checks
+
+
+def _tokens(mask_row: Tensor) -> list[int]:
+    return [t for t in range(mask_row.numel()) if mask_row[t] > 0]
+
+
+def _whitened(x: Tensor, mask: Tensor, keep_mean: bool = False) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the masked tokens, var unbiased; ``keep_mean``: the mean added
+    back."""
+    values = [float(x[b, t]) for b in range(x.shape[0]) for t in _tokens(mask[b])]
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
+    out = (x.double() - mean) / (var + 1e-8) ** 0.5 + (mean if keep_mean else 0.0)
+    return out * mask
+
+
+def _to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = sum over the row's later model tokens s of gamma^(model tokens from t to s) r_s."""
+    out = torch.zeros_like(rewards, dtype=torch.float64)
+    for b in range(rewards.shape[0]):
+        running = 0.0
+        for t in reversed(_tokens(mask[b])):
+            running = float(rewards[b, t]) + gamma * running
+            out[b, t] = running
+    return out
+
+
+def _group_baselines(returns: list[float], groups: Tensor) -> list[list[float]]:
+    """Each row's group's returns, itself first."""
+    members = {}
+    for b, g in enumerate(groups.tolist()):
+        members.setdefault(g, []).append(b)
+    return [[returns[b]] + [returns[o] for o in members[g] if o != b] for b, g in enumerate(groups.tolist())]
+
+
+def gae_objective(rewards, mask, values, groups, kl_rewards, s: Settings):
+    """Schulman et al. 2016: A_t = delta_t + gamma lambda A_(t+1), delta_t = r_t + gamma V_(t+1) - V_t over
+    the model's tokens (V after the last is 0); returns A + V; rewards and advantages whitened if asked."""
+    r = _whitened(rewards, mask, keep_mean=True) if s.whiten_rewards else rewards.double()
+    advantages = torch.zeros_like(r)
+    for b in range(r.shape[0]):
+        next_value, next_advantage = 0.0, 0.0
+        for t in reversed(_tokens(mask[b])):
+            delta = float(r[b, t]) + s.gamma * next_value - float(values[b, t])
+            next_advantage = delta + s.gamma * s.lam * next_advantage
+            advantages[b, t], next_value = next_advantage, float(values[b, t])
+    returns = (advantages + values.double()) * mask
+    return (_whitened(advantages, mask) if s.whiten_advantages else advantages), returns
+
+
+def grpo_objective(rewards, mask, values, groups, kl_rewards, s: Settings):
+    """DeepSeekMath's outcome GRPO: (s - mean_group s) / (std_group s + 1e-6), std over n - 1, 0 where a
+    group's scores all tie; the KL penalty to go added per token (``score``), or normalised with the score
+    (``return``, or no KL in the reward)."""
+    apart = kl_rewards is not None and s.grpo_normalize == "score"
+    scored = rewards - kl_rewards if apart else rewards
+    totals = [sum(float(scored[b, t]) for t in _tokens(mask[b])) for b in range(rewards.shape[0])]
+    advantages = torch.zeros_like(rewards, dtype=torch.float64)
+    for b, group in enumerate(_group_baselines(totals, groups)):
+        mean = sum(group) / len(group)
+        std = (sum((x - mean) ** 2 for x in group) / (len(group) - 1)) ** 0.5
+        a = 0.0 if max(group) == min(group) else (group[0] - mean) / (std + 1e-6)
+        for t in _tokens(mask[b]):
+            advantages[b, t] = a
+    return advantages + (_to_go(kl_rewards, mask, 1.0) if apart else 0.0), None
+
+
+def rloo_objective(rewards, mask, values, groups, kl_rewards, s: Settings):
+    """Kool et al. 2019 (Ahmadian et al. 2024): R_i - mean of the other samples' R in the group."""
+    totals = [sum(float(rewards[b, t]) for t in _tokens(mask[b])) for b in range(rewards.shape[0])]
+    advantages = torch.zeros_like(rewards, dtype=torch.float64)
+    for b, group in enumerate(_group_baselines(totals, groups)):
+        for t in _tokens(mask[b]):
+            advantages[b, t] = group[0] - sum(group[1:]) / (len(group) - 1)
+    return advantages, None
+
+
+def reinforce_pp_objective(rewards, mask, values, groups, kl_rewards, s: Settings):
+    """REINFORCE++ (Hu 2025): the discounted reward to go, whitened over the batch's tokens."""
+    return _whitened(_to_go(rewards, mask, s.gamma), mask), None
+
+
+def reinforce_pp_baseline_objective(rewards, mask, values, groups, kl_rewards, s: Settings):
+    """REINFORCE++-baseline: each token's reward to go less its group's mean return, whitened over the
+    batch's tokens."""
+    totals = [sum(float(rewards[b, t]) for t in _tokens(mask[b])) for b in range(rewards.shape[0])]
+    baselines = [sum(group) / len(group) for group in _group_baselines(totals, groups)]
+    to_go = _to_go(rewards, mask, 1.0) - torch.tensor(baselines, dtype=torch.float64).unsqueeze(-1)
+    return _whitened(to_go * mask, mask), None
 
 
 @entry_rule("ppo.advantage", "rollout.samples_per_prompt", example={"ppo": {"advantage": "grpo"}})
@@ -360,23 +454,25 @@ ESTIMATORS.register(AdvantageEstimator(
                                 "they define)",
            "vf_coef": "the weight of the critic's value loss",
            "clip_range_value": "the clip of the critic's values in its value loss"},
-    rules=(dynamic_sampling_needs_a_group_estimator,), function=_gae, critic=True))
+    rules=(dynamic_sampling_needs_a_group_estimator,), function=_gae, objective=gae_objective, critic=True))
 ESTIMATORS.register(AdvantageEstimator(
     name="grpo", doc="GRPO: each response's score normalised in its prompt's group (mean and std)",
     reads={"grpo_normalize": "what GRPO normalises in its group, the score or the return"},
-    rules=(group_estimator_needs_a_group, separate_critic_needs_gae), function=_grpo, group=True))
+    rules=(group_estimator_needs_a_group, separate_critic_needs_gae), function=_grpo,
+    objective=grpo_objective, group=True))
 ESTIMATORS.register(AdvantageEstimator(
     name="rloo", doc="RLOO: each response's return less the mean of the others' in its group", reads={},
     rules=(group_estimator_needs_a_group, separate_critic_needs_gae),
-    function=_per_sequence(rloo_sequence_advantages), group=True))
+    function=_per_sequence(rloo_sequence_advantages), objective=rloo_objective, group=True))
 ESTIMATORS.register(AdvantageEstimator(
     name="reinforce_pp", doc="REINFORCE++: the discounted reward-to-go, whitened over the batch",
-    reads={"gamma": GAMMA_READ}, rules=CRITIC_FREE, function=_reinforce_pp))
+    reads={"gamma": GAMMA_READ}, rules=CRITIC_FREE, function=_reinforce_pp,
+    objective=reinforce_pp_objective))
 ESTIMATORS.register(AdvantageEstimator(
     name="reinforce_pp_baseline", doc="REINFORCE++-baseline: the reward-to-go less its group's mean score, "
     "whitened over the batch", reads={"gamma": GAMMA_READ},
     rules=(group_estimator_needs_a_group, separate_critic_needs_gae, reinforce_pp_baseline_needs_gamma_one),
-    function=_reinforce_pp_baseline, group=True))
+    function=_reinforce_pp_baseline, objective=reinforce_pp_baseline_objective, group=True))
 
 
 def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, *, values: Tensor | None = None,

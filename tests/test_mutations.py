@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from learner import correction, kl, policy_losses
+from learner import advantages, correction, kl, policy_losses
 from learner import update as update_module
 from learner.algorithm import Algorithm
 from learner.update import RankScoring
@@ -92,6 +92,34 @@ def _reference_from_the_engine(original):
     return trained
 
 
+def _grpo_std_over_n(original):
+    def biased(returns, group_index, eps=advantages.GRPO_EPS):
+        count = torch.bincount(group_index)[group_index].double()
+        return original(returns, group_index, eps) * ((count - 1) / count).sqrt()
+    return biased
+
+
+def _rloo_with_itself(returns, group_index):
+    count = torch.bincount(group_index)[group_index].double()
+    total = torch.zeros(int(group_index.max()) + 1, dtype=torch.float64).index_add(0, group_index,
+                                                                                  returns.double())
+    return returns - (total[group_index] / count).to(returns.dtype)
+
+
+def _gae_lambda_one(original):
+    def gae(rewards, values, mask, gamma=1.0, lam=0.95):
+        return original(rewards, values, mask, gamma, 1.0)
+    return gae
+
+
+def _grpo_without_the_kl_to_go(rewards, mask, values, group_index, kl_rewards, s):
+    return advantages._grpo(rewards, mask, values, group_index, None, s)
+
+
+def _not_whitened(original):
+    return lambda x, mask, reducer=None, shift_mean=True: x
+
+
 def _epochs_without_the_kl(original):
     def epochs(engine, algorithm, settings, batch, kl_coef, iteration, step_forward=None):
         return original(engine, algorithm, settings, batch, 0.0, iteration, step_forward)
@@ -108,9 +136,11 @@ def _controller_inputs_unweighted(original):
 POLICY = "policy loss"
 COLLECTION = "collection"  # the enumeration is collected again under the patch
 UPDATE = "update"  # learner.update's plumbing around the layer
+ADVANTAGE = "advantage estimator"
 CORRECTION = "correction"
 ESTIMATOR = "kl estimator"
 LOSSES, CORRECTIONS, KL_ESTIMATORS = policy_losses.POLICY_LOSSES, correction.CORRECTIONS, kl.KL_ESTIMATORS
+ESTIMATORS = advantages.ESTIMATORS
 
 
 def _gspo_ratio_a_sum(original):
@@ -173,6 +203,20 @@ MUTANTS = {
          function_patch(experience, "row_versions", _stamped_by_the_newest_token), {}),
     "the reference the rank scores with is the policy being trained, not its frozen copy":
         (COLLECTION, "k1", function_patch(RankScoring, "reference_logprobs", _reference_from_the_engine), {}),
+    "GRPO's group std over n, not n - 1":
+        (ADVANTAGE, "grpo", function_patch(advantages, "grpo_sequence_advantages", _grpo_std_over_n), {}),
+    "GRPO's KL penalty to go left out of the advantages":
+        (ADVANTAGE, "grpo", entry_patch(ESTIMATORS, "grpo", function=_grpo_without_the_kl_to_go), {}),
+    "RLOO's baseline the group's mean with the sample itself":
+        (ADVANTAGE, "rloo",
+         entry_patch(ESTIMATORS, "rloo", function=advantages._per_sequence(_rloo_with_itself)), {}),
+    "GAE's lambda taken as 1":
+        (ADVANTAGE, "gae", function_patch(advantages, "gae_advantages", _gae_lambda_one), {}),
+    "REINFORCE++'s reward to go not whitened":
+        (ADVANTAGE, "reinforce_pp", function_patch(advantages, "global_whiten", _not_whitened), {}),
+    "REINFORCE++-baseline without its group baseline":
+        (ADVANTAGE, "reinforce_pp_baseline",
+         entry_patch(ESTIMATORS, "reinforce_pp_baseline", function=advantages._reinforce_pp), {}),
     "the update's epochs without the KL coefficient (the loss-placed KL dropped)":
         (UPDATE, "update", function_patch(update_module, "ppo_epochs", _epochs_without_the_kl), {}),
     "the async statistic unweighted (k3 of the learner's log-probs on the engine's rows)":
@@ -183,6 +227,8 @@ MUTANTS = {
 def check(kind: str, name: str, settings: dict, problems: dict) -> None:
     if kind == UPDATE:
         harness.check_update(problems, every=4)
+    elif kind == ADVANTAGE:
+        harness.check_advantage_estimator_entry(name)
     elif kind == COLLECTION:  # the rows as collected under the patch
         problems = harness.make_problems()
         if name == "admission":
@@ -214,8 +260,9 @@ def test_the_harness_fails_on_each_plausible_bug(mutant, problems):
     check(kind, name, settings, problems)  # and passes on the tree itself
 
 
-def test_the_list_covers_every_registered_policy_loss_correction_and_kl_estimator():
+def test_the_list_covers_every_registered_entry():
     covered = {(kind, name) for kind, name, _, _ in MUTANTS.values()}
     assert {(POLICY, n) for n in LOSSES.names()} <= covered
     assert {(CORRECTION, n) for n in CORRECTIONS.names() if n != "none"} <= covered
     assert {(ESTIMATOR, n) for n in KL_ESTIMATORS.names()} <= covered
+    assert {(ADVANTAGE, n) for n in ESTIMATORS.names()} <= covered

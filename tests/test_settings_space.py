@@ -66,6 +66,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from learner.advantages import ESTIMATORS
 from learner.algorithm import Algorithm, episode_view
 from learner.correction import CORRECTIONS
 from learner.kl import KL_ESTIMATORS, kl_stats_from_sums
@@ -1283,3 +1284,63 @@ def check_admission(problems: dict) -> None:
 
 def test_rows_are_admitted_by_their_oldest_token(problems):
     check_admission(problems)
+
+
+# the settings an estimator's check takes, each field it reads over these values (its rules refuse the rest)
+ESTIMATOR_SETTINGS = {"gamma": (1.0, 0.9), "lam": (0.95, 1.0), "whiten_rewards": (False, True),
+                      "whiten_advantages": (True, False), "grpo_normalize": ("score", "return")}
+
+
+def estimator_inputs(seed: int, gaps: bool) -> dict:
+    """8 rows in 4 groups of 2, 6 positions: rows of 1 to 6 model tokens (with an environment's gap where
+    ``gaps``), random float64 rewards, values and KL penalties, and one group whose returns tie."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [6, 1, 4, 3, 5, 2, 6, 4]
+    mask = torch.tensor([[1.0] * n + [0.0] * (6 - n) for n in lengths], dtype=torch.float64)
+    if gaps:
+        mask[[0, 2, 6], 1] = 0.0  # the environment's token inside a trajectory
+    rewards = torch.randn(8, 6, generator=g, dtype=torch.float64) * mask
+    rewards[5] = 0.0
+    rewards[4] = 0.0
+    rewards[4, 0], rewards[5, 0] = 1.0, 1.0  # group 2's returns tie
+    values = torch.randn(8, 6, generator=g, dtype=torch.float64) * mask
+    kl = -0.1 * torch.rand(8, 6, generator=g, dtype=torch.float64) * mask
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    return {"rewards": rewards, "mask": mask, "values": values, "groups": groups, "kl": kl}
+
+
+def check_advantage_estimator_entry(name: str) -> int:
+    """The harness's check of a registered advantage estimator: ``compute_advantages`` (the entry's function,
+    as the layer calls it) equals its documented advantages (the entry's ``objective``, and GAE's returns),
+    on rows with and without an environment's gaps, with and without the KL penalty's share apart, over the
+    values of every setting it reads. Returns how many cases it checked."""
+    from learner.advantages import Settings, compute_advantages
+
+    entry = ESTIMATORS.get(name)
+    fields = [f for f in ESTIMATOR_SETTINGS if f in entry.reads]
+    checked = 0
+    for values in itertools.product(*(ESTIMATOR_SETTINGS[f] for f in fields)):
+        settings = dict(zip(fields, values, strict=True))
+        for seed, gaps, apart in itertools.product((0, 1), (False, True), (False, True)):
+            x = estimator_inputs(seed, gaps)
+            kl = x["kl"] if apart else None
+            try:
+                got, got_returns = compute_advantages(name, x["rewards"], x["mask"], values=x["values"],
+                                                      group_index=x["groups"], kl_rewards=kl, **settings)
+            except ValueError as refusal:  # a setting its rules refuse (REINFORCE++-baseline's gamma)
+                assert "gamma" in str(refusal), refusal
+                continue
+            want, want_returns = entry.objective(x["rewards"], x["mask"], x["values"], x["groups"], kl,
+                                                 Settings(**settings))
+            assert torch.allclose(got, want, rtol=1e-9, atol=1e-9), (name, settings, seed, gaps, apart)
+            assert (got_returns is None) == (want_returns is None), name
+            if want_returns is not None:
+                assert torch.allclose(got_returns, want_returns, rtol=1e-9, atol=1e-9), (name, settings)
+            checked += 1
+    assert checked >= 8, (name, checked)
+    return checked
+
+
+@pytest.mark.parametrize("name", ESTIMATORS.names())
+def test_each_advantage_estimator_is_its_documented_formula(name):
+    check_advantage_estimator_entry(name)
