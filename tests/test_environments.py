@@ -196,6 +196,32 @@ def test_make_environment_errors_name_the_spec():
         make_environment(interactive_randomwalks, {"colour": 1}, "my:env")
 
 
+class GemLike:
+    """GEM's shape: ``reset(seed=None)`` (no row) and ``step(action)``, returning its own tuples."""
+
+    def reset(self, seed=None):
+        return "observation", {}
+
+    def step(self, action):
+        return "observation", 0.0, True, False, {}
+
+
+def test_an_environment_whose_reset_or_step_the_workers_cannot_call_is_named_at_once():
+    """Checked where the driver builds its example environment (the plan, before any actor): GEM's
+    reset(seed) would fail on the workers after every actor started, as one buried line of a Ray
+    traceback."""
+    with pytest.raises(ValueError, match=r"environment 'gem:env': GemLike.reset\(seed=None\) cannot be "
+                                         r"called as reset\(row, seed\), as the environment workers call it"):
+        make_environment(GemLike, {}, "gem:env")
+    stepless = type("NoAction", (), {"reset": lambda self, row, seed: "x", "step": lambda self: None})
+    with pytest.raises(ValueError, match=r"NoAction.step\(\) cannot be called as step\(action\)"):
+        make_environment(stepless, {}, "my:env")
+    # keyword defaults and *args are fine, as are async methods
+    flexible = type("Flexible", (), {"reset": lambda self, *args, **kwargs: "x",
+                                     "step": lambda self, action, extra=None: ("x", 0.0, True, {})})
+    assert isinstance(make_environment(flexible, {}, "my:env"), flexible)
+
+
 # ---------------------------------------------------------------- observation encoding
 
 CHATML = (

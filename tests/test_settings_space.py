@@ -876,8 +876,8 @@ def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_eve
     lines += ["", "| mask | mode | drops a token of the problem |", "|---|---|---|"]
     lines += [f"| `{kind}` | {mode} | {' and '.join(sorted(map(str, binds)))} |"
               for (kind, mode), binds in sorted(bound.items())]
-    figures("combinations", lines)
     assert not failures, "\n".join(map(repr, failures[:10])) + f"\n... {len(failures)} in all"
+    figures("combinations", lines)
     # every mask is exercised both ways: not binding where the engine holds the learner's version (k = 1),
     # binding at the async shift, where the class it changes to (biased) is checked
     for label in ("icepop [0.8, 1.25]", "geometric_mask", "off_policy_mask"):

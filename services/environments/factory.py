@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -38,4 +39,25 @@ def make_environment(factory: Callable[..., Any], kwargs: dict, spec: str) -> En
     if missing:
         raise ValueError(f"environment {spec!r} returned a {type(env).__name__} without callable "
                          f"{' and '.join(missing)}; an environment needs reset(row, seed) and step(action)")
+    check_calls(env, spec)
     return env
+
+
+def check_calls(env: Any, spec: str) -> None:
+    """ValueError, before any actor, where ``reset`` or ``step`` cannot be called the way the environment
+    workers call them: ``reset(row, seed)`` and ``step(action)``, positionally (GEM's ``reset(seed)``, for
+    one, cannot)."""
+    for name, arguments in (("reset", ("row", "seed")), ("step", ("action",))):
+        method = getattr(env, name)
+        try:
+            signature = inspect.signature(method)
+        except ValueError:  # a builtin without a signature: called as it is
+            continue
+        try:
+            signature.bind(*arguments)
+        except TypeError as err:
+            raise ValueError(
+                f"environment {spec!r}: {type(env).__name__}.{name}{signature} cannot be called as "
+                f"{name}({', '.join(arguments)}), as the environment workers call it ({err}); an environment "
+                "needs reset(row, seed), row the task's row and seed an int, and step(action); wrap the "
+                "environment in a class that has them (a gymnasium.Env is wrapped for you)") from err
