@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import Field, ValidationError
 
 from services.config import JobConfig, config_to_yaml, merge_settings, read_yaml
-from services.errors import TetherError
+from services.errors import TetherError, actor_error
 from services.private_api import exit_skipping_teardown
 
 # ====================================================================== scaffolding: CLI, logging
@@ -234,7 +234,12 @@ def run_job(cfg: JobConfig) -> int:
     try:
         summary = run(cfg)
     except (TetherError, FileNotFoundError, ValueError) as err:  # bad input found late, or a named failure
-        print(f"[tether] error: {err}", file=sys.stderr, flush=True)
+        # raised inside an actor: its one line first, Ray's traceback only when asked
+        line, report = actor_error(err) or (str(err), None)
+        print(f"[tether] error: {line}", file=sys.stderr, flush=True)
+        if report is not None:
+            print(report if cfg.metrics.log_level == "debug" else
+                  "[tether] (the actor's traceback: --metrics.log_level debug)", file=sys.stderr, flush=True)
         return 1
     if summary["stopped_early"]:
         return 143  # stopped by a signal, like a process killed by SIGTERM, after a clean checkpoint

@@ -147,6 +147,30 @@ def test_a_raising_reward_fails_the_job_with_its_location(ray_head, cache_dir, t
                     "--task.name", "tests.faulty_tasks:RaisingReward", "--rollout.batch_size", "32",
                     "--rollout.chunk_size", "16", "--ppo.minibatch_size", "16"], timeout_s=600)
     assert proc.returncode == 1
-    # the first call of the reward function is the evaluation before training (it scores the saved samples)
-    assert re.search(r"task 'raising-reward', evaluation chunk \d+ raised RuntimeError: the reward "
-                     r"backend is down", proc.stderr), proc.stderr[-3000:]
+    # the first call of the reward function is the evaluation before training (it scores the saved samples),
+    # said as tether's one line with the actor's method, Ray's traceback left out
+    first = next(line for line in proc.stderr.splitlines() if line.startswith("[tether] error:"))
+    assert re.search(r"^\[tether\] error: \w+\.\w+: [^\n]*task 'raising-reward', evaluation chunk \d+ raised "
+                     r"RuntimeError: the reward backend is down$", first), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "--metrics.log_level debug" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_an_error_raised_inside_an_actor_is_one_line_with_the_actors_method():
+    """Ray's report of an error raised in an actor is its traceback, colour codes and all, with the line
+    that says what is wrong at the bottom; tether's line is the actor's method and that error (through an
+    actor that called another), and the report stays whole for --metrics.log_level debug."""
+    import ray
+
+    from services.errors import actor_error
+
+    def raised(where: str, cause: BaseException) -> BaseException:
+        return ray.exceptions.RayTaskError(where, "Traceback (most recent call last):\n  File x", cause,
+                                           proctitle=f"ray::{where}").as_instanceof_cause()
+
+    tether = raised("RewardActor.score", ValueError("task 'x', chunk 5 raised RuntimeError: down"))
+    line, report = actor_error(tether)
+    assert line == "RewardActor.score: task 'x', chunk 5 raised RuntimeError: down"
+    assert report.startswith("ray::RewardActor.score()") and "\x1b[" not in report
+    nested = raised("LearnerRank.collect", raised("RewardActor.score", KeyError("answer")))
+    assert actor_error(nested)[0] == "LearnerRank.collect: KeyError: 'answer'"
+    assert actor_error(ValueError("not from an actor")) is None
