@@ -280,12 +280,12 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
 
     episodic = cfg.task.name in ("environment", "agent")
 
-    def encoded_prompts(tokenizer, log=log) -> tuple[list, list]:
+    def encoded_prompts(tokenizer, log=log, limit: int = cfg.task.max_prompt_tokens) -> tuple[list, list]:
         if episodic:  # multi-turn: rows the environments reset from; each prompt is its reset's observation
             return task.train_rows, task.eval_rows
         return tuple(
-            encode_prompts([task.format_prompt(t, tokenizer) for t in texts], tokenizer,
-                           cfg.task.max_prompt_tokens, cfg.task.long_prompts, log,
+            encode_prompts([task.format_prompt(t, tokenizer) for t in texts], tokenizer, limit,
+                           cfg.task.long_prompts, log,
                            origin=lambda i, split=split: task.prompt_origin(i, split))
             for split, texts in (("train", task.prompts()), ("eval", task.eval_prompts())))
 
@@ -311,25 +311,36 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
         teacher = ModelSource.configured(cfg.distill.teacher_path)
     models = Models(model, reward_model, teacher)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompts, eval_prompts = encoded_prompts(tokenizer)
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p,
                                 cfg.rollout.max_new_tokens or task.max_new_tokens)
+    response_width = cfg.rollout.max_trajectory_tokens if episodic else sampling.max_new_tokens
+    model_dir = model.resolve("driver")
+    positions = model_positions(model_dir)
+    # a dataset's prompts, task.max_prompt_tokens unset: as long as the model's context leaves room for
+    prompt_limit = cfg.task.max_prompt_tokens
+    follows_context = cfg.task.name == "dataset" and "max_prompt_tokens" not in cfg.task.model_fields_set
+    if follows_context and positions is not None:
+        prompt_limit = positions - response_width - 1
+    prompts, eval_prompts = encoded_prompts(tokenizer, limit=prompt_limit)
+    if follows_context:
+        prompt_limit = max(len(p) for p in prompts + eval_prompts)
+        room = "" if positions is None else (f"; the model's {positions} positions less the response's "
+                                             f"{response_width} + 1 allow {positions - response_width - 1}")
+        log(f"prompts: task.max_prompt_tokens={prompt_limit} follows the longest prompt{room} (set it to "
+            "choose)")
     # token ids the engines and the learner score after each sync: the eval prompts (an environment's rows
     # are not tokens: a few ids then) followed by arbitrary ids
     probe_prompts = [[(5 * j + 11 * k) % len(tokenizer) for k in range(4)] for j in range(8)] if episodic \
         else eval_prompts[:8]
     probe_set = ([p + [(7 * j + 3 * k) % len(tokenizer) for k in range(sampling.max_new_tokens)]
                   for j, p in enumerate(probe_prompts)], [len(p) for p in probe_prompts])
-    response_width = cfg.rollout.max_trajectory_tokens if episodic else sampling.max_new_tokens
-    max_model_len = cfg.task.max_prompt_tokens + response_width + 1
-    model_dir = model.resolve("driver")
+    max_model_len = prompt_limit + response_width + 1
     if cfg.learner.lora.rank:  # the target modules against the architecture, before any actor starts
         check_lora_model(model_dir, cfg.learner.lora)
     if notice := cfg.tiny_model_settings_notice(parameter_count(model_dir)):
         log(notice)
-    positions = model_positions(model_dir)
     if positions is not None and max_model_len > positions:  # the engines would refuse it at start-up
-        raise ValueError(f"task.max_prompt_tokens={cfg.task.max_prompt_tokens} + "
+        raise ValueError(f"task.max_prompt_tokens={prompt_limit} + "
                          f"{'rollout.max_trajectory_tokens' if episodic else 'rollout.max_new_tokens'}="
                          f"{response_width} + 1 = {max_model_len} tokens do not fit the model's "
                          f"{positions} positions")

@@ -42,7 +42,9 @@ class ModelConfig(Section):
 class TaskConfig(Section):
     name: str = Field("randomwalks", description="task name from services.tasks.TASKS")
     seed: int = Field(1000, description="task data seed (randomwalks: graph and walks)")
-    max_prompt_tokens: PositiveInt = Field(16, description="longest prompt allowed, in tokens")
+    max_prompt_tokens: PositiveInt = Field(
+        16, description="longest prompt allowed, in tokens; a dataset job with it unset: its longest prompt, "
+        "up to the model's positions less the response's (said at start)")
     long_prompts: Literal["reject", "truncate"] = Field(
         "reject", description="what to do with longer prompts")
     # task.name=dataset: your own prompts from a file (services/tasks/dataset.py)

@@ -422,9 +422,14 @@ def _job_args(cache_dir, tiny_model_dir, out, data, *extra) -> list[str]:
 
 
 @pytest.mark.parametrize("rows, extra, message", [
-    ([{"prompt": "b", "answer": "c"}, {"prompt": "c" * 20, "answer": "d"}], [],
+    ([{"prompt": "b", "answer": "c"}, {"prompt": "c" * 20, "answer": "d"}],
+     ["--task.max_prompt_tokens", "16"],
      ("1 prompt(s) are longer than task.max_prompt_tokens=16; first is {path}, row 1, field 'prompt' "
       "with 20 tokens")),
+    # unset, the limit is what the tiny model's 32 positions leave beside the response's 9 + 1
+    ([{"prompt": "b", "answer": "c"}, {"prompt": "c" * 30, "answer": "d"}], [],
+     ("1 prompt(s) are longer than task.max_prompt_tokens=22; first is {path}, row 1, field 'prompt' "
+      "with 30 tokens")),
     ([{"prompt": "b"}], [], "task.path {path} has no field 'answer' (task.reward_fields)"),
     ([{"prompt": "b", "answer": "c"}], ["--task.reward_function", "tests.dataset_rewards:nowhere"],
      "task.reward_function='tests.dataset_rewards:nowhere': module 'tests.dataset_rewards' has no attribute"),
@@ -438,6 +443,20 @@ def test_bad_dataset_fails_the_job_before_any_actor(cache_dir, tiny_model_dir, t
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert message.format(path=data) in proc.stderr, proc.stderr[-2000:]
     assert "actors ready" not in proc.stdout and not out.exists()
+
+
+def test_a_dataset_jobs_prompt_length_follows_its_longest_prompt(cache_dir, tiny_model_dir, tmp_path):
+    """task.max_prompt_tokens unset: a dataset job takes its longest prompt (20 tokens here, longer than the
+    embedded task's 16) within what the model's positions leave, and says so at start; the plan runs to its
+    end (the job then fails only to reach the cluster that is not there)."""
+    data = write_jsonl(tmp_path / "data.jsonl", [{"prompt": "b", "answer": "c"}, {"prompt": "c" * 20,
+                                                                                   "answer": "d"}])
+    proc = run_cli([*_job_args(cache_dir, tiny_model_dir, tmp_path / "runs", data),
+                    "--cluster.address", "127.0.0.1:1", "--cluster.connect_timeout_s", "1"])
+    said = ("prompts: task.max_prompt_tokens=20 follows the longest prompt; the model's 32 positions less the "
+            "response's 9 + 1 allow 22 (set it to choose)")
+    assert said in proc.stdout, proc.stdout[-2000:] + proc.stderr
+    assert "longer than task.max_prompt_tokens" not in proc.stderr
 
 
 def _samples(path: Path) -> list[tuple[float, str, str]]:
