@@ -453,8 +453,8 @@ def test_a_dataset_jobs_prompt_length_follows_its_longest_prompt(cache_dir, tiny
                                                                                    "answer": "d"}])
     proc = run_cli([*_job_args(cache_dir, tiny_model_dir, tmp_path / "runs", data),
                     "--cluster.address", "127.0.0.1:1", "--cluster.connect_timeout_s", "1"])
-    said = ("prompts: task.max_prompt_tokens=20 follows the longest prompt; the model's 32 positions less the "
-            "response's 9 + 1 allow 22 (set it to choose)")
+    said = ("prompts: task.max_prompt_tokens=20 follows the longest prompt; the model's 32 positions less "
+            "the response's 9 + 1 allow 22 (set it to choose)")
     assert said in proc.stdout, proc.stdout[-2000:] + proc.stderr
     assert "longer than task.max_prompt_tokens" not in proc.stderr
 
