@@ -23,12 +23,18 @@ from tests import test_settings_space as harness
 from tests.test_mutations import MUTANTS
 
 
-def checks() -> dict:
-    """The harness's checks by name, each a function of the collected problems."""
+def checks(entry: str = "", settings: dict | None = None) -> dict:
+    """The harness's checks by name, each a function of the collected problems; ``entry``'s own check also
+    with the ``settings`` its mutant is checked at (PPO's clip-higher, say)."""
+
+    def own(name: str) -> dict:
+        return settings if name == entry and settings else {}
+
     return {
         "combinations": harness.test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_every_refusal_names_its_fields,  # noqa: E501
-        "policy losses": lambda p: [harness.check_policy_loss_entry(n) for n in POLICY_LOSSES.names()],
-        "corrections": lambda p: [harness.check_correction_entry(n, level, mode) for n, level in
+        "policy losses": lambda p: [harness.check_policy_loss_entry(n, **own(n))
+                                    for n in POLICY_LOSSES.names()],
+        "corrections": lambda p: [harness.check_correction_entry(n, level, mode, **own(n)) for n, level in
                                   harness.CORRECTION_LEVELS for mode in ("async", "async_mixed")],
         "kl estimators": lambda p: [harness.check_kl_estimator_entry(n, p) for n in KL_ESTIMATORS.names()],
         "advantage estimators": lambda p: [harness.check_advantage_estimator_entry(n)
@@ -43,14 +49,14 @@ def checks() -> dict:
 def run(mutant: str) -> dict:
     """Every check on the tree with ``mutant`` applied: the ones that caught it (an assertion) and the ones
     that broke on it otherwise (an exception)."""
-    _, _, patch, _ = MUTANTS[mutant]
+    _, entry, patch, settings = MUTANTS[mutant]
     caught, broke = [], []
     t0 = time.perf_counter()
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         patch(mp)
         problems = harness.make_problems()  # collected under the patch, as a rank would
-        for name, check in checks().items():
+        for name, check in checks(entry, settings).items():
             try:
                 check(problems)
             except AssertionError:
