@@ -293,7 +293,10 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
         # bad prompts fail before an SFT warm start trains for them
         encoded_prompts(early, log=lambda _: None)
     if cfg.model.path == SMOLLM2:  # the SmolLM2-135M-Instruct that installs with the project, converted once
-        model = ModelSource.produced(smollm2_dir(cfg.model.cache_dir, log), cfg.model.cache_dir)
+        converted = smollm2_dir(cfg.model.cache_dir, log)
+        log(f"model: SmolLM2-135M-Instruct, converted at {converted} (a Hugging Face directory, tokenizer "
+            "included, that model.path can name)")
+        model = ModelSource.produced(converted, cfg.model.cache_dir)
     else:
         model = policy_source(task, cfg.model.path, cfg.model.cache_dir, cfg.run.seed, cfg.model.sft_steps,
                               cfg.model.sft_batch_size, cfg.model.sft_lr, log=log)
