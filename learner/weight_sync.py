@@ -20,12 +20,13 @@ import ray
 
 from learner.cluster import ClusterError
 from learner.plan import SyncSpec
+from services.errors import ANSI
 
 
 class WeightSync:
     def __init__(self, spec: SyncSpec, learner, fleet, probe_set: tuple[list[list[int]], list[int]],
                  kl_coef: float, log=print) -> None:
-        self.learner, self.fleet, self.probe_set = learner, fleet, probe_set
+        self.learner, self.fleet, self.probe_set, self.log = learner, fleet, probe_set, log
         self.probe_every, self.max_retries, self.transfer = spec.probe_every, spec.max_retries, spec.transfer
         self.policy_version, self.kl_coef = 0, kl_coef
         # object store: the weights of ``policy_version``, once put
@@ -101,6 +102,7 @@ class WeightSync:
         deadline = time.monotonic() + timeout_s
         resynced = []
         for actor in self.fleet.all:
+            cause = None  # what Ray said while the actor was away, when it was asked then
             while True:
                 try:
                     state = ray.get(actor.get_state.remote(), timeout=max(deadline - time.monotonic(), 1))
@@ -108,9 +110,13 @@ class WeightSync:
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
                     if time.monotonic() > deadline:
                         raise ClusterError(f"actor did not come back within {timeout_s:.0f}s: {err}") from err
+                    cause = cause or " ".join(ANSI.sub("", str(err)).split())[:300]
                     time.sleep(1.0)
             if state["policy_version"] == self.policy_version and state["kl_coef"] == self.kl_coef:
                 continue
+            # a restarted actor (Ray's memory monitor, a lost node): said on the console, not only in metrics
+            self.log(f"{state['name']} came back at version {state['policy_version']} (restarted"
+                     f"{': ' + cause if cause else ''}); re-synced to version {self.policy_version}")
             if actor in self.fleet.rollouts and state["policy_version"] != self.policy_version:
                 ray.get(actor.update_weights.remote(self.weights(), self.policy_version, self.kl_coef))
                 probe_error = self.fleet.probe(self.learner, *self.probe_set, engines=[actor])

@@ -4,6 +4,7 @@ killed mid-run, a lost learner rank, and a graceful stop. Real jobs on a real lo
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import time
@@ -102,6 +103,9 @@ def test_actor_deaths_lost_rank_and_graceful_stop(ray_head, cache_dir, tmp_path)
         assert any(s["actor"] == "rollout-0" and s["to_version"] >= 1 and s["probe_max_abs_error"] < 1e-4
                    for s in resynced), resynced
         assert any(s["actor"] == "reference-0" for s in resynced), resynced
+        # and the console says so (it said nothing when Ray's memory monitor killed an engine)
+        assert re.search(r"\[tether\] rollout-0 came back at version 0 \(restarted[^\n]*\); re-synced to "
+                         r"version \d+", out), out[-3000:]
         # the rank may die inside the checkpoint save that follows iteration `last`: then the previous one
         # stands
         saved = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("iter-"))
