@@ -1,10 +1,10 @@
 """Registered entries: each advantage estimator, policy loss, rollout correction and KL estimator is one
 ``Entry`` in the ``Registry`` of the setting that chooses it (``ppo.advantage``, ``ppo.policy_loss``,
-``ppo.correction``, ``kl.estimator``), as verl's ``@register_policy_loss``. An
-entry carries its function, the settings it reads (each one a field of the config tree, the only source of
-settings, with what the field is to this entry), its rules and its line in the settings reference; a registry
-checks a config against the chosen entry (``Registry.check``) when ``Algorithm.from_config`` resolves it,
-before any actor starts.
+``ppo.correction``, ``kl.estimator``), as verl's ``@register_policy_loss``. An entry carries its function,
+the settings it reads (each one a field of the config tree, the only source of settings, with what the field
+is to this entry), its rules, its documented objective (the settings-space harness's reference) and its line
+in the settings reference; a registry checks a config against the chosen entry (``Registry.check``) when
+``Algorithm.from_config`` resolves it, before any actor starts.
 
 The config holds an entry's name as a string, since the config (``services``) may not import the learner:
 an unknown name, a setting the chosen entry does not read, and each rule of the chosen entry are refused
