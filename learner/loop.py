@@ -282,6 +282,7 @@ class Job:
         record.update(self.fleet.take_counts())
         self.records.append(record)
         rundir.append_metrics(self.run_path, record)
+        rundir.append_episodes(self.run_path, iteration, result.episodes)
         self.job_metrics.record(record)
         # the last: beside the end
         if iteration % cfg.metrics.plot_every == 0 or iteration == cfg.run.iterations:

@@ -69,6 +69,7 @@ class RankUpdate:
     kl_coefs: list[float]  # the distinct betas its rows were stamped with
     lr: float  # what the optimizer stepped with
     rank: int
+    episodes: dict[str, list] = field(default_factory=dict)  # its trained episodes, column by column
 
 
 @dataclass
@@ -84,6 +85,12 @@ class UpdateResult:
     forward_seconds: float
     update_seconds: float
     ranks: list[RankUpdate] = field(default_factory=list)
+
+    @property
+    def episodes(self) -> list[dict]:
+        """Every rank's trained episodes, one dict each (``learner.update.episode_table``)."""
+        return [dict(zip(part.episodes, row, strict=True)) for part in self.ranks
+                for row in zip(*part.episodes.values(), strict=True)]
 
     @classmethod
     def combine(cls, parts: list[RankUpdate]) -> UpdateResult:

@@ -52,6 +52,13 @@ def append_metrics(run: RunStorage, record: dict) -> None:
     run.append_text(json.dumps(record) + "\n", "metrics.jsonl")
 
 
+def append_episodes(run: RunStorage, iteration: int, episodes: list[dict]) -> None:
+    """The iteration's trained episodes, one JSON line each: ``pandas.read_json(path, lines=True)`` loads
+    the run's in one call."""
+    lines = "".join(json.dumps({"iteration": iteration, **episode}) + "\n" for episode in episodes)
+    run.append_text(lines, "episodes.jsonl")
+
+
 def read_metrics(run: RunStorage, up_to_iteration: int) -> list[dict]:
     """Records of iterations <= ``up_to_iteration``; later ones (written after the checkpoint a run
     resumes from) move to metrics.discarded.jsonl rather than being lost."""
@@ -63,6 +70,10 @@ def read_metrics(run: RunStorage, up_to_iteration: int) -> list[dict]:
     if dropped:
         run.append_text("".join(json.dumps(r) + "\n" for r in dropped), "metrics.discarded.jsonl")
     run.write_text("".join(json.dumps(r) + "\n" for r in kept), "metrics.jsonl")
+    if run.exists("episodes.jsonl"):  # the same cut for the episodes
+        lines = [line for line in run.read_text("episodes.jsonl").splitlines() if line.strip()]
+        run.write_text("".join(line + "\n" for line in lines
+                               if json.loads(line)["iteration"] <= up_to_iteration), "episodes.jsonl")
     return kept
 
 

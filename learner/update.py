@@ -109,6 +109,7 @@ def update(engine: TrainingEngine, algorithm: Algorithm, settings: UpdateSetting
     # the controller's statistic over every episode sampled, the dropped groups' too: not a selection on
     # scores
     sums = algorithm.controller_sums(batch, dropped)
+    episodes = episode_table(algorithm, batch)  # before prepare: the loss's mask may leave rows out
     mask = batch.action_mask  # the model's tokens; prepare may take the truncated rows out of the loss's
     # the advantages (KL-penalised rewards at kl_coef, then the estimator), and what the episodes were given
     sums |= algorithm.prepare(batch, kl_coef, engine.reducer)
@@ -128,6 +129,7 @@ def update(engine: TrainingEngine, algorithm: Algorithm, settings: UpdateSetting
         kl_coefs=sorted(set(batch.kl_coef.tolist())),
         lr=engine.lr(),  # what the optimizer stepped with
         rank=engine.rank,
+        episodes=episodes,
     )
 
 
@@ -210,6 +212,27 @@ def micro_batches(mb: RolloutBatch, budget: int | None) -> list[Tensor | None]:
                                                                              sequence_lengths(mb))
     return [torch.isin(view.episode, episodes).nonzero().squeeze(-1)
             for episodes in plan_micro_batches(episode_lengths, budget)]
+
+
+def episode_table(algorithm: Algorithm, batch: RolloutBatch) -> dict[str, list]:
+    """Each trained episode's row of the run's episodes.jsonl, as columns: the prompt it answered (its index
+    in the prompt set) and its group, the version that sampled it (its oldest token's), its score (penalties
+    applied), the response KL its reward was penalised by (the estimator's, unweighted), its model tokens,
+    whether it was cut at the length cap, and an episode's turns."""
+    from learner.kl import episode_kl
+    from services.experience import FINISH_LENGTH
+
+    view, mask = episode_view(batch), batch.action_mask
+    kl = episode_kl(view.merge(batch.old_logprobs * mask), view.merge(batch.ref_logprobs * mask),
+                    view.merge(mask), algorithm.kl.estimator)
+    columns = {"prompt_index": view.first(batch.prompt_index), "group": view.first(batch.group_index),
+               "policy_version": view.first(batch.policy_version),
+               "score": view.total(algorithm.final_scores(batch)[0].double()), "kl": kl,
+               "length": view.total(mask.sum(-1).double()),
+               "truncated": view.total((batch.finish_reason == FINISH_LENGTH).double()) > 0}
+    if batch.num_turns is not None:
+        columns["turns"] = view.total(batch.num_turns.double())
+    return {name: values.tolist() for name, values in columns.items()}
 
 
 def batch_sums(algorithm: Algorithm, batch: RolloutBatch, mask: Tensor, version: int | None,

@@ -34,6 +34,13 @@ def test_default_job_learns(default_run):
         assert (run_dir / name).is_file()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 10
+    # every trained episode, a line each, in one pandas call; its scores average to the iteration's
+    import pandas as pd
+
+    episodes, records = pd.read_json(run_dir / "episodes.jsonl", lines=True), read_metrics(run_dir)
+    assert len(episodes) == sum(r["episodes"] for r in records)
+    assert episodes.groupby("iteration")["score"].mean().tolist() == pytest.approx(
+        [r["score_mean"] for r in records], rel=1e-6)
     # samples before (iteration 0) and after training, as text with their scores, for a person to read
     samples = sorted(p.name for p in (run_dir / "samples").iterdir())
     assert samples == ["iteration-0000.md", "iteration-0005.md", "iteration-0010.md"]

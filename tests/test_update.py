@@ -63,6 +63,14 @@ def test_the_update_moves_the_policy_toward_the_better_responses_of_each_group(t
     assert better.sum() >= 3 and (moved[better].mean() - moved[worse].mean()) > 1.0, (moved, batch.scores)
     # the KL the controller reads is the reward's penalty: the reference is the policy that sampled, so 0
     assert result.sums["penalty_sum"] == pytest.approx(0.0, abs=1e-5)
+    # each trained episode's row of episodes.jsonl: its prompt, score, KL, length
+    from learner.records import UpdateResult
+
+    episodes = UpdateResult.combine([result]).episodes
+    assert len(episodes) == 16 and [e["prompt_index"] for e in episodes] == batch.prompt_index.tolist()
+    assert [e["score"] for e in episodes] == batch.scores.tolist()
+    assert [e["length"] for e in episodes] == batch.action_mask.sum(-1).tolist()
+    assert sum(e["kl"] for e in episodes) == pytest.approx(result.sums["penalty_sum"], abs=1e-9)
 
 
 DEEPSPEED_STEP = """
