@@ -17,7 +17,7 @@ Three task shapes: one response; a multi-turn trajectory (an environment token a
 reward at each turn's end); an agent episode split into two rows (the environment's token opens the second
 row, the episode's reward on the last row's last token).
 
-For every combination ``JobConfig`` accepts, the harness checks
+For every combination ``JobConfig`` and the registered entries it chooses accept, the harness checks
 - the controller's statistic: its expectation is KL(pi || ref) per episode, pi the proximal policy (the one
   the learner optimises), or it is classed biased by design (k2, ``kl.scope: token_mean``) with its bias
   printed;
@@ -50,6 +50,16 @@ of their own elsewhere: whitening is REINFORCE++'s and is classed there), an unc
 (``ppo.is_cap`` 1e6: a cap is a bias by its own definition;
 ``test_rollout_correction_and_placement_figures_over_seeds`` measures the default), and clip ranges wide
 enough that no ratio is clipped at the step the gradient is taken.
+
+It runs what the update runs: the rows are collected as a rank collects a chunk (``collect_chunk`` through
+``TabularEngine``, a training engine over the tables, the reference scored by the rank's ``RankScoring``),
+carry their tokens' versions and are admitted by the staleness bound as the rank admits them
+(``check_admission``), and ``learner.update.update`` takes exactly the step ``layer_gradient`` measures
+(``check_update``). Each registered entry is checked against its own documented objective, written from its
+paper without calling it (``check_policy_loss_entry``, ``check_correction_entry``,
+``check_kl_estimator_entry``, ``check_advantage_estimator_entry``): the checks each plausible bug of
+``tests/test_mutations.py`` must fail. The tables the docs give are this run's, written to
+docs/harness-figures.md and checked against it (``figures``).
 """
 
 from __future__ import annotations
