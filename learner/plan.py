@@ -260,6 +260,8 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
     from services.tasks import get_task
 
     task = get_task(cfg.task.name, **cfg.task.options())
+    if cfg.task.name == "dataset" and cfg.reward.kind == "function":
+        task.trial_reward()  # the reward function once, on a real row, before any actor starts
     if cfg.rollout.agent is not None:
         from actors.agent_endpoint import load_agent
 

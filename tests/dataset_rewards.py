@@ -46,3 +46,20 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     reward_model)."""
     assert data_source == "letters", data_source
     return letter_distance("", solution_str, ground_truth)
+
+
+def first_letter(prompt: str, completion: str, answer: str) -> float:
+    """Reads the completion's first character: fails on an empty completion, which an engine can give."""
+    return letter_distance(prompt, completion[0], answer)
+
+
+def hangs(prompt: str, completion: str, answer: str) -> float:
+    """Never returns."""
+    import time
+
+    while True:
+        time.sleep(1)
+
+
+def not_a_number(prompt: str, completion: str, answer: str) -> str:
+    return "good"

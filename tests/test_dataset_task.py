@@ -128,6 +128,22 @@ def test_chat_messages_get_the_chat_template_and_reach_the_reward_as_messages(tm
         task.format_prompt(task.prompts()[0], build_char_tokenizer(list("abc")))
 
 
+@pytest.mark.parametrize("function, message", [
+    ("first_letter", (r"first_letter raised IndexError on train row 0: string index out of range \(called "
+                      r"once on .*prompts.jsonl, row 0, field 'prompt' with an empty completion, before")),
+    ("hangs", r"hangs' did not return within 3 s on .*prompts.jsonl, row 0, field 'prompt'"),
+    ("not_a_number", (r"not_a_number' returned 'good' on .*row 0, field 'prompt' with an empty completion; "
+                      r"a reward is a finite number")),
+])
+def test_the_reward_function_is_called_once_before_any_actor(tmp_path, function, message):
+    """On the first row with an empty completion (an engine's response can be one), in a process of its own
+    with a deadline: a function that raises, hangs or returns no number is named at start."""
+    task = dataset_task(_write("jsonl", tmp_path), reward_function=f"tests.dataset_rewards:{function}")
+    with pytest.raises(ValueError, match=message):
+        task.trial_reward(timeout_s=3)
+    dataset_task(_write("jsonl", tmp_path)).trial_reward()  # letter_distance takes an empty completion
+
+
 def test_a_plain_prompt_is_used_as_it_is(tmp_path):
     task = dataset_task(_write("jsonl", tmp_path))
     assert task.format_prompt("b", _chat_tokenizer(tmp_path)) == "b"

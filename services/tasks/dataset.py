@@ -253,6 +253,40 @@ class DatasetTask(Task):
         except ValueError:
             pass  # a builtin without a signature: called as it is
 
+    def trial_reward(self, timeout_s: float = 60.0) -> None:
+        """The reward function called once before any actor starts, on the first training row with an empty
+        completion (an engine's response can be one: EOS first), in a process of its own with a deadline: an
+        error it raises, a hang, or an answer that is not a number is named now (ValueError), not on a reward
+        actor after every actor started."""
+        import math
+        import multiprocessing
+
+        if not self.reward_function:
+            return
+        keep = list(dict.fromkeys([self.prompt_field, *(f.split(".")[0] for f in self.reward_fields)]))
+        options = {"name": self.name, "prompt_field": self.prompt_field,
+                   "reward_function": self.reward_function, "reward_fields": list(self.reward_fields),
+                   "rows": {"train": {c: self.rows["train"][c][:1] for c in keep}}}
+        context = multiprocessing.get_context("spawn")
+        receive, send = context.Pipe(duplex=False)
+        worker = context.Process(target=_trial_score, args=(options, send), daemon=True)
+        worker.start()
+        try:
+            if not receive.poll(timeout_s):
+                raise ValueError(f"task.reward_function={self.reward_function!r} did not return within "
+                                 f"{timeout_s:.0f} s on {self.prompt_origin(0)} with an empty completion")
+            failed, outcome = receive.recv()
+        finally:
+            worker.terminate()
+            worker.join(5)
+        if failed:
+            raise ValueError(f"{outcome} (called once on {self.prompt_origin(0)} with an empty completion, "
+                             "before any actor: an engine's response can be empty)")
+        real = isinstance(outcome, numbers.Real) and not isinstance(outcome, bool)
+        if not (real and math.isfinite(outcome)):
+            raise ValueError(f"task.reward_function={self.reward_function!r} returned {outcome!r:.80} on "
+                             f"{self.prompt_origin(0)} with an empty completion; a reward is a finite number")
+
     def row_fields(self, rows: list[int], split: str) -> list[dict]:
         """Each row's reward fields by the keyword they reach the function by (``field_argument``)."""
         columns, out = self.rows[split], []
@@ -318,3 +352,13 @@ class DatasetTask(Task):
             return {}
         scores = self.reward_rows(prompts, completions, rows, split)
         return {"score": sum(scores) / max(len(scores), 1)}
+
+
+def _trial_score(options: dict, send) -> None:
+    """``DatasetTask.trial_reward``'s process: the score of the first row's empty completion, or the error's
+    message."""
+    try:
+        task = DatasetTask(**options)
+        send.send((False, task.reward_rows([""], [""], [0], "train")[0]))
+    except Exception as err:  # noqa: BLE001 - whatever the user's function raised is the message
+        send.send((True, str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"))
