@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from learner.algorithm import Algorithm, episode_view
+from learner.kl import episode_kl
 from learner.ppo import explained_variance_moments, ppo_stats_from_sums, scheduled_lr
 from learner.records import RankUpdate
 
@@ -219,7 +220,6 @@ def episode_table(algorithm: Algorithm, batch: RolloutBatch) -> dict[str, list]:
     in the prompt set) and its group, the version that sampled it (its oldest token's), its score (penalties
     applied), the response KL its reward was penalised by (the estimator's, unweighted), its model tokens,
     whether it was cut at the length cap, and an episode's turns."""
-    from learner.kl import episode_kl
     from services.experience import FINISH_LENGTH
 
     view, mask = episode_view(batch), batch.action_mask

@@ -70,7 +70,7 @@ def test_a_policy_loss_registered_here_runs_through_the_update(tiny_model_dir):
     from learner.engine import TorchEngine
     from learner.plan import RankSpec
     from learner.update import update
-    from tests.test_update import config, sampled_batch
+    from tests.test_update import better_and_worse, config, sampled_batch
 
     with POLICY_LOSSES.registered(SOFT_CLIP):
         cfg = config(policy_loss="soft_clip", clip_range=0.3)
@@ -80,10 +80,7 @@ def test_a_policy_loss_registered_here_runs_through_the_update(tiny_model_dir):
         before = batch.old_logprobs.sum(-1)
         result = update(engine, spec.algorithm, spec.update, batch, 0.05, 1)
     assert result.ppo["optimizer_steps"] == 4 and math.isfinite(result.ppo["policy_loss"])
-    moved = engine.forward(batch, grad=False)[0].mul(batch.action_mask).sum(-1) - before
-    pair_scores = batch.scores.reshape(-1, 2)
-    split = (pair_scores[:, 0] != pair_scores[:, 1]).repeat_interleave(2)
-    better, worse = split & (batch.scores == 1), split & (batch.scores == 0)
+    moved, better, worse = better_and_worse(engine, batch, before)
     assert moved[better].mean() - moved[worse].mean() > 1.0, (moved, batch.scores)
 
 

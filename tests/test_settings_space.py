@@ -601,9 +601,36 @@ def layer_gradient(algorithm: Algorithm, e: Enumeration, at: torch.Tensor,
     logits = torch.zeros(*logprobs.shape, 3, dtype=torch.float64)
     loss, _ = algorithm.loss(batch, (logprobs, values, logits), counts, kl_coef)
     (per_row,) = torch.autograd.grad(loss, theta)
-    expected = torch.einsum("r,rsv->sv", weight, per_row) / e.group_size
+    return expected_step(algorithm, per_row, weight, e.group_size, counts, kl_coef), sums
+
+
+def expected_step(algorithm: Algorithm, per_row: Tensor, weight: Tensor, group_size: int, counts: dict,
+                  kl_coef: float) -> Tensor:
+    """Minus the expected gradient per episode [7, 3] of the rows' own gradients ``per_row`` [R, 7, 3], each
+    weighted by its group's behaviour probability ``weight`` [R] (once per group: / ``group_size``), times
+    the count the loss divided by (the KL term's where the KL in the loss is the only term)."""
+    expected = torch.einsum("r,rsv->sv", weight, per_row) / group_size
     kl_only = "kl_count" in counts and kl_coef > 0 and algorithm.kl.placement == "loss"
-    return -expected * float(counts["kl_count"] if kl_only else counts["denominator"]), sums
+    return -expected * float(counts["kl_count"] if kl_only else counts["denominator"])
+
+
+def prepared(algorithm: Algorithm, e: Enumeration) -> tuple[RolloutBatch, dict]:
+    """The enumeration's rows with their advantages (the score alone, no KL penalty) and their loss
+    counts."""
+    batch = e.batch.clone()
+    algorithm.prepare(batch, 0.0)
+    return batch, algorithm.loss_counts(batch)
+
+
+def reference_step(algorithm: Algorithm, e: Enumeration, batch: RolloutBatch, counts: dict, at: Tensor,
+                   terms_of) -> Tensor:
+    """``expected_step`` of a documented objective: ``terms_of(logprobs)``, the [R, T] per-token terms of the
+    rows' log-probs under their own copies of the table ``at``, summed over the tokens and divided by the
+    loss's count as the layer divides its loss."""
+    theta = at.expand(batch.shape[0], *at.shape).clone().requires_grad_(True)
+    terms = terms_of(logprob_rows(theta, e.states, e.ids))
+    (per_row,) = torch.autograd.grad((terms * batch.action_mask).sum() / counts["denominator"], theta)
+    return expected_step(algorithm, per_row, e.weight, e.group_size, counts, 0.0)
 
 
 def relative_error(got: Tensor, want: Tensor) -> float:
@@ -1078,20 +1105,17 @@ def policy_loss_objective_errors(name: str, seed: int = 7, advantage: str = "grp
     algorithm, entry = Algorithm.from_config(cfg), POLICY_LOSSES.get(name)
     problem = Problem.make(seed, "sync")
     e = enumerate_batch(problem, "single", 2)
-    batch = e.batch.clone()
-    algorithm.prepare(batch, 0.0)
-    counts = algorithm.loss_counts(batch)
+    batch, counts = prepared(algorithm, e)
+    mask = batch.action_mask
     g = torch.Generator().manual_seed(seed + 1)
     out = []
     for shift in OFF_POLICY_SHIFTS:
         at = problem.proximal + shift * torch.randn(7, 3, generator=g).double()
         got, _ = layer_gradient(algorithm, e, at, 0.0)
-        theta = at.expand(batch.shape[0], *at.shape).clone().requires_grad_(True)
-        log_ratio = (logprob_rows(theta, e.states, e.ids) - batch.old_logprobs) * batch.action_mask
-        terms = entry.objective(log_ratio, batch.advantages, batch.action_mask, cfg.ppo)
-        (per_row,) = torch.autograd.grad((terms * batch.action_mask).sum() / counts["denominator"], theta)
-        want = -torch.einsum("r,rsv->sv", e.weight, per_row) / e.group_size * float(counts["denominator"])
-        tokens = batch.action_mask > 0
+        want = reference_step(algorithm, e, batch, counts, at, lambda logprobs: entry.objective(
+            (logprobs - batch.old_logprobs) * mask, batch.advantages, mask, cfg.ppo))
+        log_ratio = (logprob_rows(at, e.states, e.ids) - batch.old_logprobs) * mask
+        tokens = mask > 0
         far = float(((log_ratio.abs() > math.log(5.0)) & tokens).sum() / tokens.sum())
         out.append((shift, relative_error(got, want), far, float(want.norm())))
     return out
@@ -1141,18 +1165,15 @@ def correction_objective_error(name: str, level: str, mode: str = "async", seed:
     algorithm = Algorithm.from_config(cfg)
     problem = Problem.make(seed, mode)
     e = enumerate_batch(problem, "single", 2)
-    batch = e.batch.clone()
-    algorithm.prepare(batch, 0.0)
-    counts = algorithm.loss_counts(batch)
+    batch, counts = prepared(algorithm, e)
+    mask = batch.action_mask
     got, _ = layer_gradient(algorithm, e, problem.current, 0.0)
-    theta = problem.current.expand(batch.shape[0], *problem.current.shape).clone().requires_grad_(True)
-    current, mask = logprob_rows(theta, e.states, e.ids), batch.action_mask
-    terms = POLICY_LOSSES.get("ppo").objective((current - batch.old_logprobs) * mask, batch.advantages, mask,
-                                               cfg.ppo)
-    factor = entry.objective(batch.old_logprobs, batch.rollout_logprobs, current.detach(), batch.advantages,
-                             mask, level, cfg.ppo)
-    (per_row,) = torch.autograd.grad((terms * factor * mask).sum() / counts["denominator"], theta)
-    want = -torch.einsum("r,rsv->sv", e.weight, per_row) / e.group_size * float(counts["denominator"])
+    current = logprob_rows(problem.current, e.states, e.ids)
+    factor = entry.objective(batch.old_logprobs, batch.rollout_logprobs, current, batch.advantages, mask,
+                             level, cfg.ppo)
+    ppo = POLICY_LOSSES.get("ppo").objective
+    want = reference_step(algorithm, e, batch, counts, problem.current, lambda logprobs: factor * ppo(
+        (logprobs - batch.old_logprobs) * mask, batch.advantages, mask, cfg.ppo))
     w = ((batch.old_logprobs - batch.rollout_logprobs) * mask)
     w = (w.sum(-1, keepdim=True).expand_as(w) if level == "sequence" and name != "icepop" else w).exp()
     changed = float((((factor - w).abs() > 1e-12) & (mask > 0)).sum() / (mask > 0).sum())
@@ -1221,29 +1242,22 @@ def update_gradient(algorithm: Algorithm, cfg: JobConfig, e: Enumeration, at: Te
     """``layer_gradient``'s measure of the step ``learner.update.update`` takes on the enumeration, driven
     with a ``TabularEngine`` at ``at`` (the rows' old log-probs are the engine's own there): one epoch, one
     minibatch of every row, so one step."""
-    from dataclasses import replace
 
     from learner.plan import UpdateSettings
     from learner.update import update
 
     rows, _ = trained_rows(algorithm, e.batch)
     engine = TabularEngine(at, e.states, e.ids, values)
-    spp = cfg.rollout.samples_per_prompt
     settings = UpdateSettings(cfg.ppo.model_copy(update={"epochs": 1, "minibatch_size": rows.numel(),
                                                          "lr_schedule": "constant"}),
                               rollout_batch_size=rows.numel() if algorithm.dynamic_sampling else None,
                               rows_per_episode_vary=not episode_view(e.batch).trivial)
-    algorithm = replace(algorithm, samples_per_prompt=spp)
-    batch = e.batch.clone()
-    update(engine, algorithm, settings, batch, kl_coef, 1, version=LEARNER_VERSION)
+    update(engine, algorithm, settings, e.batch.clone(), kl_coef, 1, version=LEARNER_VERSION)
     (per_row,) = engine.steps
     trained = e.batch[rows]
     algorithm.prepare(trained, kl_coef)  # the loss's mask: DAPO's overlong filtering takes rows out of it
     counts = algorithm.loss_counts(trained)
-    weight = e.weight[rows]
-    expected = torch.einsum("r,rsv->sv", weight, per_row[rows]) / e.group_size
-    kl_only = "kl_count" in counts and kl_coef > 0 and algorithm.kl.placement == "loss"
-    return -expected * float(counts["kl_count"] if kl_only else counts["denominator"])
+    return expected_step(algorithm, per_row[rows], e.weight[rows], e.group_size, counts, kl_coef)
 
 
 def check_update(problems: dict, every: int = 1) -> int:

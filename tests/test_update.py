@@ -42,6 +42,15 @@ def sampled_batch(engine, n: int = 16, seed: int = 0):
     return batch
 
 
+def better_and_worse(engine, batch, before):
+    """(how far the policy's log-likelihood moved on each response since ``before``, the better and the worse
+    responses of the groups whose two scores differ)."""
+    moved = engine.forward(batch, grad=False)[0].mul(batch.action_mask).sum(-1) - before
+    pair_scores = batch.scores.reshape(-1, 2)
+    split = (pair_scores[:, 0] != pair_scores[:, 1]).repeat_interleave(2)
+    return moved, split & (batch.scores == 1), split & (batch.scores == 0)
+
+
 def test_the_update_moves_the_policy_toward_the_better_responses_of_each_group(tiny_model_dir):
     from learner.engine import TorchEngine
     from learner.plan import RankSpec
@@ -55,11 +64,8 @@ def test_the_update_moves_the_policy_toward_the_better_responses_of_each_group(t
     result = update(engine, spec.algorithm, spec.update, batch, 0.05, 1)
     assert result.ppo["optimizer_steps"] == 2 * 2  # epochs x minibatches of 8
     assert result.sums["trained_episodes"] == 16 and result.lr == pytest.approx(3e-3)
-    moved = engine.forward(batch, grad=False)[0].mul(batch.action_mask).sum(-1) - before
     # the policy's log-likelihood moves up on the better response of each group, relative to the worse one
-    pair_scores = batch.scores.reshape(-1, 2)
-    split = (pair_scores[:, 0] != pair_scores[:, 1]).repeat_interleave(2)
-    better, worse = split & (batch.scores == 1), split & (batch.scores == 0)
+    moved, better, worse = better_and_worse(engine, batch, before)
     assert better.sum() >= 3 and (moved[better].mean() - moved[worse].mean()) > 1.0, (moved, batch.scores)
     # the KL the controller reads is the reward's penalty: the reference is the policy that sampled, so 0
     assert result.sums["penalty_sum"] == pytest.approx(0.0, abs=1e-5)

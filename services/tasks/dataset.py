@@ -172,9 +172,8 @@ class DatasetTask(Task):
         if self.path is None:
             raise ValueError("task.name='dataset' needs task.path: a .jsonl, .json, .csv or .parquet file, "
                              "or a saved Hugging Face dataset directory")
-        # a nested field (reward_model.ground_truth) is read with its column
-        columns = [(self.prompt_field, "task.prompt_field")] + [
-            (c, "task.reward_fields") for c in dict.fromkeys(f.split(".")[0] for f in self.reward_fields)]
+        columns = [(self.prompt_field, "task.prompt_field")] + [(c, "task.reward_fields")
+                                                                for c in self.field_columns()]
         train = read_rows(self.path, self.split, columns, "task.path")
         if self.eval_path:
             evaluation = read_rows(self.eval_path, self.eval_split or self.split, columns, "task.eval_path")
@@ -226,10 +225,23 @@ class DatasetTask(Task):
         """What a reward actor builds this task from: the prompt column and the reward fields as one
         ``Shipment`` (the driver ships it once Ray is up: ``Plan.shipments``); never the path."""
         if not hasattr(self, "_rows"):  # one shipment for every spec that holds these options
-            keep = list(dict.fromkeys([self.prompt_field, *(f.split(".")[0] for f in self.reward_fields)]))
-            self._rows = Shipment({split: {c: rows[c] for c in keep} for split, rows in self.rows.items()})
+            self._rows = Shipment({split: self.reward_columns(rows) for split, rows in self.rows.items()})
+        return self.reward_options(self._rows)
+
+    def field_columns(self) -> list[str]:
+        """The columns the reward fields are read from: a nested field (reward_model.ground_truth) with its
+        column."""
+        return list(dict.fromkeys(f.split(".")[0] for f in self.reward_fields))
+
+    def reward_columns(self, rows: dict[str, list]) -> dict[str, list]:
+        """Of a split's columns, those the reward reads: the prompts and the reward fields'."""
+        return {c: rows[c] for c in dict.fromkeys([self.prompt_field, *self.field_columns()])}
+
+    def reward_options(self, rows) -> dict:
+        """What a task scoring ``rows`` is built from (``reward_actor_options``'s, or one row's for
+        ``trial_reward``)."""
         return {"prompt_field": self.prompt_field, "reward_function": self.reward_function,
-                "reward_fields": list(self.reward_fields), "rows": self._rows}
+                "reward_fields": list(self.reward_fields), "rows": rows}
 
     @cached_property
     def function(self) -> Callable:
@@ -263,10 +275,8 @@ class DatasetTask(Task):
 
         if not self.reward_function:
             return
-        keep = list(dict.fromkeys([self.prompt_field, *(f.split(".")[0] for f in self.reward_fields)]))
-        options = {"name": self.name, "prompt_field": self.prompt_field,
-                   "reward_function": self.reward_function, "reward_fields": list(self.reward_fields),
-                   "rows": {"train": {c: self.rows["train"][c][:1] for c in keep}}}
+        first = {c: values[:1] for c, values in self.reward_columns(self.rows["train"]).items()}
+        options = self.reward_options({"train": first})
         context = multiprocessing.get_context("spawn")
         receive, send = context.Pipe(duplex=False)
         worker = context.Process(target=_trial_score, args=(options, send), daemon=True)
