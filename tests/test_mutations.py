@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from learner import advantages, correction, kl, policy_losses
+from learner import algorithm as algorithm_module
 from learner import update as update_module
 from learner.algorithm import Algorithm
 from learner.update import RankScoring
@@ -126,6 +127,14 @@ def _epochs_without_the_kl(original):
     return epochs
 
 
+def _sequence_mean_over_the_width(original):
+    def over_width(x, mask, aggregation="token_mean", denominator=None):
+        if aggregation != "sequence_mean":
+            return original(x, mask, aggregation, denominator)
+        return ((x * mask).sum(-1) / mask.shape[-1]).sum() / denominator
+    return over_width
+
+
 def _controller_inputs_unweighted(original):
     def unweighted(self, batch):
         logprobs, ref_logprobs, mask, _ = original(self, batch)
@@ -139,6 +148,7 @@ UPDATE = "update"  # learner.update's plumbing around the layer
 ADVANTAGE = "advantage estimator"
 CORRECTION = "correction"
 ESTIMATOR = "kl estimator"
+AXIS = "combinations"  # the main harness's combinations that hold one axis's value
 LOSSES, CORRECTIONS, KL_ESTIMATORS = policy_losses.POLICY_LOSSES, correction.CORRECTIONS, kl.KL_ESTIMATORS
 ESTIMATORS = advantages.ESTIMATORS
 
@@ -219,6 +229,13 @@ MUTANTS = {
          entry_patch(ESTIMATORS, "reinforce_pp_baseline", function=advantages._reinforce_pp), {}),
     "the update's epochs without the KL coefficient (the loss-placed KL dropped)":
         (UPDATE, "update", function_patch(update_module, "ppo_epochs", _epochs_without_the_kl), {}),
+    "sequence_mean's rows divided by the response width, not their own length":
+        (AXIS, "aggregation", function_patch(policy_losses, "masked_mean", _sequence_mean_over_the_width),
+         {"aggregation": "sequence_mean"}),
+    "DAPO's overlong filtering left out (the rows cut at the cap trained on)":
+        (AXIS, "mask_truncated", function_patch(algorithm_module, "truncated_loss_mask",
+                                                lambda f: lambda mask, finish_reason: mask),
+         {"mask_truncated": True}),
     "the async statistic unweighted (k3 of the learner's log-probs on the engine's rows)":
         (ESTIMATOR, "k3", function_patch(Algorithm, "_controller_inputs", _controller_inputs_unweighted), {}),
 }
@@ -227,6 +244,8 @@ MUTANTS = {
 def check(kind: str, name: str, settings: dict, problems: dict) -> None:
     if kind == UPDATE:
         harness.check_update(problems, every=4)
+    elif kind == AXIS:
+        harness.check_combinations(problems, **settings)
     elif kind == ADVANTAGE:
         harness.check_advantage_estimator_entry(name)
     elif kind == COLLECTION:  # the rows as collected under the patch

@@ -98,8 +98,9 @@ def test_a_policy_loss_registered_here_passes_the_harness_and_fails_it_with_a_wr
             cfg, refusal = harness.resolve(c)
             assert cfg is not None, refusal
             expected = harness.expected_classes(c, bool(harness.mask_binds(c, cfg, problems)))
+            bound = harness.stated_bound(c, problems)
             for check, error in harness.check_combination(c, cfg, problems).items():
-                assert harness.meets(expected[check], error), (check, expected[check], error, c)
+                assert harness.meets(expected[check], error, bound), (check, expected[check], error, c)
     # declared as PPO's clipped surrogate, which it is not
     wrong = dataclasses.replace(SOFT_CLIP, objective=lambda log_r, a, mask, p: clipped_objective(
         log_r.exp(), a, (p.clip_range, p.clip_range)))

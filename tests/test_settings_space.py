@@ -25,9 +25,12 @@ For every combination ``JobConfig`` and the registered entries it chooses accept
   logs (``kl.placement: reward``), or the scores alone (``loss``);
 - the expected gradient of each term of the objective (the task score, the KL to the reference, the reverse KL
   to the teacher) against the gradient of that term: exact (relative error < 1e-6), bounded (token-level
-  rollout correction in async mode: within ``TOKEN_CORRECTION_BOUND``), or biased by design (peers' forms and
-  the normalisations, selections and masks that change the objective on purpose), with the measured error
-  printed;
+  rollout correction in async mode: within the bound each correction states, ``TOKEN_LEVEL_BOUND_PER_NAT``
+  times the problem's shift), or biased by design (peers' forms and the normalisations, selections and masks
+  that change the objective on purpose), with the measured error printed;
+- each policy term's expected gradient against the one of its documented objective, written again from the
+  entries' formulas (``documented_gradient``): equal in every class, so a bias by design is the number the
+  reference computes, not merely a nonzero one;
 and for every refused combination, that the message names the fields.
 
 The policy losses are taken at the start of the update, where every ratio pi / pi_prox is 1: PPO's and GSPO's
@@ -90,8 +93,11 @@ EOS, ENV = 2, 3
 LEARNER_VERSION = 2  # the learner's version; the engine's are this or older (Problem.token_version)
 WIDTH = 4  # response positions: a, ENV, b, c at most
 BETA, DISTILL_COEF = 0.3, 0.2
-# relative gradient error of token-level correction at the harness's shift (0.15-0.2 nats/token)
-TOKEN_CORRECTION_BOUND = 0.3
+# each token-level correction's stated bound on its bias: the relative error of the expected gradient per nat
+# of the mean per-token shift between the learner and the engine (``token_shift``), on responses of up to 3
+# tokens; its weight ignores the response's other tokens' ratios, an error first-order in the shift. An entry
+# whose token-level factor the harness classes bounded must state one
+TOKEN_LEVEL_BOUND_PER_NAT = {"tis": 2.0, "mis": 2.0, "icepop": 2.0}
 EXACT = 1e-6
 
 AXES: dict[str, tuple] = {
@@ -633,6 +639,37 @@ def reference_step(algorithm: Algorithm, e: Enumeration, batch: RolloutBatch, co
     return expected_step(algorithm, per_row, e.weight, e.group_size, counts, 0.0)
 
 
+def documented_gradient(algorithm: Algorithm, e: Enumeration, at: Tensor, kl_coef: float) -> Tensor:
+    """``layer_gradient`` of the policy term written again from the entries' documented formulas: each
+    token's ``ppo.correction`` factor (its entry's ``objective``: the cap, band or mask included) times
+    ``ppo.policy_loss``'s documented objective on the ratio to pi_old, aggregated as ``ppo.loss_aggregation``
+    says (``sequence_mean``: each episode's tokens by 1 / its length), without the rows cut at the cap under
+    ``ppo.mask_truncated``, on the rows the rank trains with the advantages its estimator gives them (each
+    estimator checked against its own formula, ``check_advantage_estimator_entry``). The loss's count is a
+    constant per episode, which ``layer_gradient`` takes out: none here. Where a setting changes the objective
+    on purpose (a bias by design) this is the biased objective: the bias is the reference's number, which the
+    layer must match."""
+    rows, _ = trained_rows(algorithm, e.batch)
+    batch, weight = e.batch[rows], e.weight[rows]
+    row_mask = batch.action_mask.clone()
+    algorithm.prepare(batch, kl_coef)
+    p, view = algorithm.ppo, episode_view(batch)
+    if p.mask_truncated:  # DAPO's overlong filtering: a response cut at the cap is out of the loss
+        row_mask = row_mask * (batch.finish_reason != FINISH_LENGTH).unsqueeze(-1)
+    theta = at.expand(batch.shape[0], *at.shape).clone().requires_grad_(True)
+    logprobs = view.merge(logprob_rows(theta, [e.states[i] for i in rows.tolist()],
+                                       [e.ids[i] for i in rows.tolist()]))
+    mask, advantages = view.merge(row_mask), view.merge(batch.advantages)
+    old, behaviour = view.merge(batch.old_logprobs) * mask, view.merge(batch.rollout_logprobs) * mask
+    factor = CORRECTIONS.get(p.correction).objective(old, behaviour, logprobs.detach(), advantages, mask,
+                                                     p.correction_level, p)
+    terms = factor * POLICY_LOSSES.get(p.policy_loss).objective((logprobs - old) * mask, advantages, mask, p)
+    length = mask.sum(-1, keepdim=True).clamp(min=1)
+    per_token = 1 / length if p.loss_aggregation == "sequence_mean" else torch.ones_like(length)
+    (per_row,) = torch.autograd.grad((terms * mask * per_token).sum(), theta)
+    return -torch.einsum("r,rsv->sv", weight, per_row) / e.group_size
+
+
 def relative_error(got: Tensor, want: Tensor) -> float:
     scale = float(want.norm())
     return float((got - want).norm()) / scale if scale > 1e-12 else float((got - want).norm())
@@ -680,10 +717,13 @@ def expected_classes(c: dict, mask_binds: bool = False) -> dict[str, str]:
         kl = ("biased" if not KL_ESTIMATORS.get(c["estimator"]).exact_penalty_gradient or normalised_return
               else policy_term(c["advantage"] != "rloo"))
     # the statistic against what the docs define for the estimator and scope: exact everywhere
-    out = {"statistic": statistic, "statistic_documented": "exact", "score": score, "kl": kl}
+    # and each policy term's gradient against its documented objective (a bias by design included): exact
+    out = {"statistic": statistic, "statistic_documented": "exact", "score": score, "kl": kl,
+           "score_documented": "exact", "kl_documented": "exact"}
     if c["distill"] != "off":
         out["teacher"] = "biased" if normalised_return or c["dynamic_sampling"] else \
             policy_term(c["advantage"] != "rloo")
+        out["teacher_documented"] = "exact"
     return out
 
 
@@ -706,12 +746,16 @@ def with_logprobs(e: Enumeration, **tables) -> Enumeration:
 _DOCUMENTED: dict[tuple, float] = {}  # (mode, estimator, scope) -> documented_statistic
 
 
-def check_combination(c: dict, cfg: JobConfig, problems: dict) -> dict[str, tuple[str, float]]:
-    """Run the layer on the tabular problem of ``c``; returns {check: (measured class, error)}."""
+def check_combination(c: dict, cfg: JobConfig, problems: dict) -> dict[str, float]:
+    """Run the layer on the tabular problem of ``c``; returns {check: relative error}."""
     algorithm = Algorithm.from_config(cfg)
     group = 2 if cfg.rollout.samples_per_prompt > 1 else 1
     problem, e = problems[(c["mode"], c["shape"], group)]
     measured = {}
+
+    def against_documented(check: str, rows: Enumeration, at: Tensor, kl_coef: float, got: Tensor) -> None:
+        documented = documented_gradient(algorithm, rows, at, kl_coef)
+        measured[f"{check}_documented"] = relative_error(got, documented)
     distill = c["distill"] != "off"
 
     # the controller's statistic against KL(proximal || reference)
@@ -745,25 +789,28 @@ def check_combination(c: dict, cfg: JobConfig, problems: dict) -> dict[str, tupl
     else:
         score_target = objective_gradient(lambda t: exact_score(t, problem, c["shape"]), problem.proximal)
         measured["score"] = relative_error(got, score_target)
+    against_documented("score", quiet, problem.proximal, 0.0, got)
 
     no_values = (with_logprobs(zeroed_scores(quiet), old_values=None) if c["placement"] == "loss"
                  else zeroed_scores(quiet))
     at = problem.current if c["placement"] == "loss" else problem.proximal
     kl_target = -BETA * objective_gradient(lambda t: exact_kl(t, problem.reference), at)
     # no score, no group kept: the selection is the bias; measured with the scores on
+    kl_rows = quiet if c["dynamic_sampling"] else no_values
+    got, _ = layer_gradient(algorithm, kl_rows, at, BETA)
     if c["dynamic_sampling"]:
-        got, _ = layer_gradient(algorithm, quiet, at, BETA)
         kl_target = kl_target + score_target
-    else:
-        got, _ = layer_gradient(algorithm, no_values, at, BETA)
     measured["kl"] = relative_error(got, kl_target)
+    if c["placement"] == "reward":  # in the loss, the KL is a term of its own (``response_kl_loss``)
+        against_documented("kl", kl_rows, at, BETA, got)
 
     if distill:  # the reverse KL to the teacher, the task score and the reference KL switched off
         teaching = with_logprobs(zeroed_scores(e), teacher_logprobs=problem.teacher)
         target = -DISTILL_COEF * objective_gradient(lambda t: exact_kl(t, problem.teacher), problem.proximal)
-        got, _ = layer_gradient(algorithm, teaching if not c["dynamic_sampling"] else e, problem.proximal,
-                                0.0)
+        teacher_rows = teaching if not c["dynamic_sampling"] else e
+        got, _ = layer_gradient(algorithm, teacher_rows, problem.proximal, 0.0)
         measured["teacher"] = relative_error(got, target + (score_target if c["dynamic_sampling"] else 0))
+        against_documented("teacher", teacher_rows, problem.proximal, 0.0, got)
     return measured
 
 
@@ -806,7 +853,10 @@ def mask_binds(c: dict, cfg: JobConfig, problems: dict) -> bool | None:
 CHECKS = {"statistic": "the controller's statistic against KL(pi_prox \\|\\| pi_ref)",
           "statistic_documented": "the controller's statistic against its estimator's documented expectation",
           "score": "the task score's expected gradient", "kl": "the reference KL's expected gradient",
-          "teacher": "the teacher's reverse KL's expected gradient"}
+          "teacher": "the teacher's reverse KL's expected gradient",
+          "score_documented": "the task score's expected gradient against its documented objective's",
+          "kl_documented": "the reference KL's (in the reward) against its documented objective's",
+          "teacher_documented": "the teacher's reverse KL's against its documented objective's"}
 FIGURES = ROOT / "docs" / "harness-figures.md"
 
 
@@ -839,14 +889,42 @@ def seed_table(what: str, rows: dict[str, list[float]], against: str = "") -> li
             *(f"| {name} | {span(errors)} |" for name, errors in rows.items())]
 
 
-def meets(expected: str, error: float) -> bool:
-    """Whether a measured error fits its documented class: exact below ``EXACT``; bounded within
-    ``TOKEN_CORRECTION_BOUND``; biased by design never silently exact."""
+def stated_bound(c: dict, problems: dict) -> float | None:
+    """The bound ``c``'s correction states on its token-level bias at the problem's shift (None: none
+    stated)."""
+    per_nat = TOKEN_LEVEL_BOUND_PER_NAT.get(c["correction"][0])
+    return None if per_nat is None else per_nat * token_shift(problems[(c["mode"], "single", 1)][0])
+
+
+def meets(expected: str, error: float, bound: float | None = None) -> bool:
+    """Whether a measured error fits its documented class: exact below ``EXACT``; bounded within ``bound``,
+    its correction's own (``stated_bound``); biased by design never silently exact (and equal to its
+    documented objective, a check of its own)."""
     if expected == "exact":
         return error < EXACT
     if expected == "bounded":
-        return error <= TOKEN_CORRECTION_BOUND
+        assert bound is not None, "a bounded check of a correction that states no token-level bound"
+        return error <= bound
     return error >= EXACT
+
+
+def check_combinations(problems: dict, limit: int = 24, **values) -> int:
+    """The harness's checks of each accepted combination that holds ``values`` (axis -> value), at most
+    ``limit`` of them: the check a bug in the code of one axis's value must fail. Returns how many ran."""
+    combos, refused_pairs = combinations()
+    ran = 0
+    for c in refused_pairs + combos:
+        if ran == limit or any(c[axis] != value for axis, value in values.items()):
+            continue
+        cfg, _ = resolve(c)
+        if cfg is None:
+            continue
+        expected, bound = expected_classes(c, bool(mask_binds(c, cfg, problems))), stated_bound(c, problems)
+        for check, error in check_combination(c, cfg, problems).items():
+            assert meets(expected[check], error, bound), (check, expected[check], error, c)
+        ran += 1
+    assert ran, f"no accepted combination holds {values}"
+    return ran
 
 
 # ---------------------------------------------------------------------------- the harness
@@ -877,6 +955,7 @@ def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_eve
     by_value: dict[str, dict] = {}  # a new setting's value -> class -> the errors of its gradient checks
     refused = 0
     failures = []
+    shifts = {mode: token_shift(problems[(mode, "single", 1)][0]) for mode in AXES["mode"]}
     for c in refused_pairs + combos:
         cfg, error = resolve(c)
         if cfg is None:
@@ -893,14 +972,18 @@ def test_every_accepted_combination_is_exact_bounded_or_biased_by_design_and_eve
             values = (f"mode {c['mode']}", f"in_flight {c['in_flight']}", f"policy_loss {c['policy_loss']}",
                       f"correction {label_of(c)}")
             for value in values:
-                if not check.startswith("statistic") and value in NEW_VALUES:
+                if check in ("score", "kl", "teacher") and value in NEW_VALUES:
                     by_value.setdefault(value, {}).setdefault(expected[check], []).append(err)
-            if not meets(expected[check], err):
+            if not meets(expected[check], err, stated_bound(c, problems)):
                 failures.append((check, expected[check], err, c))
     total = len(combos) + len(refused_pairs)
     counts = (f"{total} combinations: {total - refused} accepted, {refused} refused ({len(refused_pairs)} "
               "pairs of values no accepted combination holds).")
-    lines = [counts, "",
+    stated = ", ".join(f"`{name}` {per_nat:g}" for name, per_nat in TOKEN_LEVEL_BOUND_PER_NAT.items())
+    shift = ", ".join(f"{mode} {shifts[mode]:.3f}" for mode in AXES["mode"] if mode != "sync")
+    bounds = (f"A bounded check is held to its correction's stated bound per nat of shift ({stated}) times "
+              f"the problem's mean per-token shift between the learner and the engine ({shift} nats).")
+    lines = [counts, "", bounds, "",
              "| check | class | accepted combinations | relative error (min .. max) |", "|---|---|---|---|"]
     order = {cls: i for i, cls in enumerate(("exact", "bounded", "biased"))}
     lines += [f"| {CHECKS[check]} | {cls} | {len(errors)} | {span(errors, cls)} |"
@@ -960,7 +1043,7 @@ def mixed_target(problem: Problem) -> Tensor:
 def test_rollout_correction_and_placement_figures_over_seeds():
     """The figures the docs state for the rollout correction and the two KL placements, measured over seeds on
     the harness's async problem (RLOO, groups of 2, the score and the KL in the reward), and their bounds."""
-    rows, shifts = {}, []
+    rows, shifts, mixed_shifts = {}, [], []
     for seed in SEEDS:
         problem = Problem.make(seed, "async")
         shifts.append(token_shift(problem))
@@ -970,6 +1053,7 @@ def test_rollout_correction_and_placement_figures_over_seeds():
             lambda t, p=problem: exact_score(t, p, "single") - BETA * exact_kl(t, p.reference),
             problem.proximal)
         mixed = Problem.make(seed, "async_mixed")  # the same versions, a newer one sampling the later tokens
+        mixed_shifts.append(token_shift(mixed))
         e_mixed = with_logprobs(enumerate_batch(mixed, "single", 2), teacher_logprobs=mixed.proximal)
         # (name, correction, level, is_cap or None for IcePop's, the settings beside, mixed versions)
         for name, correction, level, cap, extra, in_flight in (
@@ -1005,14 +1089,18 @@ def test_rollout_correction_and_placement_figures_over_seeds():
     head = f"The async shift: {shift} nats per token |log pi_prox - log pi_behav|, {len(SEEDS)} seeds."
     figures("corrections", [head, "", *seed_table("correction", rows)])
     assert max(rows["tis sequence, uncapped"]) < EXACT and max(rows["mis sequence, uncapped"]) < EXACT
-    assert max(rows["tis token, uncapped"]) <= TOKEN_CORRECTION_BOUND
+
+    def within(name: str, entry: str, at: list[float]) -> bool:  # its stated bound at each seed's shift
+        return all(err <= TOKEN_LEVEL_BOUND_PER_NAT[entry] * s for err, s in zip(rows[name], at))
+
+    assert within("tis token, uncapped", "tis", shifts)
     assert min(rows["tis token, cap 2 (the default)"]) > EXACT  # a cap is a bias: never silently exact
     # the per-token behaviour log-probs of a response sampled by two versions: the sequence weight is still
     # the likelihood ratio of the sampler, exact; the token weight as bounded as with one version
     assert max(rows["mixed versions: tis sequence, uncapped"]) < EXACT
-    assert max(rows["mixed versions: tis token, uncapped"]) <= TOKEN_CORRECTION_BOUND
+    assert within("mixed versions: tis token, uncapped", "tis", mixed_shifts)
     # IcePop's default band drops nothing here (the token weight's bound holds); the masks that drop change it
-    assert max(rows["icepop, band [0.5, 5] (the default)"]) <= TOKEN_CORRECTION_BOUND
+    assert within("icepop, band [0.5, 5] (the default)", "icepop", shifts)
     for name in ("icepop, band [0.8, 1.25]", GEOMETRIC_DEFAULT,
                  "off_policy_mask sequence, delta 1e-4, uncapped"):
         assert min(rows[name]) > EXACT, name
