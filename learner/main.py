@@ -61,7 +61,7 @@ def log(message: str) -> None:
 
 class Progress:
     """One line per iteration (what `ray job logs` shows); on a terminal also a live tqdm bar. Also feeds
-    TensorBoard and the experiment tracker (``services.tracking``) where configured."""
+    the experiment trackers of ``metrics.report_to`` (``services.tracking``)."""
 
     def __init__(self, cfg: JobConfig, run_path) -> None:
         from tqdm import tqdm
@@ -69,16 +69,11 @@ class Progress:
         from services.tracking import Tracker
 
         self.cfg = cfg
-        self.tracker = Tracker(cfg.metrics.wandb, run_path, cfg.run.name, bool(cfg.run.resume),
+        self.tracker = Tracker(cfg.metrics, run_path, cfg.run.name, bool(cfg.run.resume),
                                cfg.model_dump(mode="json"), log=log)
         self.tracker.start()
         self.bar = tqdm(total=cfg.run.iterations, unit="it", dynamic_ncols=True,
                         disable=not (cfg.metrics.progress_bar and sys.stdout.isatty()))
-        self.tensorboard = None
-        if cfg.metrics.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(run_path.display("tensorboard"))
 
     def update(self, r: dict, samples: list[dict] | None = None) -> None:
         """An iteration's record, and the samples of its evaluation if it had one."""
@@ -103,12 +98,6 @@ class Progress:
                                  kl=f"{r['kl_response_mean']:.2f}/{target or 0:g}",
                                  beta=f"{r['kl_coef']:.4f}", sec=f"{r['iteration_seconds']:.1f}")
             self.bar.update(1)
-        if self.tensorboard:
-            for key, value in r.items():
-                if isinstance(value, int | float):
-                    self.tensorboard.add_scalar(key, value, r["iteration"])
-            for key, value in r.get("eval", {}).items():
-                self.tensorboard.add_scalar(f"eval/{key}", value, r["iteration"])
         self.tracker.log(r)
         self.samples(r["iteration"], samples)
 
@@ -120,8 +109,6 @@ class Progress:
     def close(self, summary: dict | None = None) -> None:
         """After the summary and the final curves.png: the tracker takes both."""
         self.bar.close()
-        if self.tensorboard:
-            self.tensorboard.close()
         self.tracker.finish(summary)
 
 

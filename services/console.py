@@ -17,7 +17,7 @@ import warnings
 LEVEL_ENV = "TETHER_LOG_LEVEL"
 LEVELS = ("debug", "info", "warning", "error")
 LIBRARY_LOGGERS = ("vllm", "transformers", "deepspeed", "DeepSpeed", "ray", "torch", "accelerate", "datasets",
-                   "huggingface_hub", "filelock", "urllib3", "httpx", "wandb")
+                   "huggingface_hub", "filelock", "urllib3", "httpx", "wandb", "mlflow", "alembic", "trackio")
 
 # Warnings tether causes and knows to be harmless, by the start of their message. All come from running
 # vLLM's CPU build the way tether does (one process per engine, eager, no triton, no tcmalloc/iomp preload).

@@ -5,7 +5,7 @@ resources, the learner (LoRA included), the run, its metrics and checkpoints. Se
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
@@ -286,25 +286,78 @@ class RunConfig(Section):
     max_chunk_retries: int = Field(3, ge=0, description="times a chunk lost to a dead actor is regenerated")
 
 
+Tracker = Literal["wandb", "tensorboard", "mlflow", "trackio"]
+
+
 class WandbConfig(Section):
-    enabled: bool = Field(False, description="log the run to Weights & Biases (WANDB_MODE=offline writes it "
-                          "only to disk; WANDB_API_KEY or `wandb login` for the server)")
     project: str = Field("tether", description="wandb project")
     entity: str | None = Field(None, description="wandb entity (team or user); none = the account's default")
     name: str | None = Field(None, description="wandb run name; none = run.name")
     tags: list[str] = Field(default_factory=list, description="wandb run tags")
 
+    @model_validator(mode="before")
+    @classmethod
+    def enabled_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "enabled" in data:
+            raise ValueError("metrics.wandb.enabled is now an entry of metrics.report_to: set "
+                             "metrics.report_to=[wandb] (with the other trackers you log to)")
+        return data
+
+
+class MLflowConfig(Section):
+    tracking_uri: str | None = Field(
+        None, description="the MLflow tracking server or database; none = MLFLOW_TRACKING_URI where set, "
+        "else sqlite:///<run directory>/mlflow.db (artifacts beside it, in mlflow-artifacts/)")
+    experiment: str = Field("tether", description="MLflow experiment the run is logged under")
+    name: str | None = Field(None, description="MLflow run name; none = run.name")
+
+
+class TrackioConfig(Section):
+    project: str = Field("tether", description="trackio project")
+    name: str | None = Field(None, description="trackio run name; none = run.name")
+    space_id: str | None = Field(None, description="a Hugging Face Space to log to; none = trackio's local "
+                                 "database (TRACKIO_DIR, default ~/.cache/huggingface/trackio), which "
+                                 "`trackio show` opens")
+
 
 class MetricsConfig(Section):
     plot_every: PositiveInt = Field(10, description="redraw curves.png every N iterations (and at the end)")
-    tensorboard: bool = Field(False, description="also write TensorBoard logs into the run directory")
+    report_to: list[Tracker] = Field(
+        default_factory=list, description="experiment trackers that get every metrics.jsonl record, the "
+        "evaluation samples and the summary: any of wandb, tensorboard (into the run directory), mlflow, "
+        "trackio; as a list ([wandb, mlflow]) or comma-separated (wandb,mlflow); none = metrics.jsonl only")
     progress_bar: bool = Field(True, description="live progress bar when stdout is a terminal")
     eval_samples_saved: int = Field(8, ge=0, description="evaluation samples written as text to "
                                     "samples/iteration-NNNN.md at each evaluation (0 = none)")
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
+    trackio: TrackioConfig = Field(default_factory=TrackioConfig)
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "warning", description="logging of vLLM, transformers, DeepSpeed and Ray in the driver and every "
         "actor (tether's own lines always show); debug also shows the warnings tether knows to be harmless")
+
+    @model_validator(mode="before")
+    @classmethod
+    def trackers_as_users_write_them(cls, data: Any) -> Any:
+        """``report_to`` as TRL's ``--report_to`` takes it (one name, comma-separated names, none); the
+        switches it replaced named with their new form."""
+        if not isinstance(data, dict):
+            return data
+        if "tensorboard" in data:
+            raise ValueError("metrics.tensorboard is now an entry of metrics.report_to: set "
+                             "metrics.report_to=[tensorboard] (with the other trackers you log to)")
+        trackers = data.get("report_to")
+        if isinstance(trackers, str):
+            names = [t.strip() for t in trackers.strip("[]").split(",") if t.strip()]
+            data = {**data, "report_to": [] if names == ["none"] else names}
+        return data
+
+    @model_validator(mode="after")
+    def each_tracker_once(self) -> MetricsConfig:
+        twice = sorted({t for t in self.report_to if self.report_to.count(t) > 1})
+        if twice:
+            raise ValueError(f"metrics.report_to names {', '.join(twice)} more than once")
+        return self
 
 
 class CheckpointConfig(Section):

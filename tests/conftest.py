@@ -306,7 +306,7 @@ def default_run(shared_runs):
     """The embedded default job (randomwalks, the default SFT warm start, adaptive KL), 10 iterations with
     an evaluation every 5 and TensorBoard: what `make run` does, shorter."""
     return shared_runs.get("randomwalks", "--run.iterations", "10", "--run.eval_every", "5",
-                           "--metrics.tensorboard")
+                           "--metrics.report_to", "tensorboard")
 
 
 @pytest.fixture(scope="session")

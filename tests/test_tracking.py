@@ -1,6 +1,8 @@
-"""Experiment tracking: a job with ``metrics.wandb.enabled`` in wandb's offline mode, read back from what
-wandb wrote to disk (its run log, the run's config and summary, the tables and images it saved); a resumed run
-continues the same wandb run."""
+"""Experiment tracking: a job that reports to every tracker ``metrics.report_to`` takes (wandb in its offline
+mode, TensorBoard, MLflow on a local database, trackio on a local directory), each read back from what its
+package wrote to disk (wandb's run log, TensorBoard's event files, MLflow's database and artifacts, trackio's
+database): every number of metrics.jsonl, the config, the samples and the summary; a resumed run continues the
+same run in each."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.tracking import flat_metrics
+from services.tracking import flat_config, flat_metrics
 from tests.conftest import run_job
 
 BLOCK = 32768  # wandb's run log (run-<id>.wandb): LevelDB-style records in 32 KiB blocks
@@ -71,15 +73,54 @@ def test_flat_metrics_keeps_numbers_and_nests_sections():
         {"iteration": 3, "kl_coef": 0.05, "eval/optimality": 0.5, "stopped_early": False}
 
 
+def test_the_trackers_are_chosen_as_trl_and_verl_users_write_them():
+    from services.config import load_config
+
+    for written, chosen in (("wandb", ["wandb"]), ("wandb,mlflow", ["wandb", "mlflow"]), ("none", []),
+                            (["trackio", "tensorboard"], ["trackio", "tensorboard"])):
+        assert load_config(None, {"metrics": {"report_to": written}}).metrics.report_to == chosen
+    for settings, named in (({"report_to": ["comet"]}, "report_to"),
+                            ({"report_to": "wandb,wandb"}, "more than once"),
+                            ({"tensorboard": True}, r"report_to=\[tensorboard\]"),
+                            ({"wandb": {"enabled": True}}, r"report_to=\[wandb\]")):
+        with pytest.raises(ValueError, match=named):
+            load_config(None, {"metrics": settings})
+
+
+def tensorboard_scalars(run_dir: Path) -> dict[tuple[str, int], float]:
+    """Every scalar of the run's TensorBoard event files: (tag, iteration) -> value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for events in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            out.update({(tag, e.step): e.value for e in accumulator.Scalars(tag)})
+    return out
+
+
+def trackio_rows(trackio_dir: Path, project: str, run: str) -> list[dict]:
+    """The rows trackio's local database holds for ``run`` (each logged dict with its step)."""
+    import sqlite3
+
+    with sqlite3.connect(trackio_dir / f"{project}.db") as db:
+        return [{**json.loads(metrics), "step": step} for step, metrics in db.execute(
+            "select step, metrics from metrics where run_name = ? order by id", (run,))]
+
+
 @pytest.mark.integration
-def test_job_logs_to_wandb_and_resume_continues_the_run(ray_head, cache_dir, tmp_path, monkeypatch):
+def test_job_logs_to_every_tracker_and_resume_continues_each_run(ray_head, cache_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     (tmp_path / "wandb-dir").mkdir()
     args = ["--config", "tests/configs/small.yaml", "--cluster.address", ray_head.address,
             "--model.cache_dir", cache_dir, "--run.output_dir", str(tmp_path / "runs"),
-            "--cluster.placement_timeout_s", "300", "--metrics.wandb.enabled", "--metrics.wandb.project",
-            "tether-test", "--metrics.wandb.tags", '["ci", "small"]']
+            "--cluster.placement_timeout_s", "300", "--metrics.report_to", "wandb,tensorboard,mlflow,trackio",
+            "--metrics.wandb.project", "tether-test", "--metrics.wandb.tags", '["ci", "small"]',
+            "--metrics.trackio.project", "tether-test"]
     first = run_job([*args, "--run.iterations", "1"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run_dir = tmp_path / "runs" / "small"
@@ -122,3 +163,40 @@ def test_job_logs_to_wandb_and_resume_continues_the_run(ray_head, cache_dir, tmp
     continued = read_run(later[0])
     assert continued["id"] == wandb_id
     assert [row["iteration"] for row in continued["history"] if "kl_coef" in row] == [2]
+
+    # TensorBoard, MLflow and trackio: each iteration's numbers as metrics.jsonl has them, the resumed
+    # iteration in the same run
+    from mlflow.tracking import MlflowClient
+
+    records = [flat_metrics(json.loads(line)) for line in
+               (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert "[tether] tensorboard:" in first.stdout and "[tether] mlflow: run small" in first.stdout
+    assert "[tether] trackio: run small in project tether-test" in first.stdout
+    scalars = tensorboard_scalars(run_dir)
+    mlflow_id = json.loads((run_dir / "mlflow-run.json").read_text())["id"]
+    assert f"[tether] mlflow: run small (id {mlflow_id}, resumed)" in resumed.stdout
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    mlflow_run = client.get_run(mlflow_id)
+    assert mlflow_run.info.run_name == "small" and mlflow_run.info.status == "FINISHED"
+    assert mlflow_run.data.params == flat_config(resolved)
+    tracked = {row["step"]: row for row in trackio_rows(tmp_path / "trackio", "tether-test", "small")
+               if "kl_coef" in row}
+    assert sorted(tracked) == [1, 2]
+    for record in records:
+        iteration = record["iteration"]
+        for key, value in record.items():
+            assert scalars[(key, iteration)] == pytest.approx(value, rel=1e-6, nan_ok=True), key
+            history = {m.step: m.value for m in client.get_metric_history(mlflow_id, key)}
+            assert history[iteration] == pytest.approx(value, rel=1e-12, nan_ok=True), key
+            assert tracked[iteration][key] == pytest.approx(value, rel=1e-12, nan_ok=True), key
+    assert mlflow_run.data.metrics["summary/eval_final/optimality"] == \
+        pytest.approx(json.loads((run_dir / "summary.json").read_text())["eval_final"]["optimality"])
+    artifacts = {a.path for a in client.list_artifacts(mlflow_id)}
+    assert {"config.json", "curves.png", "eval_samples"} <= artifacts
+    samples = {a.path for a in client.list_artifacts(mlflow_id, "eval_samples")}
+    assert samples == {f"eval_samples/iteration-{i:04d}.json" for i in (0, 1, 2)}
+    tables = [row for row in trackio_rows(tmp_path / "trackio", "tether-test", "small")
+              if "eval_samples" in row]
+    assert [row["step"] for row in tables] == [0, 1, 2]
+    assert len(tables[-1]["eval_samples"]["_value"]) == 8
