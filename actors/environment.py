@@ -1,15 +1,19 @@
 """EnvironmentWorker: runs environments' resets and steps for the rollout engines, outside their processes.
 
-A worker holds the live environments of the episodes given to it, one per episode, and runs the resets or
-steps of one call concurrently (a blocking environment's in a thread of its own), each under the step
-deadline. It encodes each observation once, with the policy's tokenizer, into the ids the trajectory gets.
-An environment that raises, hangs past the deadline or returns a malformed result fails its episode, never
-the worker; the rollout engine regenerates the episode (``actors/rollout.py``).
+A worker holds the live environments of the episodes given to it, one per episode (the factory is called at
+each episode's reset), and runs the resets or steps of one call concurrently (a blocking environment's in a
+thread of its own), each under the step deadline; blocking resets one at a time, so that a reset that seeds
+and then draws from process-global random state (Python's ``random``, numpy's; GEM's games do) draws what it
+seeded while the episodes of a group reset together. It encodes each observation once, with the policy's
+tokenizer, into the ids the trajectory gets. An environment that raises, hangs past the deadline or returns a
+malformed result fails its episode, never the worker; the rollout engine regenerates the episode
+(``actors/rollout.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,6 +55,7 @@ class EnvironmentWorker:
         self.tokenizer = load_tokenizer(as_source(spec.policy).resolve(f"environment-{index}"))
         self.environments: dict[str, object] = {}
         self.threads = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="environment")
+        self.blocking_reset = asyncio.Lock()
 
     def ready(self) -> bool:
         return True
@@ -81,7 +86,11 @@ class EnvironmentWorker:
         start = time.perf_counter()
         try:
             env = self.environments[key] = make_environment(self.factory, self.kwargs, self.environment)
-            observation = await self._call(env.reset, row, seed)
+            if inspect.iscoroutinefunction(env.reset):  # on the event loop: it interleaves only at its awaits
+                observation = await self._call(env.reset, row, seed)
+            else:
+                async with self.blocking_reset:
+                    observation = await self._call(env.reset, row, seed)
             observation = check_reset_result(observation, self.environment, row=row_index)
             ids = encode_observation(observation, self.tokenizer, first=True)
         except Exception as err:  # noqa: BLE001 - whatever the environment does wrong fails this episode only

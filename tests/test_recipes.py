@@ -1,5 +1,6 @@
-"""The recipes (docs/recipes.md): the adapters to textarena, reasoning-gym and gymnasium on the real packages,
-then each command on the page run as a job of one iteration, on a tiny random Llama in place of SmolLM2."""
+"""The recipes (docs/recipes.md): the adapters to textarena, reasoning-gym, gymnasium, GEM and SkyRL-Gym on
+the real packages, then each command on the page run as a job of one iteration, on a tiny random Llama in
+place of SmolLM2."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ import pytest
 
 from services.environments import load_environment_factory, make_environment
 from services.environments.base import EVAL_SEEDS_START, check_reset_result, check_step_result
+from services.environments.gem import gem_environment
 from services.environments.gym import GymnasiumEnvironment, gymnasium_environment
 from services.environments.reasoning_gym import reasoning_gym_environment
+from services.environments.skyrl import skyrl_environment
 from services.environments.textarena import textarena_environment
 from tests.test_agents import read_run
 from tests.test_docs import learner_main_commands
@@ -122,6 +125,94 @@ def _text_env_with(action_space) -> gymnasium.Env:
     return env
 
 
+# ---------------------------------------------------------------- GEM
+
+
+def test_a_gem_game_is_played_turn_by_turn_framed_as_gems_own_wrapper_frames_it():
+    env = gem_environment("game:GuessTheNumber-v0-easy", episodes=3, eval_episodes=2)
+    assert env.rows() == [{"seed": n} for n in range(3)]
+    assert env.eval_rows() == [{"seed": EVAL_SEEDS_START}, {"seed": EVAL_SEEDS_START + 1}]
+    (rules,) = check_reset_result(env.reset({"seed": 4}, seed=0), "gem")
+    assert rules["role"] == "user" and "Guess The Number" in rules["content"]
+    assert rules["content"].endswith("Enter your next guess.")  # the info's suffix, as GEM's wrapper adds it
+    number = env.env.game_number
+    wrong = 1 if number != 1 else 2
+    hint = check_step_result(env.step(f"\\boxed{{{wrong}}}"), "gem")
+    assert (hint.reward, hint.done) == (0.0, False)
+    assert hint.observation[0]["content"] == (f"At turn 1, you guessed {wrong}, and the target number is "
+                                              f"higher than {wrong}.\nEnter your next guess.")
+    assert env.step(f"It is \\boxed{{{number}}}")[1:3] == (1.0, True)
+    env.reset({"seed": 4}, seed=0)
+    assert env.env.game_number == number  # a row is one game
+    assert env.step("no guess")[:3] == (None, -0.1, True)
+    with pytest.raises(ValueError, match="GEM has no environment 'game:Nope-v0'.*game:Wordle-v0-easy"):
+        gem_environment("game:Nope-v0")
+
+
+class GlobalRandomGame:
+    """A game that seeds Python's global random at reset and draws from it a moment later, as GEM's do: its
+    first observation is the draw."""
+
+    def reset(self, row: dict, seed: int) -> str:
+        import random
+        import time
+
+        random.seed(row["seed"])
+        time.sleep(0.02)
+        return str(random.random())
+
+    def step(self, action: str):
+        return None, 0.0, True, {}
+
+
+def test_the_episodes_of_a_group_reset_together_draw_the_game_their_seed_picks(printable_llama_dir):
+    """The environment worker's contract: a blocking reset runs alone in its process, so one that seeds and
+    then draws from process-global random state draws what it seeded while a group resets at once (without
+    it, the threads' draws interleave)."""
+    import random
+
+    from actors.environment import EnvironmentWorker
+    from actors.specs import EnvironmentSpec
+
+    spec = EnvironmentSpec("tests.test_recipes:GlobalRandomGame", {}, printable_llama_dir)
+    worker = EnvironmentWorker(0, spec)
+    rows = [{"seed": 1}] * 4 + [{"seed": 2}] * 4
+    outcomes = asyncio.run(worker.reset([f"e{i}" for i in range(8)], rows, list(range(8)), list(range(8))))
+    drawn = [worker.tokenizer.decode(o.ids) for o in outcomes]
+    assert not any(o.error for o in outcomes), outcomes
+    assert drawn == [str(random.Random(r["seed"]).random()) for r in rows]
+
+
+# ---------------------------------------------------------------- SkyRL-Gym
+
+SKYRL_ROW = {"prompt": [{"role": "system", "content": "Solve."},
+                        {"role": "user", "content": "Ana has 3 coins and gets 4 more. How many?"}],
+             "env_class": "gsm8k_multi_turn", "reward_spec": {"method": "rule", "ground_truth": "7"},
+             "extra_info": {"max_turns": 2}}
+
+
+def test_a_skyrl_gym_env_is_built_from_its_row_and_rewards_each_turn(tmp_path):
+    """The env of each row, from a Parquet file in SkyRL's layout read as the job reads ``task.path``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from services.tasks.dataset import read_rows
+
+    pq.write_table(pa.Table.from_pylist([SKYRL_ROW]), tmp_path / "train.parquet")
+    columns = read_rows(str(tmp_path / "train.parquet"), "train", None, "task.path")
+    (row,) = [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+    env = skyrl_environment()
+    assert check_reset_result(env.reset(row, seed=0), "skyrl") == SKYRL_ROW["prompt"]
+    first = check_step_result(env.step("It is 6. #### 6"), "skyrl")
+    assert first.reward == pytest.approx(0.1) and not first.done  # the format's share of 0.2 over 2 turns
+    assert first.observation[0]["role"] == "user" and "####" in first.observation[0]["content"]
+    assert env.step("#### 7")[:3] == (None, 1.0, True)
+    with pytest.raises(ValueError, match="SkyRL-Gym has no environment 'gsm9k'; it has: aime, gsm8k"):
+        skyrl_environment("gsm9k")
+    with pytest.raises(ValueError, match="the row names no env_class"):
+        skyrl_environment().reset({k: v for k, v in SKYRL_ROW.items() if k != "env_class"}, seed=0)
+
+
 # ---------------------------------------------------------------- the page's commands as jobs
 
 RECIPES = ROOT / "docs" / "recipes.md"
@@ -132,15 +223,20 @@ SIZES = {
     "reasoning-gym-chain-sum": ["--task.max_prompt_tokens", "400", "--rollout.max_trajectory_tokens", "8"],
     "gymnasium-cliffwalking": ["--task.max_prompt_tokens", "400", "--rollout.max_turns", "2",
                                "--rollout.max_trajectory_tokens", "200"],
+    "gem-guess-the-number": ["--task.max_prompt_tokens", "640", "--rollout.max_turns", "2",
+                             "--rollout.max_trajectory_tokens", "160"],
+    "skyrl-gsm8k-multi-turn": ["--task.max_prompt_tokens", "200", "--rollout.max_trajectory_tokens", "200"],
     # "<system>Answer with the number only.<user>What is 4 + 4?<assistant>": 67 characters
     "verifiers-sums": ["--task.max_prompt_tokens", "96", "--rollout.max_trajectory_tokens", "8",
                        "--rollout.samples_per_prompt", "2"],
 }
 # each recipe's (least, greatest) return; turns (model calls) per episode at most
+# (GEM's -0.1 as the float32 scores hold it)
 RETURNS = {"textarena-guess-the-number": (0, 1), "reasoning-gym-chain-sum": (0, 1),
-           "gymnasium-cliffwalking": (-200, 0), "verifiers-sums": (0, 1)}
+           "gymnasium-cliffwalking": (-200, 0), "verifiers-sums": (0, 1),
+           "gem-guess-the-number": (-0.1 - 1e-6, 1), "skyrl-gsm8k-multi-turn": (0, 1.1)}
 TURNS = {"textarena-guess-the-number": 2, "reasoning-gym-chain-sum": 1, "gymnasium-cliffwalking": 2,
-         "verifiers-sums": 1}
+         "verifiers-sums": 1, "gem-guess-the-number": 2, "skyrl-gsm8k-multi-turn": 2}
 # the verifiers recipe's episodes are processes that import verifiers (about 3 s of CPU each): it trains on
 # one group of 2 episodes, and its evaluations take the first of its evaluation rows, not 16
 EPISODES = {"verifiers-sums": 2}
