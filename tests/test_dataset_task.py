@@ -266,6 +266,39 @@ def test_verls_compute_score_reads_the_nested_ground_truth_of_a_verl_parquet(tmp
         task.row_fields([0], "train")
 
 
+def test_the_libraries_own_reward_functions_score_as_they_do_in_their_trainers(tmp_path):
+    """TRL's ``trl.rewards.accuracy_reward`` (conversational completions, the ``solution`` column) and verl's
+    ``default_compute_score`` (a verl parquet: data_source, the ground truth under reward_model) named as
+    ``task.reward_function`` as they are: each row's score is the library's own call's, and the trial call
+    before any actor passes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from trl.rewards import accuracy_reward
+    from verl.utils.reward_score import default_compute_score
+
+    questions = [("What is 2 + 3?", "5"), ("What is 4 * 2?", "8")]
+    chat = write_jsonl(tmp_path / "math.jsonl", [{"prompt": [{"role": "user", "content": q}], "solution": a}
+                                                  for q, a in questions])
+    task = dataset_task(chat, reward_function="trl.rewards:accuracy_reward", reward_fields=["solution"])
+    task.trial_reward()
+    completions = [r"It is \boxed{5}", r"\boxed{9}"]
+    want = accuracy_reward([[{"role": "assistant", "content": c}] for c in completions], ["5", "8"])
+    assert task.reward_rows([""] * 2, completions, [0, 1], "train") == want == [1.0, 0.0]
+
+    path = tmp_path / "gsm8k.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"prompt": [{"role": "user", "content": q}], "data_source": "openai/gsm8k",
+         "reward_model": {"style": "rule", "ground_truth": a}, "extra_info": {"index": i}}
+        for i, (q, a) in enumerate(questions)]), path)
+    task = dataset_task(path, reward_function="verl.utils.reward_score:default_compute_score",
+                        reward_fields=["data_source", "reward_model.ground_truth", "extra_info"])
+    task.trial_reward()
+    completions = ["so #### 5", "#### 9"]
+    want = [default_compute_score("openai/gsm8k", c, a, {"index": i})
+            for i, (c, (_, a)) in enumerate(zip(completions, questions, strict=True))]
+    assert task.reward_rows([""] * 2, completions, [0, 1], "train") == want == [1.0, 0.0]
+
+
 def test_long_prompts_are_named_by_file_row_and_field_or_truncated(tmp_path):
     from services.models import build_char_tokenizer
     from services.prompts import encode_prompts
