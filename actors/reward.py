@@ -117,12 +117,14 @@ class RewardScorer:
             self.judge = Judge(spec.judge, as_source(model_path).resolve(where), self.device,
                                spec.judge_engine_args)
 
-    def decode(self, batch: RolloutBatch) -> tuple[list[str], list[str]]:
-        prompts, completions = [], []
+    def decode(self, batch: RolloutBatch, roles: bool = False) -> tuple[list[str], list[str]]:
+        """The prompts and responses as text; ``roles``: with the special tokens that mark the chat template's
+        turns (an environment's trajectory, its model's and environment's turns in one response)."""
+        prompts, completions, skip = [], [], not roles
         for p_ids, p_mask, r_ids, n in zip(batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                            batch.response_lengths, strict=True):
-            prompts.append(self.tokenizer.decode(p_ids[p_mask.bool()].tolist(), skip_special_tokens=True))
-            completions.append(self.tokenizer.decode(r_ids[: int(n)].tolist(), skip_special_tokens=True))
+            prompts.append(self.tokenizer.decode(p_ids[p_mask.bool()].tolist(), skip_special_tokens=skip))
+            completions.append(self.tokenizer.decode(r_ids[: int(n)].tolist(), skip_special_tokens=skip))
         return prompts, completions
 
     def score(self, batch: RolloutBatch, chunk_index: int = -1) -> torch.Tensor:
@@ -169,7 +171,7 @@ class RewardScorer:
     def evaluate(self, batch: RolloutBatch, chunk_index: int = -1, keep_samples: int = 0) -> dict:
         """The task's eval metrics over a chunk, as sums weighted by its size (so chunks merge), and
         its first ``keep_samples`` samples as text with their scores, for a person to read."""
-        prompts, completions = self.decode(batch)
+        prompts, completions = self.decode(batch, roles=batch.turn_rewards is not None)
         rows = batch.prompt_index.tolist()
         kept = [{"prompt": p, "response": c}
                 for p, c in zip(prompts[:keep_samples], completions[:keep_samples])]

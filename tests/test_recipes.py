@@ -237,6 +237,9 @@ RETURNS = {"textarena-guess-the-number": (0, 1), "reasoning-gym-chain-sum": (0, 
            "gem-guess-the-number": (-0.1 - 1e-6, 1), "skyrl-gsm8k-multi-turn": (0, 1.1)}
 TURNS = {"textarena-guess-the-number": 2, "reasoning-gym-chain-sum": 1, "gymnasium-cliffwalking": 2,
          "verifiers-sums": 1, "gem-guess-the-number": 2, "skyrl-gsm8k-multi-turn": 2}
+# the recipes whose game goes on after the random model's first turn (GEM's and gymnasium's end at a turn
+# that is not a move)
+GOES_ON = ("textarena-guess-the-number", "skyrl-gsm8k-multi-turn")
 # the verifiers recipe's episodes are processes that import verifiers (about 3 s of CPU each): it trains on
 # one group of 2 episodes, and its evaluations take the first of its evaluation rows, not 16
 EPISODES = {"verifiers-sums": 2}
@@ -303,6 +306,9 @@ def test_each_recipe_command_runs_an_iteration(recipe, shared_runs, printable_ll
     assert low <= record["score_mean"] <= high
     for evaluation in (summary["eval_start"], summary["eval_final"]):
         assert low <= evaluation["return"] <= high
+    if recipe in GOES_ON:  # the evaluation's samples show the turns as the chat template marks them
+        samples = (run_dir / "samples" / "iteration-0000.md").read_text()
+        assert "<|endoftext|><user>" in samples, samples[:2000]  # a model turn's end, the environment's turn
     if recipe.startswith("verifiers"):  # an agent's episodes: one model call each, one row, nothing between
         assert record["rows_per_episode"] == 1 and record["trajectory_environment_tokens_mean"] == 0
 
