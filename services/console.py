@@ -48,6 +48,9 @@ HARMLESS_VLLM = {
     # learner.lora's adapter-only sync: each version's adapter carries no tokenizer, so the base model's is
     # the one
     "vllm.v1.engine.input_processor": ("vLLM has deprecated support for supporting different tokenizers",),
+    # an engine in 16 bits (learner.dtype bfloat16, a judge at dtype auto) loading a float32 checkpoint or
+    # sync: the cast tether asked for, which vLLM warns of once per weight (122 lines for SmolLM2)
+    "vllm.model_executor.models.utils": ("Attempted to load weight",),
 }
 HARMLESS_PYTHON_WARNINGS = (
     # vLLM's triton dispatcher touches a deprecated torch alias at import
@@ -120,13 +123,6 @@ def quiet_libraries(level: str | None = None) -> str:
     if not verbose(level):
         ignore_harmless_warnings()
     return level
-
-
-def quiet_judge_cast() -> None:
-    """A judge at dtype 'auto' (services/reward_service/judge.py): vLLM runs a float32 checkpoint in 16 bits,
-    as asked, and warns once per weight as it casts it; nothing at debug or info."""
-    if not verbose():
-        _add_filter(logging.getLogger("vllm.model_executor.models.utils"), ("Attempted to load weight",))
 
 
 def quiet_vllm() -> None:

@@ -42,6 +42,11 @@ def test_harmless_vllm_warning_is_dropped_below_debug_only(monkeypatch):
     assert not drop.filter(record("CPU backend doesn't allow to use `torch.set_num_threads` after the thread "
                                   "binding, skip it."))
     assert drop.filter(record("Node 1 is not in available memory nodes [0]."))
+    # an engine in 16 bits loading float32 weights: the cast tether asked for, once per weight
+    (cast,) = [f for f in logging.getLogger("vllm.model_executor.models.utils").filters
+               if isinstance(f, DropHarmless)]
+    assert not cast.filter(record("Attempted to load weight model.norm.weight with dtype torch.float32 into "
+                                  "parameter with dtype torch.bfloat16"))
 
 
 def test_tether_entry_point_is_learner_main(monkeypatch, capsys):

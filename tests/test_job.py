@@ -58,6 +58,9 @@ def test_bfloat16_job_starts_at_zero_kl_passes_its_probes_and_learns(ray_head, c
                             "bfloat16", "--run.iterations", "4", "--run.eval_every", "4"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ZeRO-0, bfloat16" in proc.stdout
+    # the engines' cast of the float32 checkpoint to bfloat16, asked for, is not a warning on the console
+    warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "warning" in line.lower()]
+    assert not warnings, "\n".join(warnings[:20])
     records = read_metrics(tmp_path / "bf16")
     # the reference and the learner share the dtype and the weights: the first batch has no KL at all
     assert records[0]["kl_response_mean"] == 0.0 and records[0]["kl_k3_response_mean"] == 0.0

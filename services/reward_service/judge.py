@@ -71,11 +71,8 @@ class Judge:
 
     def __init__(self, cfg: JudgeConfig, model_dir: str, device: str = "cpu",
                  engine_args: dict | None = None) -> None:
-        from services.console import quiet_judge_cast
         from services.devices import build_llm
 
-        if cfg.dtype == "auto":
-            quiet_judge_cast()
         self.cfg = cfg
         self.rule = AnswerRule(cfg.parse, cfg.pattern, cfg.score_range, cfg.labels)
         self.fields = template_fields(cfg.template)
