@@ -1,0 +1,103 @@
+"""Benchmark: dataset jobs started one after another beside a loaded machine, each on a local Ray of its own
+(``python -m learner.main`` without ``cluster.address``: the order in which a plan that touches Ray and the
+driver's own ``ray.init`` once raced). Each job is a one-iteration dataset job on a tiny model; beside them
+run ``--load`` busy processes at the ordinary priority. Reports, per start, whether it finished, the seconds
+to "actors ready", and Ray daemons (``raylet``, ``gcs_server``) left behind once it exited.
+
+    .venv/bin/python benchmarks/dataset_starts.py [--starts 20] [--load 2]
+
+Writes ``benchmarks/results/dataset_starts.json`` and ``dataset_starts.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import RAY_ENV, RESULTS, ROOT, stamp, write_results
+
+RAY_DAEMONS = ("raylet", "gcs_server")
+
+
+def ray_daemons() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in RAY_DAEMONS}
+
+
+def tiny_model(cache_dir: Path) -> str:
+    """The randomwalks GPT-2 with a short SFT warm start (the dataset tests' model)."""
+    sys.path.insert(0, str(ROOT))
+    from services.models import policy_dir
+    from services.tasks import get_task
+
+    return str(policy_dir(get_task("randomwalks"), None, cache_dir, seed=1, steps=60, batch_size=50, lr=1e-3,
+                          log=lambda _: None))
+
+
+def start(model: str, cache_dir: Path, data: Path, out: Path, n: int) -> dict:
+    import os
+
+    args = [sys.executable, "-m", "learner.main", "--model.path", model, "--model.cache_dir", str(cache_dir),
+            "--run.output_dir", str(out), "--run.name", f"start-{n}", "--task.name", "dataset",
+            "--task.path", str(data), "--task.reward_function", "tests.dataset_rewards:letter_distance",
+            "--task.reward_fields", '["answer"]', "--rollout.max_new_tokens", "9", "--run.iterations", "1",
+            "--no-run.eval_before_training", "--rollout.batch_size", "16", "--rollout.chunk_size", "8",
+            "--ppo.minibatch_size", "16", "--no-checkpoint.export_hf"]
+    before, began = ray_daemons(), time.perf_counter()
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, **RAY_ENV}, check=False)
+    seconds = time.perf_counter() - began
+    time.sleep(2)  # Ray's daemons end shortly after the driver
+    ready = next((line for line in proc.stdout.splitlines() if "actors ready" in line), None)
+    failure = None if proc.returncode == 0 else (proc.stdout + proc.stderr).strip().splitlines()[-1:]
+    return {"start": n, "finished": proc.returncode == 0, "seconds": round(seconds, 1),
+            "actors_ready_line": ready, "left_behind": sorted(ray_daemons() - before), "failure": failure}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--starts", type=int, default=20)
+    parser.add_argument("--load", type=int, default=2, help="busy processes beside the jobs")
+    parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "tether"))
+    args = parser.parse_args()
+    cache_dir = Path(args.cache_dir)
+    model = tiny_model(cache_dir)
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="tether-starts-") as tmp:
+            data = Path(tmp) / "train.jsonl"
+            data.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n"
+                                    for p, a in zip("bcdefghijk", "cdefghijkl", strict=True)))
+            runs = []
+            for n in range(args.starts):
+                runs.append(start(model, cache_dir, data, Path(tmp) / "runs", n))
+                print(json.dumps(runs[-1]), flush=True)
+    finally:
+        for proc in load:  # only the processes this script started, by their handles
+            proc.kill()
+            proc.wait()
+    finished = sum(r["finished"] for r in runs)
+    left = sum(len(r["left_behind"]) for r in runs)
+    results = {**stamp(), "starts": args.starts, "load": args.load, "finished": finished,
+               "daemons_left_behind": left, "runs": runs}
+    seconds = sorted(r["seconds"] for r in runs)
+    head = (f"{args.starts} one-iteration dataset jobs in a row, each on a local Ray of its own, beside "
+            f"{args.load} busy processes: **{finished} of {args.starts} finished**, Ray daemons left behind: "
+            f"{left}; seconds per job (start to exit) {seconds[0]:.0f} .. {seconds[-1]:.0f}, median "
+            f"{seconds[len(seconds) // 2]:.0f}.")
+    table = [head, "",
+             "| start | finished | seconds | left behind | failure |", "|---|---|---|---|---|",
+             *(f"| {r['start']} | {'yes' if r['finished'] else 'no'} | {r['seconds']} | "
+               f"{len(r['left_behind'])} | {r['failure'] or ''} |" for r in runs)]
+    print(write_results(RESULTS, "dataset_starts", results, table)[1].read_text())
+
+
+if __name__ == "__main__":
+    main()
