@@ -66,6 +66,10 @@ class Engine(Protocol):
         """The model's parameters that this sync did not load."""
         ...
 
+    def set_weight_version(self, version: int) -> None:
+        """The policy version the engine's weights are now (vLLM reports it with each output)."""
+        ...
+
 
 class WeightLoadError(TetherError, RuntimeError):
     """A sync after which some of the engine's parameters still hold the previous version's weights."""
@@ -187,7 +191,7 @@ class VLLMEngine:
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int = 0) -> list[str]:
         missing = self.llm.collective_rpc("load_policy_weights", args=(weights,))
-        self.llm.llm_engine.set_weight_version(str(version))
+        self.set_weight_version(version)
         if self.prefix_caching:  # cached keys were computed by the old weights
             self.llm.reset_prefix_cache()
         return sorted(set().union(*missing))  # every worker's (tensor parallel: each holds its shard)
@@ -237,6 +241,9 @@ class VLLMEngine:
         missing = self.llm.collective_rpc("end_load_record")
         self.llm.reset_prefix_cache()  # cached keys were computed by the old weights
         return sorted(set().union(*missing))
+
+    def set_weight_version(self, version: int) -> None:
+        self.llm.llm_engine.set_weight_version(str(version))
 
 
 class HFEngine:
@@ -308,6 +315,9 @@ class HFEngine:
         _no_weight_transfer()
 
     def finish_weight_transfer(self) -> list[str]:
+        _no_weight_transfer()
+
+    def set_weight_version(self, version: int) -> None:
         _no_weight_transfer()
 
 

@@ -168,8 +168,11 @@ class RolloutActor(VersionedActor):
         """Receive what learner rank 0 sends now (NCCL: runs while it broadcasts) and load it."""
         self.engine.receive_weight_transfer(update_info)
 
-    def finish_weight_transfer(self) -> None:
+    def finish_weight_transfer(self, version: int | None = None) -> None:
+        """Load what was received; the engine takes ``version`` once every parameter is loaded."""
         check_loaded(self.engine.finish_weight_transfer(), f"{self.role}-{self.index}", "the weight transfer")
+        if version is not None:
+            self.engine.set_weight_version(version)
 
     def probe(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
         """The engine's log-probs of given sequences, to compare with the learner's after a sync."""

@@ -1,8 +1,9 @@
 """Benchmark: dataset jobs started one after another beside a loaded machine, each on a local Ray of its own
 (``python -m learner.main`` without ``cluster.address``: the order in which a plan that touches Ray and the
-driver's own ``ray.init`` once raced). Each job is a one-iteration dataset job on a tiny model; beside them
-run ``--load`` busy processes at the ordinary priority. Reports, per start, whether it finished, the seconds
-to "actors ready", and Ray daemons (``raylet``, ``gcs_server``) left behind once it exited.
+driver's own ``ray.init`` once raced). Each is a dataset job on a tiny model, taken to "actors ready" and then
+stopped with SIGINT; beside them run ``--load`` busy processes at the ordinary priority. Reports, per start,
+whether its actors came up, the seconds to "actors ready", its exit code, and Ray daemons (``raylet``,
+``gcs_server``) left behind once it exited.
 
     .venv/bin/python benchmarks/dataset_starts.py [--starts 20] [--load 2]
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,7 +44,10 @@ def tiny_model(cache_dir: Path) -> str:
 
 
 def start(model: str, cache_dir: Path, data: Path, out: Path, n: int) -> dict:
+    """One job started, taken to "actors ready" (past the start-up where the plan and ``ray.init`` once
+    raced), then stopped with SIGINT as a user's Ctrl-C stops it."""
     import os
+    import signal
 
     args = [sys.executable, "-m", "learner.main", "--model.path", model, "--model.cache_dir", str(cache_dir),
             "--run.output_dir", str(out), "--run.name", f"start-{n}", "--task.name", "dataset",
@@ -51,14 +56,21 @@ def start(model: str, cache_dir: Path, data: Path, out: Path, n: int) -> dict:
             "--no-run.eval_before_training", "--rollout.batch_size", "16", "--rollout.chunk_size", "8",
             "--ppo.minibatch_size", "16", "--no-checkpoint.export_hf"]
     before, began = ray_daemons(), time.perf_counter()
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, **RAY_ENV}, check=False)
-    seconds = time.perf_counter() - began
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **RAY_ENV})
+    lines, ready = [], None
+    for line in proc.stdout:
+        lines.append(line.rstrip())
+        if "actors ready" in line:
+            ready = time.perf_counter() - began
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=600)
+    lines += rest.splitlines()
     time.sleep(2)  # Ray's daemons end shortly after the driver
-    ready = next((line for line in proc.stdout.splitlines() if "actors ready" in line), None)
-    failure = None if proc.returncode == 0 else (proc.stdout + proc.stderr).strip().splitlines()[-1:]
-    return {"start": n, "finished": proc.returncode == 0, "seconds": round(seconds, 1),
-            "actors_ready_line": ready, "left_behind": sorted(ray_daemons() - before), "failure": failure}
+    return {"start": n, "ready": ready is not None, "ready_seconds": round(ready or 0.0, 1),
+            "exit_code": proc.returncode, "left_behind": sorted(ray_daemons() - before),
+            "failure": None if ready is not None else lines[-1:], "last_lines": lines[-3:]}
 
 
 def main() -> None:
@@ -69,6 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     cache_dir = Path(args.cache_dir)
     model = tiny_model(cache_dir)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the busy processes end with this script
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     try:
         with tempfile.TemporaryDirectory(prefix="tether-starts-") as tmp:
@@ -83,19 +96,19 @@ def main() -> None:
         for proc in load:  # only the processes this script started, by their handles
             proc.kill()
             proc.wait()
-    finished = sum(r["finished"] for r in runs)
+    started = sum(r["ready"] for r in runs)
     left = sum(len(r["left_behind"]) for r in runs)
-    results = {**stamp(), "starts": args.starts, "load": args.load, "finished": finished,
+    results = {**stamp(), "starts": args.starts, "load": args.load, "started": started,
                "daemons_left_behind": left, "runs": runs}
-    seconds = sorted(r["seconds"] for r in runs)
-    head = (f"{args.starts} one-iteration dataset jobs in a row, each on a local Ray of its own, beside "
-            f"{args.load} busy processes: **{finished} of {args.starts} finished**, Ray daemons left behind: "
-            f"{left}; seconds per job (start to exit) {seconds[0]:.0f} .. {seconds[-1]:.0f}, median "
-            f"{seconds[len(seconds) // 2]:.0f}.")
-    table = [head, "",
-             "| start | finished | seconds | left behind | failure |", "|---|---|---|---|---|",
-             *(f"| {r['start']} | {'yes' if r['finished'] else 'no'} | {r['seconds']} | "
-               f"{len(r['left_behind'])} | {r['failure'] or ''} |" for r in runs)]
+    seconds = sorted(r["ready_seconds"] for r in runs if r["ready"]) or [0.0]
+    head = (f"{args.starts} dataset jobs started in a row, each on a local Ray of its own, beside "
+            f"{args.load} busy processes, each taken to 'actors ready' and stopped with SIGINT: "
+            f"**{started} of {args.starts} started**, Ray daemons left behind: {left}; seconds to "
+            f"'actors ready' {seconds[0]:.0f} .. {seconds[-1]:.0f}, median {seconds[len(seconds) // 2]:.0f}.")
+    table = [head, "", "| start | actors ready | seconds | exit code | left behind | failure |",
+             "|---|---|---|---|---|---|",
+             *(f"| {r['start']} | {'yes' if r['ready'] else 'no'} | {r['ready_seconds']} | "
+               f"{r['exit_code']} | {len(r['left_behind'])} | {r['failure'] or ''} |" for r in runs)]
     print(write_results(RESULTS, "dataset_starts", results, table)[1].read_text())
 
 

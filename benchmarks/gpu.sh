@@ -193,7 +193,8 @@ step() {
     [ $rc -eq 0 ] || tail -n 15 "$OUT/$name.log" | sed 's/^/    /'
 }
 
-STEP_JUNIT="$OUT/pytest-gpu.xml" step pytest-gpu 120 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider \
+# long enough for two vLLM cold starts (the tests start an engine in a process of its own, up to twice)
+STEP_JUNIT="$OUT/pytest-gpu.xml" step pytest-gpu 420 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider \
     --junitxml="$OUT/pytest-gpu.xml"
 
 step smollm2-convert 150 "$PY" -c "
@@ -202,7 +203,8 @@ print(smollm2_dir('$CACHE'))"
 
 # GPUs per role: each its own where there are enough; otherwise the learner and the reference share, and on
 # one GPU every role shares it and the weights go over CUDA IPC (NCCL cannot put two ranks on one GPU)
-GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+# the GPUs this process may use: torch honours CUDA_VISIBLE_DEVICES (nvidia-smi -L lists every GPU of the machine)
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "${GPUS:-0}" -ge 3 ]; then ROLE_GPUS=(1 1 1); SYNC=nccl
 elif [ "${GPUS:-0}" -eq 2 ]; then ROLE_GPUS=(1 0.5 0.5); SYNC=nccl
 else ROLE_GPUS=(0.3 0.3 0.2); SYNC=ipc

@@ -98,13 +98,14 @@ def _time_calls(fn, batches: list[int], repeats: int, device: str) -> dict:
 
 def vllm_engine_spec(spec: dict):
     """``VLLMEngine``'s spec, as the service builds a rollout engine: on ``--device``, with the default
-    rollout settings' engine arguments (``RolloutConfig.vllm_engine_args``), so on CUDA the engine takes
-    ``rollout.gpu_memory_utilization`` of the GPU, not the CPU build's ``--kv-cache-mib``."""
+    rollout settings' engine arguments (``RolloutConfig.vllm_engine_args``), so on CUDA the engine takes its
+    share of the GPU (0.9 of the whole one it has here), not the CPU build's ``--kv-cache-mib``."""
     from actors.specs import EngineSpec
     from services.config import RolloutConfig
 
     return EngineSpec("vllm", spec["seed"], spec["max_model_len"], spec["kv_cache_mib"], spec["dtype"],
-                      device=spec["device"], engine_args=RolloutConfig().vllm_engine_args())
+                      device=spec["device"], engine_args=RolloutConfig().vllm_engine_args(
+                          1.0 if spec["device"] == "cuda" else 0.0))
 
 
 def worker_vllm(spec: dict) -> dict:

@@ -135,8 +135,6 @@ def actor_env(run_name: str, log_level: str) -> dict[str, str]:
         env = {k: v for k, v in defaults.items() if k not in os.environ}
     else:
         env = {k: os.environ.get(k, v) for k, v in defaults.items()}
-        if os.environ.get("DS_ACCELERATOR"):
-            env["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"]
     return {**RAY_ENV_DEFAULTED, **env, "TETHER_RUN": run_name}
 
 
@@ -218,8 +216,11 @@ def _options(res: RoleResources) -> dict:
     if not res.num_gpus:
         # Ray 2.60 no longer hides GPUs from actors with num_gpus=0: a role without GPUs must see none
         env_vars["CUDA_VISIBLE_DEVICES"] = ""
-        if "DS_ACCELERATOR" not in os.environ:  # else the driver's (or the job's) choice reaches the actor
-            env_vars["DS_ACCELERATOR"] = "cpu"  # what DeepSpeed would pick, without its warning about it
+    # DeepSpeed's accelerator by the role's own devices, never the driver's (a driver started from the CPU
+    # image has 'cpu', which would put GPU ranks on DeepSpeed's CPU accelerator); a submitted job's own
+    # choice reaches its actors as it is (Ray refuses an actor's env var the job's runtime env also sets)
+    if not (in_submitted_job() and "DS_ACCELERATOR" in os.environ):
+        env_vars["DS_ACCELERATOR"] = "cuda" if res.num_gpus else "cpu"
     if env_vars:
         options["runtime_env"] = {"env_vars": env_vars}
     return options

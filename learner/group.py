@@ -158,6 +158,6 @@ class LearnerGroup:
         """Full weights to every engine through vLLM's transfer, then their new version and beta; returns
         the seconds it took. Every rank takes part (ZeRO-3 gathers each parameter)."""
         start = time.perf_counter()
-        self._get([rank.send_weights.remote() for rank in self.ranks], "weight transfer")
+        self._get([rank.send_weights.remote(policy_version) for rank in self.ranks], "weight transfer")
         ray.get([r.set_state.remote(policy_version, kl_coef) for r in rollouts])
         return time.perf_counter() - start

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 from typing import Literal
 
@@ -218,8 +219,14 @@ def run_job(cfg: JobConfig) -> int:
     from services.console import quiet_libraries
 
     quiet_libraries(cfg.metrics.log_level)
+    # until the loop takes SIGTERM and SIGINT over (GracefulStop), either unwinds the start-up, so that Ray's
+    # exit handler ends the processes a local Ray started, and the job says so in one line
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         summary = run(cfg)
+    except KeyboardInterrupt:
+        print("[tether] stopped by a signal before the run's next checkpoint", file=sys.stderr, flush=True)
+        return 130
     except (TetherError, FileNotFoundError, ValueError) as err:  # bad input found late, or a named failure
         # raised inside an actor: its one line first, Ray's traceback only when asked
         line, report = actor_error(err) or (str(err), None)

@@ -208,7 +208,7 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
     rollouts = tuple(
         RolloutSpec(model, EngineSpec(cfg.rollout.engine, cfg.run.seed + i, max_model_len,
                                       cfg.rollout.kv_cache_mib, dtype, i, cfg.device("rollout"),
-                                      cfg.rollout.vllm_engine_args(), sync.transfer,
+                                      cfg.rollout_vllm_engine_args(), sync.transfer,
                                       cfg.engine_lora_rank if cfg.rollout.engine == "vllm" else None,
                                       cfg.rollout.in_flight_updates))
         for i in range(counts["rollout"]))

@@ -160,12 +160,14 @@ class LearnerRank:
         """vLLM's trainer-side weight-transfer engine; rank 0 also sets up the engines' side."""
         from learner.weight_transfer import trainer_engine
 
-        self.weight_transfer = trainer_engine(self.engine.lm, self.engine.zero3, backend, self.rank, rollouts,
-                                              workers_per_engine, master_addr, master_port, buffer_bytes,
-                                              timeout_s)
+        self.weight_transfer, self.engine_client = trainer_engine(
+            self.engine.lm, self.engine.zero3, backend, self.rank, rollouts, workers_per_engine, master_addr,
+            master_port, buffer_bytes, timeout_s)
 
-    def send_weights(self) -> None:
-        """Full weights to every engine; every rank calls it (ZeRO-3 gathers each parameter from all)."""
+    def send_weights(self, policy_version: int) -> None:
+        """Full weights to every engine, which take them as ``policy_version``; every rank calls it (ZeRO-3
+        gathers each parameter from all)."""
+        self.engine_client.version = policy_version
         self.weight_transfer.send_weights()
 
     def probe_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list | None:

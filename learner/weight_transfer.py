@@ -160,6 +160,7 @@ class EngineClient:
 
     def __init__(self, rollouts: Sequence, workers_per_engine: int, timeout_s: float) -> None:
         self.rollouts, self.workers_per_engine, self.timeout_s = list(rollouts), workers_per_engine, timeout_s
+        self.version: int | None = None  # the policy version being sent; the engines take it at the finish
 
     def _all(self, what: str, refs: list) -> list:
         import ray
@@ -189,7 +190,10 @@ class EngineClient:
         self._all("weight receive", [r.receive_weight_transfer.remote(update_info) for r in self.rollouts])
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._all("weight-update finish", [r.finish_weight_transfer.remote() for r in self.rollouts])
+        """The engines load what they received and take its version (vLLM's trainer passes none: the version
+        ``send_weights`` set), as the object-store path's load does."""
+        version = int(weight_version) if weight_version is not None else self.version
+        self._all("weight-update finish", [r.finish_weight_transfer.remote(version) for r in self.rollouts])
 
 
 def trainer_engine(lm: nn.Module, zero3: bool, backend: Backend, rank: int, rollouts: Sequence,
@@ -202,6 +206,6 @@ def trainer_engine(lm: nn.Module, zero3: bool, backend: Backend, rank: int, roll
 
     info = trainer_init_info(backend, rank, master_address, master_port,
                              1 + len(rollouts) * workers_per_engine, buffer_bytes)
-    return WeightTransferTrainerFactory.trainer_init(
-        info, client=EngineClient(rollouts, workers_per_engine, timeout_s),
-        source=parameter_source(lm, zero3=zero3))
+    client = EngineClient(rollouts, workers_per_engine, timeout_s)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client,
+                                                     source=parameter_source(lm, zero3=zero3)), client

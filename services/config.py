@@ -201,6 +201,12 @@ class JobConfig(BaseSettings):
         """'cuda' exactly when the role asks for GPUs; never a GPU it did not reserve."""
         return "cuda" if getattr(self.cluster, role).num_gpus > 0 else "cpu"
 
+    def rollout_vllm_engine_args(self) -> dict[str, Any]:
+        """The rollout engine's ``LLM(...)`` arguments (``RolloutConfig.vllm_engine_args``) at the share of
+        each GPU its role reserved: ``cluster.rollout.num_gpus`` over the engine's tensor-parallel GPUs."""
+        rollout = self.rollout
+        return rollout.vllm_engine_args(self.cluster.rollout.num_gpus / rollout.tensor_parallel_size)
+
     def reference_vllm_engine_args(self) -> dict[str, Any]:
         """The ``LLM(...)`` arguments of a reference with backend vllm. It only scores (prompt log-probs), so
         it starts eager; on a GPU it takes reference.gpu_memory_utilization, or else 0.9 of the GPU share its

@@ -158,7 +158,9 @@ class RolloutConfig(Section):
     max_new_tokens: PositiveInt | None = Field(None, description="response length cap (one turn's, in "
                                                "multi-turn episodes); none = the task's")
     kv_cache_mib: PositiveInt = Field(256, description="vLLM KV cache size in MiB (CPU)")
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM's share of its GPU (CUDA only)")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="vLLM's share of each of its GPUs (CUDA only); none = 0.9 of the share "
+        "the role reserved per GPU (cluster.rollout.num_gpus over rollout.tensor_parallel_size, at most 1)")
     enforce_eager: bool = Field(True, description="vLLM without CUDA graphs / compilation: fast starts")
     tensor_parallel_size: PositiveInt = Field(1, description="GPUs per vLLM engine (tensor parallel)")
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
@@ -200,14 +202,21 @@ class RolloutConfig(Section):
         "batch; a rank still short after them fills its share with tied groups (counted: "
         "dynamic_sampling_filled_groups)")
 
-    def vllm_engine_args(self) -> dict[str, Any]:
-        """The vLLM ``LLM(...)`` arguments these settings map to. The executor is always named: left to vLLM,
-        an engine inside a Ray placement group gets the 'ray' executor (vllm/config/parallel.py), which
-        takes its workers' GPUs from that group (``_executor_runs_in_one_bundle``)."""
-        return {"enforce_eager": self.enforce_eager, "tensor_parallel_size": self.tensor_parallel_size,
-                "gpu_memory_utilization": self.gpu_memory_utilization,
-                "distributed_executor_backend": self.distributed_executor_backend
-                or ("mp" if self.tensor_parallel_size > 1 else "uni")}
+    def vllm_engine_args(self, gpu_share: float = 0.0) -> dict[str, Any]:
+        """The vLLM ``LLM(...)`` arguments these settings map to, for an engine holding ``gpu_share`` of each
+        of its GPUs (0: none, on CPU). The executor is always named: left to vLLM, an engine inside a Ray
+        placement group gets the 'ray' executor (vllm/config/parallel.py), which takes its workers' GPUs
+        from that group (``_executor_runs_in_one_bundle``). On a GPU the memory share is
+        ``gpu_memory_utilization``, or else 0.9 of the share the role reserved: a fixed fraction would leave
+        most of a GPU of its own unused, or overrun one it shares."""
+        args: dict[str, Any] = {"enforce_eager": self.enforce_eager,
+                                "tensor_parallel_size": self.tensor_parallel_size,
+                                "distributed_executor_backend": self.distributed_executor_backend
+                                or ("mp" if self.tensor_parallel_size > 1 else "uni")}
+        if gpu_share or self.gpu_memory_utilization is not None:
+            args["gpu_memory_utilization"] = (self.gpu_memory_utilization
+                                              or round(0.9 * min(1.0, gpu_share), 4))
+        return args
 
     @model_validator(mode="after")
     def _executor_runs_in_one_bundle(self) -> RolloutConfig:

@@ -134,7 +134,7 @@ def test_vllm_settings_are_config_fields():
     cfg = load_config(None, {"rollout": {"enforce_eager": False, "gpu_memory_utilization": 0.8,
                                          "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
                              "cluster": {"rollout": {"num_gpus": 2}}})
-    assert cfg.rollout.vllm_engine_args() == {"enforce_eager": False, "tensor_parallel_size": 2,
+    assert cfg.rollout_vllm_engine_args() == {"enforce_eager": False, "tensor_parallel_size": 2,
                                               "gpu_memory_utilization": 0.8,
                                               "distributed_executor_backend": "mp"}
     assert (cfg.device("rollout"), cfg.device("learner")) == ("cuda", "cpu")
@@ -168,7 +168,7 @@ def test_a_tensor_parallel_engine_in_a_placement_group_gets_the_executor_the_con
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group))
         left_to_vllm = {"tensor_parallel_size": 2}
         assert ray_client.get(in_group.remote(left_to_vllm)) == "ray"
-        assert ray_client.get(in_group.remote(cfg.rollout.vllm_engine_args())) == "mp"
+        assert ray_client.get(in_group.remote(cfg.rollout_vllm_engine_args())) == "mp"
     finally:
         ray_client.util.remove_placement_group(group)
 

@@ -33,16 +33,17 @@ def test_tensor_parallel_engines_hold_their_gpus_in_one_bundle_and_run_the_mp_ex
     from services.devices import vllm_device_args
 
     cfg = _gpu_config(rollout={"tensor_parallel_size": tp}, cluster={"rollout": {"num_gpus": tp}})
-    args = cfg.rollout.vllm_engine_args()
-    # named, never left to vLLM: inside tether's placement group it would pick its ray executor
-    assert args == {"enforce_eager": True, "tensor_parallel_size": tp, "gpu_memory_utilization": 0.3,
+    args = cfg.rollout_vllm_engine_args()
+    # named, never left to vLLM: inside tether's placement group it would pick its ray executor; each GPU
+    # is the engine's own, so it takes 0.9 of it
+    assert args == {"enforce_eager": True, "tensor_parallel_size": tp, "gpu_memory_utilization": 0.9,
                     "distributed_executor_backend": executor}
     # the engine's actor asks Ray for one bundle with all its GPUs, and takes them itself: the mp executor's
     # workers (one process per GPU) see the actor's CUDA_VISIBLE_DEVICES
     assert role_bundle(cfg.cluster.rollout) == {"CPU": 1, "GPU": tp}
     assert _options(cfg.cluster.rollout)["num_gpus"] == tp
     on_cuda = vllm_device_args("cuda", 64, 256, args)
-    assert on_cuda["gpu_memory_utilization"] == 0.3 and "kv_cache_memory_bytes" not in on_cuda
+    assert on_cuda["gpu_memory_utilization"] == 0.9 and "kv_cache_memory_bytes" not in on_cuda
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -70,7 +71,20 @@ def test_executors_and_bundles_that_cannot_run_are_refused_naming_the_fields(ove
 def test_tensor_parallel_mp_engine_is_accepted_explicitly():
     cfg = _gpu_config(rollout={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
                       cluster={"rollout": {"num_gpus": 2}})
-    assert cfg.rollout.vllm_engine_args()["distributed_executor_backend"] == "mp"
+    assert cfg.rollout_vllm_engine_args()["distributed_executor_backend"] == "mp"
+
+
+def test_the_rollout_engine_takes_its_gpu_share_from_the_config():
+    """0.9 of what the role reserved per GPU: all of a GPU of its own, a part of a shared one; a set value
+    as it is; none on CPU."""
+    assert _gpu_config().rollout_vllm_engine_args()["gpu_memory_utilization"] == 0.9
+    shared = _gpu_config(cluster={"rollout": {"num_gpus": 0.3}})
+    assert shared.rollout_vllm_engine_args()["gpu_memory_utilization"] == 0.27
+    tp = _gpu_config(rollout={"tensor_parallel_size": 2}, cluster={"rollout": {"num_gpus": 2}})
+    assert tp.rollout_vllm_engine_args()["gpu_memory_utilization"] == 0.9
+    given = _gpu_config(rollout={"gpu_memory_utilization": 0.5})
+    assert given.rollout_vllm_engine_args()["gpu_memory_utilization"] == 0.5
+    assert "gpu_memory_utilization" not in load_config(None, {}).rollout_vllm_engine_args()
 
 
 def test_reference_vllm_engine_takes_its_gpu_share_from_the_config():
@@ -124,10 +138,10 @@ def test_benchmark_engines_on_cuda_take_the_gpu_share_not_the_cpu_cache():
 
     cfg = _gpu_config()
     alone = _benchmark("engine_in_service").alone_engine_spec(cfg, "/models/policy", 16)
-    assert (alone.device, alone.engine_args) == ("cuda", cfg.rollout.vllm_engine_args())
+    assert (alone.device, alone.engine_args) == ("cuda", cfg.rollout_vllm_engine_args())
     assert alone.max_model_len == cfg.task.max_prompt_tokens + 16 + 1
     llm_args = vllm_device_args(alone.device, alone.max_model_len, alone.kv_cache_mib, alone.engine_args)
-    assert llm_args["gpu_memory_utilization"] == 0.3 and "kv_cache_memory_bytes" not in llm_args
+    assert llm_args["gpu_memory_utilization"] == 0.9 and "kv_cache_memory_bytes" not in llm_args
     on_cpu = _benchmark("engine_in_service").alone_engine_spec(load_config(None, {}), "/models/policy", 16)
     assert on_cpu.device == "cpu"
 
@@ -167,3 +181,21 @@ def test_local_rank_is_the_ranks_gpu_as_cuda_numbers_it_in_the_actor():
     with pytest.raises(RuntimeError,
                        match="learner-rank-1: the config gives it GPUs, but Ray assigned it none"):
         local_gpu_index([], "", "learner-rank-1")
+
+
+def test_deepspeeds_accelerator_is_set_by_each_roles_devices_not_the_drivers(monkeypatch):
+    """A driver started with DS_ACCELERATOR=cpu (the CPU image's) outside a submitted job: a GPU role's
+    actors get cuda, a CPU role's cpu, and the driver's value is not passed to every actor; inside a job
+    that sets it, the job's own reaches its actors untouched."""
+    from learner.cluster import _options, actor_env
+    from services.config import RoleResources
+    from services.private_api import RAY_JOB_CONFIG_ENV_VAR
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.delenv(RAY_JOB_CONFIG_ENV_VAR, raising=False)
+    assert "DS_ACCELERATOR" not in actor_env("run", "warning")
+    env = lambda gpus: _options(RoleResources(num_gpus=gpus)).get("runtime_env", {}).get("env_vars", {})
+    assert env(1)["DS_ACCELERATOR"] == "cuda" and env(0.5)["DS_ACCELERATOR"] == "cuda"
+    assert env(0)["DS_ACCELERATOR"] == "cpu" and env(0)["CUDA_VISIBLE_DEVICES"] == ""
+    monkeypatch.setenv(RAY_JOB_CONFIG_ENV_VAR, "{}")
+    assert "DS_ACCELERATOR" not in env(1) and "DS_ACCELERATOR" not in env(0)

@@ -98,7 +98,7 @@ def test_the_plan_gives_each_engine_its_seed_core_and_the_learners_dtype():
     spec = fleet_spec(cfg, Models("/models/policy"), SamplingSettings(), 0, 40)
     assert [r.engine for r in spec.rollouts] == [
         EngineSpec("vllm", 7 + i, 40, cfg.rollout.kv_cache_mib, "bfloat16", i, "cpu",
-                   cfg.rollout.vllm_engine_args())
+                   cfg.rollout_vllm_engine_args())
         for i in range(2)]
     assert all(isinstance(r, RolloutSpec) and r.model == "/models/policy" for r in spec.rollouts)
     assert spec.references == (ReferenceSpec("/models/policy", "hf", "bfloat16", 40, 128,
