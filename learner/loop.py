@@ -380,6 +380,10 @@ def setup(cfg: JobConfig, plan: Plan, wall_start: float, log: Callable[[str], No
     placement = cluster.reserve(plan.cluster)
     cluster.preflight(plan.cluster, placement, plan.models.all(), run_path, log=log)
     fleet = Fleet(plan.fleet, placement, wait=False)
+    if cfg.learner_may_share_an_engines_gpu():
+        # vLLM sizes its cache from the GPU memory free at its start and fails if it changes meanwhile, as
+        # DeepSpeed's set-up (empty_cache) would change it: on a shared GPU the engines start first
+        fleet.wait_ready()
     learner = LearnerGroup(plan.rank, placement)  # DeepSpeed sets up while the engines start
     fleet.wait_ready()
     held = (("rollout", fleet.rollouts), ("reference", fleet.references), ("reward", fleet.rewards),

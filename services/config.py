@@ -197,6 +197,13 @@ class JobConfig(BaseSettings):
         LoRA)."""
         return self.learner.vllm_lora_rank if self.adapter_sync else None
 
+    def learner_may_share_an_engines_gpu(self) -> bool:
+        """Whether Ray may place a learner rank and an engine on one GPU: both take a fraction of one (whole
+        GPUs are never split between two actors)."""
+        c = self.cluster
+        return 0 < c.learner.num_gpus < 1 and any(0 < getattr(c, role).num_gpus < 1
+                                                  for role in ("rollout", "reference", "reward", "teacher"))
+
     def device(self, role: str) -> str:
         """'cuda' exactly when the role asks for GPUs; never a GPU it did not reserve."""
         return "cuda" if getattr(self.cluster, role).num_gpus > 0 else "cpu"

@@ -199,3 +199,18 @@ def test_deepspeeds_accelerator_is_set_by_each_roles_devices_not_the_drivers(mon
     assert env(0)["DS_ACCELERATOR"] == "cpu" and env(0)["CUDA_VISIBLE_DEVICES"] == ""
     monkeypatch.setenv(RAY_JOB_CONFIG_ENV_VAR, "{}")
     assert "DS_ACCELERATOR" not in env(1) and "DS_ACCELERATOR" not in env(0)
+
+
+def test_the_learner_starts_after_the_engines_only_where_they_may_share_a_gpu():
+    """A fractional layout (the 0.3/0.3/0.2 one of benchmarks/gpu.sh) may put a learner rank and an engine on
+    one GPU: the engines start first there (vLLM profiles the free memory at its start); whole GPUs, or no
+    GPU, keep the two starting together."""
+    fractional = _gpu_config(cluster={"rollout": {"num_gpus": 0.3}, "learner": {"num_gpus": 0.3},
+                                      "reference": {"num_gpus": 0.2}})
+    assert fractional.learner_may_share_an_engines_gpu()
+    assert not _gpu_config().learner_may_share_an_engines_gpu()  # whole GPUs for the rollout and the learner
+    half = _gpu_config(cluster={"learner": {"num_gpus": 0.5}})  # and the reference half a GPU: they may share
+    assert half.learner_may_share_an_engines_gpu()
+    alone = _gpu_config(cluster={"learner": {"num_gpus": 0.5}, "reference": {"num_gpus": 1}})
+    assert not alone.learner_may_share_an_engines_gpu()
+    assert not load_config(None, {}).learner_may_share_an_engines_gpu()
