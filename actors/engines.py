@@ -94,6 +94,13 @@ def check_device(device: str, role: str) -> str:
     return device
 
 
+def in_flight_args(in_flight: str) -> dict:
+    """vLLM's arguments for ``rollout.in_flight_updates``: loads land with requests running, where vLLM can
+    neither reset its prefix cache nor keep a step queued ahead (async scheduling, its default on GPU, would
+    run a step launched before a load after it, and its tokens would carry the new version)."""
+    return {} if in_flight == "off" else {"enable_prefix_caching": False, "async_scheduling": False}
+
+
 class VLLMEngine:
     """vLLM in the actor's own process (single-process mode: 2-5 s starts, tensors pass directly); with
     tensor parallelism (executor 'mp') its workers run in a process per GPU of the actor."""
@@ -127,7 +134,7 @@ class VLLMEngine:
             spec.cpu_core,
             # log-probs of the distribution actually sampled from (after temperature)
             logprobs_mode="processed_logprobs",
-            **({} if self.prefix_caching else {"enable_prefix_caching": False}),
+            **in_flight_args(spec.in_flight),
             worker_extension_cls="actors.vllm_extension.WeightSyncExtension",
             **weight_transfer_args, **lora_args,
         )

@@ -214,3 +214,14 @@ def test_the_learner_starts_after_the_engines_only_where_they_may_share_a_gpu():
     alone = _gpu_config(cluster={"learner": {"num_gpus": 0.5}, "reference": {"num_gpus": 1}})
     assert not alone.learner_may_share_an_engines_gpu()
     assert not load_config(None, {}).learner_may_share_an_engines_gpu()
+
+
+def test_in_flight_updates_run_vllm_one_step_at_a_time():
+    """With loads landing between decoding steps, no step is queued ahead of a load (vLLM's async scheduling,
+    on by default on GPU, is turned off) and no prefix is cached across versions; off, vLLM keeps its
+    defaults. (The in-flight job tests start real CPU engines with these arguments.)"""
+    from actors.engines import in_flight_args
+
+    assert in_flight_args("off") == {}
+    for mode in ("keep_kv", "partial"):
+        assert in_flight_args(mode) == {"enable_prefix_caching": False, "async_scheduling": False}
