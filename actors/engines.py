@@ -115,6 +115,7 @@ class VLLMEngine:
         self.prefix_caching = spec.in_flight == "off"
         lora_rank, weight_transfer, engine_args, device = (spec.lora_rank, spec.weight_transfer,
                                                            spec.engine_args, spec.device)
+        self.device = device
         # the adapter of the version in force (adapter-only sync); None: base weights
         self.lora_request = None
         self.takes_adapters = lora_rank is not None and vllm_takes_adapters(model_dir)
@@ -183,14 +184,14 @@ class VLLMEngine:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         prompts = [TokensPrompt(prompt_token_ids=s) for s in sequences]
         with self.compile_stance():
-            if self.takes_adapters:
+            if self.takes_adapters and self.device == "cpu":
                 # vLLM 0.32's CPU LoRA maps the prompt log-probs of a batch of several sequences wrongly (an
                 # einsum shape error that ends the engine; with an adapter or without): one sequence a call
                 outputs = [out for p in prompts
                            for out in self.llm.generate([p], params, use_tqdm=False,
                                                         lora_request=self.lora_request)]
             else:
-                outputs = self.llm.generate(prompts, params, use_tqdm=False)
+                outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         scored = []
         for out, seq, plen in zip(outputs, sequences, prompt_lengths, strict=True):
             scored.append([out.prompt_logprobs[i][seq[i]].logprob for i in range(plen, len(seq))])
