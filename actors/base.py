@@ -7,6 +7,8 @@ import os
 import time
 from contextlib import contextmanager
 
+import ray
+
 # niceness steps between the rollout engines and every other CPU process on their node (Ray starts every
 # worker at the same niceness, its worker_niceness: 15 by default); at most 19, Linux's lowest priority
 BELOW_THE_ENGINES = 5
@@ -72,6 +74,22 @@ def _in_an_actor() -> bool:
     import ray
 
     return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
+HEALTH = "health"  # the concurrency group of ``Answering.alive``: one thread of its own
+
+
+class Answering:
+    """An actor that answers ``alive`` on a thread of its own (Ray's concurrency group ``HEALTH``, given at
+    its start) while its main thread is blocked, as a rollout engine's is in an NCCL receive: the driver
+    tells an engine that died or restarted from one that is busy."""
+
+    @ray.method(concurrency_group=HEALTH)
+    def alive(self) -> int:
+        """This process's id (a restarted actor answers with another)."""
+        import os
+
+        return os.getpid()
 
 
 class VersionedActor:

@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from actors.base import VersionedActor, starting_up
+from actors.base import Answering, VersionedActor, starting_up
 from actors.engines import SamplingSettings, check_device, check_loaded, make_engine
 from actors.specs import RolloutSpec
 from services.devices import gpu_location
@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the batch's module loads in the actor, not in the driver (s
     from services.weights import HostWeights
 
 
-class RolloutActor(VersionedActor):
+class RolloutActor(Answering, VersionedActor):
     role = "rollout"
 
     @starting_up()

@@ -2,8 +2,8 @@
 (``python -m learner.main`` without ``cluster.address``: the order in which a plan that touches Ray and the
 driver's own ``ray.init`` once raced). Each is a dataset job on a tiny model, taken to "actors ready" and then
 stopped with SIGINT; beside them run ``--load`` busy processes at the ordinary priority. Reports, per start,
-whether its actors came up, the seconds to "actors ready", its exit code, and Ray daemons (``raylet``,
-``gcs_server``) left behind once it exited.
+whether its actors came up, the seconds to "actors ready", its exit code, and which of the Ray daemons
+(``raylet``, ``gcs_server``) its driver had started are left behind once it exited.
 
     .venv/bin/python benchmarks/dataset_starts.py [--starts 20] [--load 2]
 
@@ -27,10 +27,21 @@ from _bench import RAY_ENV, RESULTS, ROOT, stamp, write_results
 RAY_DAEMONS = ("raylet", "gcs_server")
 
 
-def ray_daemons() -> set[int]:
+def own_daemons(driver: int) -> set[int]:
+    """The Ray daemons the job's driver started (its local Ray), while it runs."""
     import psutil
 
-    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in RAY_DAEMONS}
+    try:
+        children = psutil.Process(driver).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return set()
+    return {p.pid for p in children if p.name() in RAY_DAEMONS}
+
+
+def still_running(pids: set[int]) -> list[int]:
+    import psutil
+
+    return sorted(p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie")
 
 
 def tiny_model(cache_dir: Path) -> str:
@@ -55,21 +66,22 @@ def start(model: str, cache_dir: Path, data: Path, out: Path, n: int) -> dict:
             "--task.reward_fields", '["answer"]', "--rollout.max_new_tokens", "9", "--run.iterations", "1",
             "--no-run.eval_before_training", "--rollout.batch_size", "16", "--rollout.chunk_size", "8",
             "--ppo.minibatch_size", "16", "--no-checkpoint.export_hf"]
-    before, began = ray_daemons(), time.perf_counter()
+    began = time.perf_counter()
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **RAY_ENV})
-    lines, ready = [], None
+    lines, ready, daemons = [], None, set()
     for line in proc.stdout:
         lines.append(line.rstrip())
         if "actors ready" in line:
             ready = time.perf_counter() - began
+            daemons = own_daemons(proc.pid)
             proc.send_signal(signal.SIGINT)
             break
     rest, _ = proc.communicate(timeout=600)
     lines += rest.splitlines()
     time.sleep(2)  # Ray's daemons end shortly after the driver
     return {"start": n, "ready": ready is not None, "ready_seconds": round(ready or 0.0, 1),
-            "exit_code": proc.returncode, "left_behind": sorted(ray_daemons() - before),
+            "exit_code": proc.returncode, "daemons": len(daemons), "left_behind": still_running(daemons),
             "failure": None if ready is not None else lines[-1:], "last_lines": lines[-3:]}
 
 

@@ -276,13 +276,19 @@ def reserve(spec: ClusterSpec) -> Placement:
 def start_actor(cls, role: str, i: int, res: RoleResources, placement: Placement | None, *args,
                 max_restarts: int = 0, tag: str = "", max_concurrency: int = 1, **kwargs):
     """Start ``cls`` as a Ray actor named ``{role}-{i}`` (``learner-rank-{i}`` for ranks), plus ``-{tag}``;
-    ``max_concurrency`` > 1 runs its calls on that many threads."""
+    ``max_concurrency`` > 1 runs its calls on that many threads; an ``Answering`` actor answers ``alive`` on
+    a thread of its own."""
+    from actors.base import HEALTH, Answering
+
     name = (f"learner-rank-{i}" if role == "learner" else f"{role}-{i}") + (f"-{tag}" if tag else "")
     options = _options(res) | {"name": name, "max_restarts": max_restarts, "max_task_retries": 0,
                                "max_concurrency": max_concurrency}
     if placement is not None:
         options["scheduling_strategy"] = placement.strategy(role, i)
-    return ray.remote(cls).options(**options).remote(*args, **kwargs)
+    # Ray takes concurrency groups in ray.remote, not in .options()
+    groups = {"concurrency_groups": {HEALTH: 1}} if issubclass(cls, Answering) else {}
+    remote = ray.remote(**groups)(cls) if groups else ray.remote(cls)
+    return remote.options(**options).remote(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- pre-flight

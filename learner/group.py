@@ -27,6 +27,7 @@ class LearnerGroup:
         set-up). A job starts its own."""
         self.world_size = spec.learner.world_size
         self.collective_timeout_s = spec.learner.collective_timeout_s
+        self.weight_sync_timeout_s = spec.learner.weight_sync_timeout_s
         self.weights_bytes: int | None = None  # of the last weights put in the object store
         if ranks is not None and len(ranks) != self.world_size:
             raise ValueError(f"{len(ranks)} ranks given for learner.world_size={self.world_size}")
@@ -158,6 +159,42 @@ class LearnerGroup:
         """Full weights to every engine through vLLM's transfer, then their new version and beta; returns
         the seconds it took. Every rank takes part (ZeRO-3 gathers each parameter)."""
         start = time.perf_counter()
-        self._get([rank.send_weights.remote(policy_version) for rank in self.ranks], "weight transfer")
+        processes = ray.get([r.alive.remote() for r in rollouts])
+        sends = [rank.send_weights.remote(policy_version) for rank in self.ranks]
+        watch_transfer(sends, rollouts, processes, self.weight_sync_timeout_s)
+        self._get(sends, "weight transfer")
         ray.get([r.set_state.remote(policy_version, kl_coef) for r in rollouts])
         return time.perf_counter() - start
+
+
+def watch_transfer(sends: list, rollouts: list, processes: list[int], timeout_s: float,
+                   poll_s: float = 2.0) -> None:
+    """Wait for the ranks' ``sends`` of a weight transfer through vLLM (NCCL, IPC), asking the engines
+    ``rollouts`` whether they are alive as they are every ``poll_s`` (``Answering.alive``, on a thread of
+    their own, answers while an engine receives). vLLM's broadcast blocks rank 0 until every engine has
+    received, so an engine that dies, or restarts (its process id no longer ``processes``), would hold the
+    transfer until ``learner.collective_timeout_s``: ClusterError naming it at once instead, and one at
+    ``timeout_s`` naming the engines that do not answer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _, pending = ray.wait(sends, num_returns=len(sends), timeout=min(poll_s, timeout_s))
+        if not pending:
+            return
+        pings = [r.alive.remote() for r in rollouts]
+        answered, _ = ray.wait(pings, num_returns=len(pings), timeout=poll_s)
+        for i, ping in enumerate(pings):
+            if ping not in answered:
+                continue
+            try:
+                pid = ray.get(ping)
+            except ray.exceptions.RayActorError as err:
+                raise ClusterError(f"rollout engine {i} (actor rollout-{i}) died during the weight transfer: "
+                                   f"{' '.join(str(err).split())[:300]}") from err
+            if pid != processes[i]:
+                raise ClusterError(f"rollout engine {i} (actor rollout-{i}) restarted during the weight "
+                                   "transfer (its process changed): the transfer it was in cannot finish")
+        if time.monotonic() > deadline:
+            silent = [i for i, ping in enumerate(pings) if ping not in answered]
+            raise ClusterError(f"the weight transfer did not finish within {timeout_s:.0f}s "
+                               "(learner.weight_sync_timeout_s); every engine is alive"
+                               + (f", engine(s) {silent} not answering" if silent else ""))

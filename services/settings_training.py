@@ -241,6 +241,10 @@ class LearnerConfig(Section):
     collective_timeout_s: PositiveFloat = Field(
         1800.0, description="longest wait for the learner ranks in one call (rendezvous, collect, update, "
         "weight sync) before the job fails naming the ranks that did not answer")
+    weight_sync_timeout_s: PositiveFloat = Field(
+        300.0, description="learner.weight_sync nccl or ipc: longest wait for one weight transfer; an engine "
+        "that dies or restarts during it is named at once (the learner's broadcast would wait on it), one "
+        "that does not finish is named at this deadline")
     torch_threads: PositiveInt | None = Field(
         None, description="CPU threads of each rank's torch; none = on a local Ray the job starts, in a sync "
         "job on CPU, the machine's CPUs shared by the ranks (the engines and the reference idle while the "

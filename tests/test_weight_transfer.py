@@ -246,6 +246,58 @@ def test_rollout_actor_runs_the_engine_side_of_vllms_protocol_on_cpu(ray_head, t
         check_ipc_colocation([(node, gpus)], [(node, gpus)])
 
 
+class BusyEngine:
+    """A process that blocks its main thread as an engine does in an NCCL receive; it answers ``alive`` on a
+    thread of its own, as a ``RolloutActor`` does (both ``Answering``)."""
+
+    def receive(self, seconds: float) -> None:
+        import time
+
+        time.sleep(seconds)
+
+
+def test_a_weight_transfer_names_an_engine_that_dies_restarts_or_never_finishes(ray_head):
+    """The driver's watch over a transfer whose broadcast waits on the engines (``watch_transfer``): an
+    engine busy receiving still answers that it is alive, so a transfer that does not finish is named at
+    learner.weight_sync_timeout_s with every engine alive; one that dies, or restarts, is named at once."""
+    import time
+
+    import ray
+
+    from actors.base import Answering
+    from learner.cluster import ClusterError, start_actor
+    from learner.group import watch_transfer
+    from services.config import RoleResources
+
+    ray.init(address=ray_head.address, log_to_driver=False)
+    engine_class = type("BusyEngine", (Answering, BusyEngine), {})
+    hold = ray.remote(lambda: time.sleep(600))
+    try:
+        engines = [start_actor(engine_class, "rollout", i, RoleResources(num_cpus=0.01), None, max_restarts=1,
+                               tag="watch") for i in range(2)]
+        processes = ray.get([e.alive.remote() for e in engines])
+        send = hold.remote()  # a rank's send that the broadcast holds
+        busy = [e.receive.remote(30) for e in engines]
+        started = time.monotonic()
+        with pytest.raises(ClusterError, match=r"did not finish within 3s \(learner.weight_sync_timeout_s\); "
+                                               r"every engine is alive$"):
+            watch_transfer([send], engines, processes, timeout_s=3, poll_s=0.5)
+        assert time.monotonic() - started < 15
+        ray.kill(engines[1], no_restart=False)  # Ray restarts it: another process
+        with pytest.raises(ClusterError, match=r"rollout engine 1 \(actor rollout-1\) restarted during"):
+            watch_transfer([send], engines, processes, timeout_s=60, poll_s=0.5)
+        ray.kill(engines[0], no_restart=True)
+        with pytest.raises(ClusterError, match=r"rollout engine 0 \(actor rollout-0\) died during the weight "
+                                               "transfer"):
+            watch_transfer([send], engines, processes, timeout_s=60, poll_s=0.5)
+        assert time.monotonic() - started < 60
+        ray.cancel(send, force=True)
+        del busy
+        ray.kill(engines[1])
+    finally:
+        ray.shutdown()
+
+
 # ------------------------------------------------------------ GPU: a vLLM engine in its own process
 
 
