@@ -313,6 +313,63 @@ def test_each_recipe_command_runs_an_iteration(recipe, shared_runs, printable_ll
         assert record["rows_per_episode"] == 1 and record["trajectory_environment_tokens_mean"] == 0
 
 
+QUESTIONS = [("What is 2 + 3?", "5"), ("What is 4 + 4?", "8"), ("What is 3 * 3?", "9"),
+             ("What is 7 - 5?", "2")]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("library", ["trl", "verl"])
+def test_a_dataset_job_is_rewarded_by_the_librarys_own_function(library, shared_runs, printable_llama_dir,
+                                                                 tmp_path):
+    """A one-iteration dataset job over chat prompts whose task.reward_function is the library's own, named
+    as its users name it: TRL's ``trl.rewards:accuracy_reward`` (the solution column, conversational
+    completions) over a JSONL file, verl's ``default_compute_score`` over a parquet in verl's layout (the
+    ground truth under reward_model). Each saved evaluation sample's score is the library's own call's on
+    that sample's response."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if library == "trl":
+        from trl.rewards import accuracy_reward as function
+
+        data = tmp_path / "math.jsonl"
+        data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": q}], "solution": a}) + "\n"
+                                for q, a in QUESTIONS))
+        reward = ["--task.reward_function", "trl.rewards:accuracy_reward", "--task.reward_fields",
+                  '["solution"]']
+
+        def score(response: str, answer: str) -> float:
+            return function([[{"role": "assistant", "content": response}]], [answer])[0]
+    else:
+        from verl.utils.reward_score import default_compute_score as function
+
+        data = tmp_path / "gsm8k.parquet"
+        pq.write_table(pa.Table.from_pylist([
+            {"prompt": [{"role": "user", "content": q}], "data_source": "openai/gsm8k",
+             "reward_model": {"style": "rule", "ground_truth": a}, "extra_info": {"index": i}}
+            for i, (q, a) in enumerate(QUESTIONS)]), data)
+        reward = ["--task.reward_function", "verl.utils.reward_score:default_compute_score",
+                  "--task.reward_fields", '["data_source", "reward_model.ground_truth", "extra_info"]']
+
+        def score(response: str, answer: str) -> float:
+            return function("openai/gsm8k", response, answer)
+    run_dir, proc = shared_runs.get(
+        f"reward-{library}", "--model.path", printable_llama_dir, "--task.name", "dataset", "--task.path",
+        str(data), *reward, "--rollout.max_new_tokens", "8", "--rollout.batch_size", "8",
+        "--rollout.chunk_size", "8", "--rollout.samples_per_prompt", "2", "--ppo.advantage", "grpo",
+        "--ppo.minibatch_size", "8", "--run.iterations", "1", "--run.eval_every", "100",
+        "--metrics.eval_samples_saved", "4", "--no-checkpoint.export_hf")
+    read_run(run_dir, proc)
+    samples = (run_dir / "samples" / "iteration-0001.md").read_text().split("\n## ")[1:]
+    assert len(samples) == 4, samples
+    for sample in samples:
+        saved = float(re.match(r"\d+\. score (\S+)", sample).group(1))
+        (answer,) = [a for q, a in QUESTIONS if q in sample]
+        response = sample.split("Response:\n\n", 1)[1].strip()
+        response = "" if response == "> (empty)" else "\n".join(line[2:] for line in response.splitlines())
+        assert saved == pytest.approx(score(response, answer), abs=1e-3), sample
+
+
 def test_a_verifiers_episode_is_scored_by_the_environments_own_reward():
     """The recipe's agent, outside a job: a process of .venv-verifiers plays a task of tether-sums against an
     OpenAI-compatible endpoint (here one that answers the sum, or the sum plus one), and the task's @vf.reward
