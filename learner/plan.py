@@ -10,17 +10,20 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from actors.agents import AgentSettings
 from actors.engines import SamplingSettings
 from actors.episodes import EpisodeLimits
 from actors.specs import EngineSpec, EnvironmentSpec, ReferenceSpec, RewardSpec, RolloutSpec
 from learner.algorithm import Algorithm
-from learner.cluster import ClusterSpec, role_counts
 from services.config import JobConfig, LearnerConfig, PPOConfig, RoleResources
 from services.model_source import ModelSource
 from services.shipment import Shipment
 from services.storage import RunStorage
+
+if TYPE_CHECKING:
+    from learner.cluster import ClusterSpec
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,8 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
     (``Task.reward_actor_options``; none: the task's settings)."""
     c, dtype, model = cfg.cluster, cfg.learner.dtype, models.policy
     # actors per role: the cluster reserves a bundle for each
+    from learner.cluster import role_counts  # Ray: not for the Ray-free users of the specs (the device check)
+
     sync, counts = SyncSpec.of(cfg), role_counts(cfg)
     rollouts = tuple(
         RolloutSpec(model, EngineSpec(cfg.rollout.engine, cfg.run.seed + i, max_model_len,
@@ -349,6 +354,8 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
                          f"{'rollout.max_trajectory_tokens' if episodic else 'rollout.max_new_tokens'}="
                          f"{response_width} + 1 = {max_model_len} tokens do not fit the model's "
                          f"{positions} positions")
+    from learner.cluster import ClusterSpec
+
     cluster = ClusterSpec.of(cfg)
     task_options = task.reward_actor_options()  # its shipments go to the object store once Ray is up
     shipments = tuple(v for v in (task_options or {}).values() if isinstance(v, Shipment))

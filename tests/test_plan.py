@@ -128,7 +128,8 @@ def test_the_plan_gives_each_engine_its_seed_core_and_the_learners_dtype():
      True, 0),
 ])
 def test_the_reference_is_a_copy_in_each_learner_rank_where_auto_or_asked(settings, in_learner, actors):
-    from learner.plan import RankSpec, role_counts
+    from learner.cluster import role_counts
+    from learner.plan import RankSpec
     from services.config import load_config
 
     cfg = load_config(None, settings)
@@ -170,7 +171,8 @@ def test_learner_threads_take_an_own_machine_s_cores_in_a_sync_job_on_cpu(settin
     ({"reward": {"kind": "model", "model_path": "/models/classifier"}}, False),  # a model keeps its actor
 ])
 def test_the_reward_function_runs_in_the_learner_ranks_where_auto_or_asked(settings, in_learner):
-    from learner.plan import RankSpec, role_counts
+    from learner.cluster import role_counts
+    from learner.plan import RankSpec
     from services.config import load_config
 
     cfg = load_config(None, settings)
