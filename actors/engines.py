@@ -84,8 +84,20 @@ def check_loaded(missing: list[str], engine: str, what: str) -> None:
                               "of the policy must be sent at every sync")
 
 
-def check_device(device: str, role: str) -> str:
-    """``device`` as the config decided it; a CUDA role on a node without CUDA is named, not moved to CPU."""
+def check_device(device: str, role: str, own_gpus_only: bool = True) -> str:
+    """``device`` as the config decided it; a CUDA role on a node without CUDA is named, not moved to CPU.
+    ``own_gpus_only``: a CUDA role inside a Ray actor sees only the GPUs Ray assigned it, also where Ray
+    leaves every GPU visible (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``): vLLM and transformers take
+    the first visible GPU, which is then the actor's own (set before torch touches CUDA, which reads the
+    variable once). A learner rank picks its GPU by index instead (``local_gpu_index``)."""
+    if device == "cuda" and own_gpus_only:
+        import os
+
+        from services.devices import assigned_gpus, visible_gpus
+
+        visible = visible_gpus(assigned_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if visible is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
     if device == "cuda" and not torch.cuda.is_available():
         from services.model_source import node_name
 

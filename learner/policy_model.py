@@ -84,7 +84,8 @@ def join_rendezvous(rank: int, world_size: int, master_addr: str, master_port: i
                                     os.environ.get("CUDA_VISIBLE_DEVICES"), where)
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_gpu))
-    return torch.device("cuda", local_gpu) if check_device(device, where) == "cuda" else torch.device("cpu")
+    on_cuda = check_device(device, where, own_gpus_only=False) == "cuda"
+    return torch.device("cuda", local_gpu) if on_cuda else torch.device("cpu")
 
 
 def rendezvous_address() -> tuple[str, int]:

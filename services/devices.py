@@ -55,3 +55,19 @@ def build_llm(model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int, 
     args = {"use_tqdm_on_load": verbose(),
             **vllm_device_args(device, max_model_len, kv_cache_mib, engine_args), **llm_args}
     return LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, **args)
+
+
+def assigned_gpus() -> list[str]:
+    """The GPU ids Ray assigned this process's actor (none outside an actor)."""
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return []
+    return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+
+
+def visible_gpus(assigned: list[str], visible: str | None) -> str | None:
+    """What CUDA_VISIBLE_DEVICES must become for an actor that was ``assigned`` these GPU ids, where it is now
+    ``visible``: the assigned ids where Ray left it unset (every GPU visible), else None (leave it: Ray set it
+    to the assigned ones, or the user chose)."""
+    return ",".join(assigned) if assigned and visible is None else None

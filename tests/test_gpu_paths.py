@@ -225,3 +225,15 @@ def test_in_flight_updates_run_vllm_one_step_at_a_time():
     assert in_flight_args("off") == {}
     for mode in ("keep_kv", "partial"):
         assert in_flight_args(mode) == {"enable_prefix_caching": False, "async_scheduling": False}
+
+
+def test_an_actor_sees_only_its_own_gpus_where_ray_leaves_every_gpu_visible():
+    """With RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES Ray leaves CUDA_VISIBLE_DEVICES unset, so every GPU
+    is visible and vLLM and transformers would take GPU 0: the engines and the reference are shown their own
+    instead; where Ray (or the user) set it, it stays."""
+    from services.devices import visible_gpus
+
+    assert visible_gpus(["2"], None) == "2"
+    assert visible_gpus(["2", "3"], None) == "2,3"
+    assert visible_gpus(["2"], "2") is None and visible_gpus(["2"], "0,1,2,3") is None
+    assert visible_gpus([], None) is None  # outside an actor, or no GPU assigned
