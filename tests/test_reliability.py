@@ -133,3 +133,30 @@ def test_actor_deaths_lost_rank_and_graceful_stop(ray_head, cache_dir, tmp_path)
         assert r["batch_policy_versions"] == [r["policy_version"] - 1]
     betas = [r["kl_coef_used"] for r in records]
     assert all(b1 == r["kl_coef"] for b1, r in zip(betas[1:], records))  # beta continues across resumes
+
+
+@pytest.mark.integration
+def test_a_signal_during_start_up_ends_the_job_in_one_line_and_its_local_ray_with_it(cache_dir, tmp_path):
+    """Ctrl-C (SIGINT) while the job starts, on the local Ray it started itself, before the loop takes signals
+    over: one line says so, exit 130, no traceback, and the Ray daemons the driver started are gone."""
+    import psutil
+
+    proc = start_job(["--config", "tests/configs/small.yaml", "--model.cache_dir", cache_dir,
+                      "--run.output_dir", str(tmp_path), "--cluster.num_cpus", "2"])
+    daemons: set[int] = set()
+
+    def on_line(line: str) -> None:
+        if line.startswith("[tether] run directory"):  # Ray is up; the actors are not started yet
+            children = psutil.Process(proc.pid).children(recursive=True)
+            daemons.update(p.pid for p in children if p.name() in ("raylet", "gcs_server"))
+            proc.send_signal(signal.SIGINT)
+
+    out = follow_job(proc, on_line, timeout_s=300)
+    assert proc.returncode == 130, out[-3000:]
+    last = out.splitlines()[-1]
+    assert last == "[tether] stopped by a signal before the run's next checkpoint", out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert daemons, "the job started no local Ray"
+    time.sleep(3)
+    left = [p for p in daemons if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"Ray daemons {left} outlived the job"
