@@ -42,11 +42,16 @@ SMALL = {
 
 
 def _node_ports() -> list[str]:
-    low = free_port()
-    return [f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
-            f"--min-worker-port={low + 100}", f"--max-worker-port={low + 160}"]
+    names = ("node-manager", "object-manager", "runtime-env-agent", "dashboard-agent-grpc",
+             "dashboard-agent-listen", "metrics-export")
+    named = {name: free_port() for name in names}
+    # the workers' range apart from the named ports: Ray refuses a node whose range holds one of them (the OS
+    # hands out free ports close together, so a range next to one often did)
+    low = free_port() + 100
+    while any(low <= port <= low + 60 for port in named.values()):
+        low = free_port() + 100
+    return [*(f"--{name}-port={port}" for name, port in named.items()),
+            f"--min-worker-port={low}", f"--max-worker-port={low + 60}"]
 
 
 def _can_unshare() -> str | None:
