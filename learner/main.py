@@ -220,8 +220,10 @@ def run_job(cfg: JobConfig) -> int:
 
     quiet_libraries(cfg.metrics.log_level)
     # until the loop takes SIGTERM and SIGINT over (GracefulStop), either unwinds the start-up, so that Ray's
-    # exit handler ends the processes a local Ray started, and the job says so in one line
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # exit handler ends the processes a local Ray started, and the job says so in one line (SIGINT too: a
+    # process started in the background inherits it ignored, as GracefulStop would not leave it)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.default_int_handler)
     try:
         summary = run(cfg)
     except KeyboardInterrupt:
