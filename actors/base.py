@@ -9,10 +9,12 @@ from contextlib import contextmanager
 
 import ray
 
-# niceness steps between the rollout engines and every other CPU process on their node (Ray starts every
-# worker at the same niceness, its worker_niceness: 15 by default); at most 19, Linux's lowest priority
-BELOW_THE_ENGINES = 5
-_yielded = False
+from services.cpu_share import NICENESS_ENV, ThreadClock
+
+# niceness steps the rollout engines run above tether's other roles on a CPU node (a factor of about 2.4 in
+# CPU weight): generation is the head of the pipeline
+ENGINE_LEAD = 4
+_priority_taken = False
 
 
 @contextmanager
@@ -35,29 +37,34 @@ def starting_up():
             gc.enable()
 
 
-def yield_cpu_to_engines(device: str) -> None:
-    """On CPU, this process's threads, and those they start later, run ``BELOW_THE_ENGINES`` steps below the
-    rollout engines' priority (once per process: the engines' niceness is this worker's at its start).
+def take_cpu_priority(device: str, engine: bool = False) -> int:
+    """On CPU, inside an actor: this process's threads, and those they start later, at the user's ordinary
+    priority (the driver's niceness, ``NICENESS_ENV``), a rollout engine's ``ENGINE_LEAD`` steps above it.
+    Returns the calling thread's niceness after (once per process).
 
     Generation is the head of the pipeline: while an engine's thread generates the next chunk, the
     reference, reward and learner work on the chunks before it, and on a machine with fewer cores than
-    threads they would take its core part of the time. Below it they still get every cycle the engine
-    leaves, and the learner both cores once it is idle. A GPU process keeps its priority: its work is on the
-    device, and so does a role built as a plain object outside an actor (tests, tools): that is its caller."""
-    global _yielded
-    if device != "cpu" or _yielded or not _in_an_actor():
-        return
-    _yielded = True
-    below = min(19, os.getpriority(os.PRIO_PROCESS, 0) + BELOW_THE_ENGINES)
+    threads they would take its core part of the time. No tether process goes below the user's priority:
+    beside an ordinary busy process a worker at Ray's default niceness of 15 gets about 1/28 of its share.
+    Raising a priority needs CAP_SYS_NICE or RLIMIT_NICE (``ulimit -e``); where the node refuses, the
+    process stays where Ray started it. A GPU process keeps its priority (its work is on the device), as
+    does a role built as a plain object outside an actor (tests, tools): that is its caller."""
+    global _priority_taken
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if device != "cpu" or _priority_taken or not _in_an_actor():
+        return current
+    _priority_taken = True
+    target = int(os.environ.get(NICENESS_ENV, current)) - (ENGINE_LEAD if engine else 0)
     try:
         threads = [int(t) for t in os.listdir("/proc/self/task")]  # Linux: niceness is per thread
     except FileNotFoundError:
         threads = [0]
     for thread in threads:
         try:
-            os.setpriority(os.PRIO_PROCESS, thread, max(os.getpriority(os.PRIO_PROCESS, thread), below))
+            os.setpriority(os.PRIO_PROCESS, thread, target)
         except (ProcessLookupError, PermissionError):
-            pass  # a thread that ended meanwhile; lowering one's own priority is always allowed
+            pass  # a thread that ended meanwhile, or a raise the node refuses: it stays where it is
+    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def lost_to_dead_actor(err: Exception) -> bool:
@@ -111,13 +118,15 @@ class VersionedActor:
         self.policy_version = 0
         self.kl_coef = 0.0
         self.busy_seconds = 0.0  # time spent on requests since the driver last asked
+        self.niceness = os.getpriority(os.PRIO_PROCESS, 0)  # after ``on_device``: the priority it took
+        self.cpu_clock = ThreadClock()  # this process's CPU share since the driver last asked
 
     def on_device(self, device: str) -> str:
         """``device`` checked for this actor (a CUDA role on a node without CUDA is named); on CPU its threads
-        then run below the engines' priority (``yield_cpu_to_engines``)."""
+        then run at the user's priority (``take_cpu_priority``)."""
         from actors.engines import check_device
 
-        yield_cpu_to_engines(check_device(device, f"{self.role}-{self.index}"))
+        self.niceness = take_cpu_priority(check_device(device, f"{self.role}-{self.index}"))
         return device
 
     @contextmanager
@@ -130,10 +139,11 @@ class VersionedActor:
             self.busy_seconds += time.perf_counter() - start
 
     def take_counts(self) -> dict[str, float]:
-        """What this actor counts since the driver last asked (then zero): its busy seconds, and a role's
-        own."""
+        """What this actor counts since the driver last asked (then zero): its busy seconds, its threads'
+        CPU seconds and their seconds ready to run but waiting for a core, and a role's own."""
         busy, self.busy_seconds = self.busy_seconds, 0.0
-        return {"busy_seconds": busy}
+        cpu, waited = self.cpu_clock.take(["self"])
+        return {"busy_seconds": busy, "cpu_seconds": cpu, "cpu_wait_seconds": waited}
 
     def set_state(self, policy_version: int, kl_coef: float) -> dict:
         self.policy_version, self.kl_coef = int(policy_version), float(kl_coef)
@@ -149,5 +159,6 @@ class VersionedActor:
             "kl_coef": self.kl_coef,
         }
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> int:
+        """Started: this process's niceness (the start-up line on CPU priorities)."""
+        return self.niceness

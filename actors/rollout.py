@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from actors.base import Answering, VersionedActor, starting_up
+from actors.base import Answering, VersionedActor, starting_up, take_cpu_priority
 from actors.engines import SamplingSettings, check_device, check_loaded, make_engine
 from actors.specs import RolloutSpec
 from services.devices import gpu_location
@@ -32,6 +32,7 @@ class RolloutActor(Answering, VersionedActor):
         self.agents: AgentRunner | None = None  # agent programs (rollout.agent): built on the first chunk
         self.max_model_len = spec.engine.max_model_len
         device = check_device(spec.engine.device, f"rollout-{index}")
+        self.niceness = take_cpu_priority(device, engine=True)  # before vLLM starts its threads
         self.engine = make_engine(model_dir, replace(spec.engine, device=device))
         # in-flight updates: calls run on several threads and reach vLLM through one loop that steps it
         # (chunks of two batches share its steps); an agent runner serves one chunk at a time

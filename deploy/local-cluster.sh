@@ -276,6 +276,9 @@ cmd_up() {
     export PATH="$VENV_BIN:$PATH"
     export VIRTUAL_ENV="$ROOT/.venv"
     export RAY_metrics_report_interval_ms=1000
+    # workers at the priority of the user who starts the head (Ray's default, 15 steps lower, lets any busy
+    # process on the machine starve a job's actors)
+    export RAY_worker_niceness="${RAY_worker_niceness:-0}"
     # `down` is a SIGTERM: shut down at once instead of draining the node for up to 30 s
     export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}"
 

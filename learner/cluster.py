@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from services.config import JobConfig, RoleResources
+from services.cpu_share import NICENESS_ENV
 from services.errors import TetherError
 from services.private_api import RAY_JOB_CONFIG_ENV_VAR, raylet_wait_by_polling, stop_local_autoscaler_monitor
 
@@ -135,7 +136,8 @@ def actor_env(run_name: str, log_level: str) -> dict[str, str]:
         env = {k: v for k, v in defaults.items() if k not in os.environ}
     else:
         env = {k: os.environ.get(k, v) for k, v in defaults.items()}
-    return {**RAY_ENV_DEFAULTED, **env, "TETHER_RUN": run_name}
+    return {**RAY_ENV_DEFAULTED, **env, "TETHER_RUN": run_name,
+            NICENESS_ENV: str(os.getpriority(os.PRIO_PROCESS, 0))}
 
 
 def starts_local_ray(spec: ClusterSpec) -> bool:
@@ -173,10 +175,12 @@ def connect(spec: ClusterSpec, log=print) -> None:
                 runtime_env={"env_vars": ACTOR_ENV},
                 _node_ip_address="127.0.0.1",
                 namespace=spec.namespace,
-                # no idle workers started ahead: every actor brings its own environment variables
-                # (``_options``), so none would take one, and on a small machine their start
-                # (about 1.3 CPU s each) delays Ray's own
-                _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
+                # workers at the driver's niceness (Ray's default puts them 15 steps below it, where any
+                # busy process at the user's priority starves them), and no idle workers started ahead:
+                # every actor brings its own environment variables (``_options``), so none would take one,
+                # and on a small machine their start (about 1.3 CPU s each) delays Ray's own
+                _system_config={"worker_niceness": 0, "enable_worker_prestart": False,
+                                "prestart_worker_first_driver": False},
                 **quiet,
             )
         _joined = _started_here = True

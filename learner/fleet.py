@@ -19,6 +19,7 @@ from learner import cluster
 from learner.cluster import ClusterError, Placement
 from learner.plan import FleetSpec
 from learner.records import ChunkRefs
+from services.cpu_share import cpu_share
 from services.errors import TetherError
 
 # a rollout actor's concurrent calls with in-flight updates (its chunks, a load, the probe)
@@ -72,8 +73,9 @@ class Fleet:
             self.wait_ready()
 
     def wait_ready(self) -> None:
-        """Blocks until every actor has started; raises the first constructor's error."""
-        ray.get(self.ready_refs)
+        """Blocks until every actor has started; raises the first constructor's error. ``niceness``: each
+        actor's in ``all``'s order."""
+        self.niceness: list[int] = ray.get(self.ready_refs)[:len(self.all)]
 
     # ------------------------------------------------------------------ streaming work
 
@@ -215,18 +217,27 @@ class Fleet:
         return worst
 
     def take_counts(self) -> dict[str, float]:
-        """Per role since the last call: busy seconds (generate_seconds, reference_seconds, reward_seconds)
-        and a judge's answers (reward_judge_answers, reward_judge_unparseable)."""
+        """Per role since the last call: busy seconds (generate_seconds, reference_seconds, reward_seconds),
+        the share of the time its processes were ready to run that they ran (rollout_cpu_share, ...: under
+        1 when they waited for a core) and a judge's answers (reward_judge_answers,
+        reward_judge_unparseable)."""
         totals: dict[str, float] = {}
-        roles = (["generate"] * len(self.rollouts) + ["reference"] * len(self.references)
+        cpu: dict[str, list[float]] = {}
+        roles = (["rollout"] * len(self.rollouts) + ["reference"] * len(self.references)
                  + ["reward"] * len(self.rewards) + ["teacher"] * len(self.teachers))
         for role, call in zip(roles, [a.take_counts.remote() for a in self.all], strict=True):
             try:
                 counts = ray.get(call)
             except ray.exceptions.RayActorError:
                 counts = {}  # died since: its counts went with it
-            totals.setdefault(f"{role}_seconds", 0.0)
+            busy_key = "generate_seconds" if role == "rollout" else f"{role}_seconds"
+            totals[busy_key] = totals.get(busy_key, 0.0) + counts.pop("busy_seconds", 0.0)
+            run_wait = cpu.setdefault(role, [0.0, 0.0])
+            run_wait[0] += counts.pop("cpu_seconds", 0.0)
+            run_wait[1] += counts.pop("cpu_wait_seconds", 0.0)
             for name, value in counts.items():
-                key = f"{role}_seconds" if name == "busy_seconds" else f"{role}_{name}"
-                totals[key] = totals.get(key, 0) + value
+                totals[f"{role}_{name}"] = totals.get(f"{role}_{name}", 0) + value
+        for role, (run, wait) in cpu.items():
+            if (share := cpu_share(run, wait)) is not None:
+                totals[f"{role}_cpu_share"] = share
         return totals

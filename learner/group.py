@@ -11,6 +11,7 @@ from learner.kl import kl_stats_from_sums
 from learner.plan import RankSpec
 from learner.rank import LearnerRank
 from learner.records import Admission, ChunkRefs, UpdateResult
+from services.cpu_share import cpu_share
 
 
 def rank_slots(slots, world_size: int) -> list[list[int]]:
@@ -37,7 +38,7 @@ class LearnerGroup:
         ]
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
         setups = [rank.setup.remote(master_addr, master_port, spec) for rank in self.ranks]
-        self._get(setups, "setup")
+        self.niceness: list[int] = self._get(setups, "setup")
 
     def _get(self, refs: list, what: str, ranks: list[int] | None = None):
         """ray.get over ``refs`` (one per rank in ``ranks``, default all), within
@@ -90,6 +91,12 @@ class LearnerGroup:
                  for rank, slots in zip(self.ranks, by_rank, strict=True)]
         parts = [p for parts in self._get(calls, "the evaluation's rewards") for p in parts]
         return [part for _, part in sorted(parts, key=lambda p: p[0])]
+
+    def cpu_share(self) -> float | None:
+        """The ranks' share of the time their threads were ready to run that they ran, since the last call."""
+        run, wait = map(sum, zip(*self._get([r.cpu_seconds.remote() for r in self.ranks], "cpu_seconds"),
+                                 strict=True))
+        return cpu_share(run, wait)
 
     def differing_groups(self) -> list[int]:
         """Dynamic sampling: per rank, the whole groups it has collected whose scores differ (penalties

@@ -12,6 +12,7 @@ The loop's own checks raise ``LoopError``; ``main()`` turns it into an exit code
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from learner.plan import Plan
 from learner.records import Admission, ChunkRefs, UpdateResult
 from learner.weight_sync import WeightSync
 from services.config import JobConfig, config_to_yaml
+from services.cpu_share import describe_priorities
 from services.errors import TetherError
 from services.metrics import DriverMetrics, iteration_record
 from services.prompts import PromptSampler
@@ -278,8 +280,10 @@ class Job:
             rundir.write_samples(self.run_path, iteration, samples)
             self.eval_samples = samples
         record["iteration_seconds"] = time.perf_counter() - collected.started
-        # busy time per role and a judge's answers, evaluation included
+        # busy time and CPU share per role and a judge's answers, evaluation included
         record.update(self.fleet.take_counts())
+        if (share := self.learner.cpu_share()) is not None:
+            record["learner_cpu_share"] = share
         self.records.append(record)
         rundir.append_metrics(self.run_path, record)
         rundir.append_episodes(self.run_path, iteration, result.episodes)
@@ -394,6 +398,10 @@ def setup(cfg: JobConfig, plan: Plan, wall_start: float, log: Callable[[str], No
         f"{cfg.learner.world_size} learner rank(s){' scoring the ' + in_ranks if in_ranks else ''}, "
         f"ZeRO-{cfg.learner.zero_stage}, {cfg.learner.dtype} "
         f"({time.perf_counter() - wall_start:.1f}s)")
+    if "cpu" in (cfg.device("rollout"), cfg.device("learner")):
+        engines = fleet.niceness[:len(fleet.rollouts)]
+        log(describe_priorities(engines, fleet.niceness[len(engines):] + learner.niceness,
+                                os.getpriority(os.PRIO_PROCESS, 0)))
 
     kl_ctl = (AdaptiveKLController(cfg.kl.init_kl_coef, cfg.kl.target, cfg.kl.horizon)
               if cfg.kl.controller == "adaptive" else FixedKLController(cfg.kl.init_kl_coef))
@@ -422,7 +430,7 @@ def setup(cfg: JobConfig, plan: Plan, wall_start: float, log: Callable[[str], No
         rundir.write_samples(run_path, 0, samples)
     if start_eval:
         log("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in start_eval.items()))
-    fleet.take_counts()
+    fleet.take_counts(), learner.cpu_share()  # the CPU shares per iteration count from here
     return Job(cfg, run_path, prompts, eval_prompts, placement, fleet, learner, weights, kl_ctl, sampler,
                first_iteration, start_eval, dict(start_eval), records, job_metrics, wall_start, log,
                rundir.Curves(run_path, cfg.kl.target, start_eval), eval_samples=samples)

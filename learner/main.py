@@ -217,6 +217,7 @@ def run_job(cfg: JobConfig) -> int:
     # learner.cluster before torch loads: it sets the OpenMP environment (THREAD_ENV)
     import learner.cluster  # noqa: F401
     from services.console import quiet_libraries
+    from services.cpu_share import StarvationWatch
 
     quiet_libraries(cfg.metrics.log_level)
     # until the loop takes SIGTERM and SIGINT over (GracefulStop), either unwinds the start-up, so that Ray's
@@ -225,7 +226,8 @@ def run_job(cfg: JobConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.default_int_handler)
     try:
-        summary = run(cfg)
+        with StarvationWatch(cfg.run.name, log, cfg.metrics.cpu_watch_s):  # says if other work starves it
+            summary = run(cfg)
     except KeyboardInterrupt:
         print("[tether] stopped by a signal before the run's next checkpoint", file=sys.stderr, flush=True)
         return 130

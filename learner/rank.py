@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from actors.base import lost_to_dead_actor, starting_up, yield_cpu_to_engines
+from actors.base import lost_to_dead_actor, starting_up, take_cpu_priority
 from learner import rank_checkpoint
 from learner.plan import RankSpec
 from learner.policy_model import join_rendezvous, rendezvous_address
 from learner.records import Admission, ChunkRefs, RankUpdate
 from learner.update import RankScoring, collect_chunk, evaluation_kl_sums, update
+from services.cpu_share import ThreadClock
 
 if TYPE_CHECKING:  # the batch's module loads in the rank, not in the driver (services/experience.py)
     from services.experience import RolloutBatch
@@ -32,7 +33,8 @@ class LearnerRank:
     @starting_up()
     def setup(self, master_addr: str, master_port: int, spec: RankSpec) -> int:
         """The engine of ``spec`` joined to rank 0's rendezvous at ``master_addr:master_port``. On a live rank
-        it sets the rank up for another job: the process group (and its timeout) stay."""
+        it sets the rank up for another job: the process group (and its timeout) stay. Returns the rank's
+        niceness (``take_cpu_priority``)."""
         from actors.reference import ReferenceModel
         from actors.reward import RewardScorer
         from learner.engine import DeepSpeedEngine
@@ -50,7 +52,7 @@ class LearnerRank:
             gc.unfreeze()  # the last set-up froze the engine (starting_up): its cycles can go now
         self.learner, self.algorithm, self.settings = learner, spec.algorithm, spec.update
         device = join_rendezvous(self.rank, self.world_size, master_addr, master_port, spec.device, where)
-        yield_cpu_to_engines(device.type)
+        niceness = take_cpu_priority(device.type)
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
         # the model's files on this rank's node: a shared path, the HF cache, or shipped by the driver
@@ -64,7 +66,14 @@ class LearnerRank:
         self.collected: dict[int, RolloutBatch] = {}  # slot -> chunk, filled by ``collect_chunk``
         self.version: int | None = None  # the learner's version at the last collect, when the driver said
         self.timings: dict[str, float] = {}
-        return self.rank
+        self.cpu_clock = ThreadClock()
+        self.cpu_clock.take(["self"])
+        return niceness
+
+    def cpu_seconds(self) -> tuple[float, float]:
+        """This rank's CPU seconds, and its seconds ready to run but waiting for a core, since the last
+        call."""
+        return self.cpu_clock.take(["self"])
 
     def collect(self, slots: list[int], chunks: list[ChunkRefs], admission: Admission | None = None) -> dict:
         """Fetch this rank's chunks in order and run ``collect_chunk`` on each as it arrives (overlapping the

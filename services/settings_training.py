@@ -336,6 +336,10 @@ class MetricsConfig(Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
     trackio: TrackioConfig = Field(default_factory=TrackioConfig)
+    cpu_watch_s: float = Field(10.0, ge=0, description="every so many seconds the driver reads the CPU "
+                               "time of the job's processes on its node against their time waiting for a "
+                               "core, and says once on the console, naming the busiest other processes, when "
+                               "other work starves them (0 = no watch)")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "warning", description="logging of vLLM, transformers, DeepSpeed and Ray in the driver and every "
         "actor (tether's own lines always show); debug also shows the warnings tether knows to be harmless")

@@ -84,6 +84,17 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     items.sort(key=seconds, reverse=True)  # stable: a module's tests stay in their order
 
 
+def may_raise_priority() -> bool:
+    """Whether this process may raise its priority (CAP_SYS_NICE or RLIMIT_NICE): one step up, then back."""
+    now = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, now - 1)
+    except PermissionError:
+        return False
+    os.setpriority(os.PRIO_PROCESS, 0, now)
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

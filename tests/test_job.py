@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import SMALL, run_cli, run_job
+from tests.conftest import SMALL, may_raise_priority, run_cli, run_job
 
 pytestmark = pytest.mark.integration
 
@@ -85,12 +86,26 @@ def test_broadcast_and_beta_rise_when_the_kl_is_above_the_target(ray_head, cache
 def test_broadcast_and_beta_fall_when_the_kl_is_below_the_target(small_run):
     """The small job's KL stays below the default target of 6 nats. On CPU its learner rank scores the
     reference and the reward itself (reference.placement and reward.placement auto): the engine is the one
-    actor."""
+    actor. On the test's Ray head (workers at Ray's niceness 15) the engine and the rank took the driver's
+    priority, the engine ``ENGINE_LEAD`` steps above it, where the node lets a process raise its own; each
+    record has both roles' CPU share."""
+    from actors.base import ENGINE_LEAD
+
     run_dir, proc = small_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "actors ready: 1 rollout, 1 learner rank(s) scoring the reference and reward, ZeRO" in proc.stdout
-    check_broadcast_and_controller(read_metrics(run_dir), target=6.0, horizon=10000, direction="falls",
+    records = read_metrics(run_dir)
+    check_broadcast_and_controller(records, target=6.0, horizon=10000, direction="falls",
                                    actors={"rollout-0"})
+    ours = os.getpriority(os.PRIO_PROCESS, 0)  # the driver's: it runs at the test's priority
+    if may_raise_priority():
+        assert (f"cpu priority: rollout engines at niceness {ours - ENGINE_LEAD}, the other roles at {ours} "
+                f"(the driver's {ours})\n") in proc.stdout
+    else:
+        assert "cpu priority: rollout engines at niceness 15, the other roles at 15" in proc.stdout
+    for r in records:
+        assert 0 < r["rollout_cpu_share"] <= 1 and 0 < r["learner_cpu_share"] <= 1, r
+
 
 
 def check_broadcast_and_controller(records: list[dict], target: float, horizon: int, direction: str,

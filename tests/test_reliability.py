@@ -160,3 +160,28 @@ def test_a_signal_during_start_up_ends_the_job_in_one_line_and_its_local_ray_wit
     time.sleep(3)
     left = [p for p in daemons if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not left, f"Ray daemons {left} outlived the job"
+
+
+def test_a_job_starved_of_cpu_by_other_processes_says_so_once_naming_them(ray_head, cache_dir, tmp_path):
+    """Three busy processes at the test's own priority beside a short job on two CPUs: the job's processes
+    wait for a core longer than they run, and the console says so once, naming the busiest of the others
+    (one of ours among them), instead of a job that only looks slow. The job still ends."""
+    import subprocess
+    import sys
+
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        proc = start_job(args(ray_head, cache_dir, tmp_path, "starved", "--run.iterations", "3",
+                              "--metrics.cpu_watch_s", "2"))
+        out = follow_job(proc, lambda line: None)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert proc.returncode == 0, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("[tether] starved of CPU on ")]
+    assert len(lines) == 1, out[-3000:]
+    assert re.search(r"the job's processes ran [\d.]+s and waited [\d.]+s ready to run \(\d+% of what they "
+                     r"asked for\), while other processes took [\d.]+ of \d+ CPUs; the busiest: ", lines[0])
+    named = {int(pid) for pid in re.findall(r"\(pid (\d+), niceness", lines[0])}
+    assert named & {p.pid for p in busy}, (lines[0], [p.pid for p in busy])
