@@ -269,9 +269,11 @@ class Job:
         # object store: what one sync sends (LoRA: less)
         record["weight_sync_bytes"] = self.learner.weights_bytes
         if iteration % cfg.run.eval_every == 0 or iteration == cfg.run.iterations:
+            eval_start = time.perf_counter()
             self.eval_metrics, samples, kl = self.fleet.evaluate(self.eval_prompts, iteration,
                                                                  self.weights.bring_up_to_date, self.learner)
             record["eval"] = self.eval_metrics
+            record["eval_seconds"] = time.perf_counter() - eval_start  # within iteration_seconds
             # the current policy's KL to the reference on the evaluation's own samples:
             # on-policy in every mode
             record["eval_kl_response_mean"], record["eval_kl_response_stderr"] = (

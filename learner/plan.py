@@ -17,7 +17,8 @@ from actors.engines import SamplingSettings
 from actors.episodes import EpisodeLimits
 from actors.specs import EngineSpec, EnvironmentSpec, ReferenceSpec, RewardSpec, RolloutSpec
 from learner.algorithm import Algorithm
-from services.config import JobConfig, LearnerConfig, PPOConfig, RoleResources
+from services.config import JobConfig, LearnerConfig, PPOConfig, RoleResources, follow
+from services.job_rules import JOB_RULES
 from services.model_source import ModelSource
 from services.shipment import Shipment
 from services.storage import RunStorage
@@ -56,6 +57,23 @@ class UpdateSettings:
                 and not (self.max_tokens_per_microbatch and self.zero3))
 
 
+def resolved_dtype(cfg: JobConfig) -> str:
+    """learner.dtype, once chosen: ``auto`` is the plan's to resolve (``choose_learner_dtype``)."""
+    if cfg.learner.dtype == "auto":
+        raise ValueError("learner.dtype 'auto' is chosen by the plan (learner.plan.plan) from a measurement; "
+                         "set float32 or bfloat16 to build a role's spec without it")
+    return cfg.learner.dtype
+
+
+def learner_threads(cfg: JobConfig, machine_cpus: int | None) -> int | None:
+    """A learner rank's torch threads: learner.torch_threads; unset, a synchronous job on CPU on the local Ray
+    it started shares the machine's CPUs (``machine_cpus``) among its ranks; else None (Ray's default)."""
+    threads = cfg.learner.torch_threads
+    if threads is None and machine_cpus and cfg.device("learner") == "cpu" and cfg.rollout.mode == "sync":
+        threads = max(1, machine_cpus // cfg.learner.world_size)
+    return threads
+
+
 @dataclass(frozen=True)
 class RankSpec:
     """What a learner rank is built from, and nothing else: the policy's files, the learner's settings, the
@@ -83,14 +101,13 @@ class RankSpec:
         the one machine a local Ray gives the job alone; there an unset learner.torch_threads shares them
         among the ranks of a synchronous job on CPU, whose engines and reference idle while the ranks
         update."""
-        reference = ReferenceSpec(model, "hf", cfg.learner.dtype, temperature=cfg.rollout.temperature,
+        dtype = resolved_dtype(cfg)
+        reference = ReferenceSpec(model, "hf", dtype, temperature=cfg.rollout.temperature,
                                   device=cfg.device("learner"),
                                   max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch) \
             if cfg.reference_copy_in_learner else None
         reward = reward_spec(cfg, Models(model), task_options) if cfg.reward_in_learner else None
-        threads = cfg.learner.torch_threads
-        if threads is None and machine_cpus and cfg.device("learner") == "cpu" and cfg.rollout.mode == "sync":
-            threads = max(1, machine_cpus // cfg.learner.world_size)
+        threads = learner_threads(cfg, machine_cpus)
         update = UpdateSettings(cfg.ppo, cfg.run.seed, cfg.run.iterations, cfg.rollout.batch_size,
                                 cfg.rollout.agent is not None, cfg.learner.max_tokens_per_microbatch,
                                 cfg.learner.zero_stage == 3, cfg.rollout.in_flight_updates == "keep_kv")
@@ -205,7 +222,7 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
     """Each non-learner actor's spec: engines and the reference compute in the learner's dtype, on the device
     their role reserved. ``task_options``: what the reward actors build the task from
     (``Task.reward_actor_options``; none: the task's settings)."""
-    c, dtype, model = cfg.cluster, cfg.learner.dtype, models.policy
+    c, dtype, model = cfg.cluster, resolved_dtype(cfg), models.policy
     # actors per role: the cluster reserves a bundle for each
     from learner.cluster import role_counts  # Ray: not for the Ray-free users of the specs (the device check)
 
@@ -251,6 +268,42 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
         cfg.rollout.eval_samples_per_prompt, cfg.metrics.eval_samples_saved, limits, agents)
 
 
+def choose_learner_dtype(cfg: JobConfig, model_dir: str, machine_cpus: int | None, log) -> None:
+    """``learner.dtype`` auto, resolved (``services.dtype_choice``) and said in a line: bfloat16 on a GPU; on
+    CPU the faster of the two on the model's own matmuls at the learner's threads, timed on this (the
+    driver's) node, float32 for a model too small to time or with LoRA's merged sync. The rules that read the
+    dtype run again on the choice."""
+    from services.dtype_choice import MIN_TIMED_FLOPS, choose, model_widths, pass_flops, time_dtypes
+
+    if cfg.device("learner") != "cpu":
+        chosen, why = "bfloat16", "the learner on a GPU"
+    elif cfg.learner.lora.rank and cfg.learner.lora.sync == "merged":
+        chosen, why = "float32", "learner.lora.sync merged keeps the engines' weights in float32"
+    elif (flops := pass_flops(widths := model_widths(model_dir))) < MIN_TIMED_FLOPS:
+        chosen, why = "float32", f"a pass of the model's matmuls: {flops / 1e6:.0f} MFLOP, too small to time"
+    else:
+        timing = time_dtypes(widths, learner_threads(cfg, machine_cpus) or 1)
+        chosen, why = choose(timing), timing.describe() + " on the driver's node; bfloat16 only at >= 1.2x"
+    follow(cfg.learner, "dtype", chosen)
+    JOB_RULES.enforce(cfg)
+    log(f"learner.dtype auto: {chosen} ({why})")
+
+
+def evaluation_rows(cfg: JobConfig, rows: list, response_width: int, log) -> list:
+    """The evaluation's rows, the first ``cfg.eval_episode_cap`` episodes' worth, and a line on what an
+    evaluation runs against a training iteration (its generation, the task's scoring, and the learner's and
+    the reference's forwards for the evaluation KL: an iteration's work but the update)."""
+    samples, cap = cfg.rollout.eval_samples_per_prompt, cfg.eval_episode_cap
+    kept = rows if cap is None or len(rows) * samples <= cap else rows[:max(1, cap // samples)]
+    episodes, batch = len(kept) * samples, cfg.rollout.batch_size
+    capped = "" if len(kept) == len(rows) else (f" (the first {len(kept)} of {len(rows)} rows: "
+                                                 f"run.eval_max_episodes={cap})")
+    log(f"evaluation: {episodes} episodes of up to {response_width} response tokens ({len(kept)} rows x "
+        f"{samples}{capped}), {episodes / batch:.1f}x a training iteration's {batch}, every "
+        f"{cfg.run.eval_every} iteration(s)")
+    return kept
+
+
 def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = False) -> Plan:
     """Everything that can be wrong with the input fails here, before any actor starts. ``local_ray``: the job
     starts a Ray of its own on this machine (``cluster.starts_local_ray``), which then runs nothing but the
@@ -280,6 +333,8 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
         # presence and sizes; the ranks check sha256 on download
         resume_state = checkpoint.verify(resume_from)
         checkpoint.keep_followed_defaults(resume_state["config"], cfg)
+        if cfg.learner.dtype == "auto":  # a resumed run goes on in the dtype it chose
+            follow(cfg.learner, "dtype", resume_state["config"]["learner"]["dtype"])
         checkpoint.check_compatible(resume_state["config"], cfg, resume_from)
     if followed := cfg.followed_defaults():
         log(followed)
@@ -325,6 +380,9 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
                                 cfg.rollout.max_new_tokens or task.max_new_tokens)
     response_width = cfg.rollout.max_trajectory_tokens if episodic else sampling.max_new_tokens
     model_dir = model.resolve("driver")
+    if cfg.learner.dtype == "auto":
+        choose_learner_dtype(cfg, model_dir, (cfg.cluster.num_cpus or os.cpu_count()) if local_ray else None,
+                             log)
     positions = model_positions(model_dir)
     # a dataset's prompts, task.max_prompt_tokens unset: as long as the model's context leaves room for
     prompt_limit = cfg.task.max_prompt_tokens
@@ -332,6 +390,7 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
     if follows_context and positions is not None:
         prompt_limit = positions - response_width - 1
     prompts, eval_prompts = encoded_prompts(tokenizer, limit=prompt_limit)
+    eval_prompts = evaluation_rows(cfg, eval_prompts, response_width, log)
     if follows_context:
         prompt_limit = max(len(p) for p in prompts + eval_prompts)
         room = "" if positions is None else (f"; the model's {positions} positions less the response's "

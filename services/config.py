@@ -116,7 +116,22 @@ class JobConfig(BaseSettings):
                 p.policy_loss in ASYNC_FEWER_EPOCHS["policy_loss"]
                 or p.correction in ASYNC_FEWER_EPOCHS["correction"]):
             follow(p, "epochs", ASYNC_EPOCHS)
+        if "dtype" not in self.learner.model_fields_set and self.pretrained_policy:
+            follow(self.learner, "dtype", "auto")  # chosen by a measurement in the plan
         return self
+
+    @property
+    def eval_episode_cap(self) -> int | None:
+        """``run.eval_max_episodes``, or its default for a multi-turn task (None: no cap)."""
+        if self.run.eval_max_episodes is None and self.task.name in ("environment", "agent"):
+            return 2 * self.rollout.batch_size
+        return self.run.eval_max_episodes
+
+    @property
+    def pretrained_policy(self) -> bool:
+        """The policy is a pretrained model (``model.path``, or a task whose model is one), not the small one
+        tether builds and warm-starts for the embedded randomwalks task."""
+        return bool(self.model.path) or self.task.name != "randomwalks"
 
     def followed_defaults(self) -> str | None:
         """The job's first line when an unset setting followed another (``_defaults_follow``), else None."""
@@ -153,6 +168,8 @@ class JobConfig(BaseSettings):
     @property
     def probe_tolerance(self) -> float:
         """The probe's bound on |engine - learner| log-probs: the configured one, or the dtype's."""
+        if self.learner.dtype == "auto":
+            raise RuntimeError("learner.dtype auto has no probe tolerance before the plan chooses the dtype")
         return self.run.probe_tolerance or PROBE_TOLERANCE[self.learner.dtype]
 
     def _in_learner(self, role: str, auto_fits: bool) -> bool:
@@ -189,7 +206,7 @@ class JobConfig(BaseSettings):
         vLLM's model takes adapters): ``lora.sync`` adapter, or auto unless the engines are float32 on CPU."""
         sync = self.learner.lora.sync
         return bool(self.learner.lora.rank) and (sync == "adapter" or (sync == "auto" and (
-            self.cluster.rollout.num_gpus > 0 or self.learner.dtype != "float32")))
+            self.cluster.rollout.num_gpus > 0 or self.learner.dtype == "bfloat16")))
 
     @property
     def engine_lora_rank(self) -> int | None:

@@ -234,7 +234,7 @@ def lora_syncs_through_the_object_store(cfg: Any) -> str | None:
       example={"learner": {"lora": {"rank": 8, "sync": "merged"}, "dtype": "bfloat16"}})
 def merged_lora_needs_float32(cfg: Any) -> str | None:
     lora = cfg.learner.lora
-    if lora.rank and lora.sync == "merged" and cfg.learner.dtype != "float32":
+    if lora.rank and lora.sync == "merged" and cfg.learner.dtype == "bfloat16":
         return (f"learner.lora.sync='merged' with learner.dtype={cfg.learner.dtype!r}: merged into bf16 "
                 "weights, the adapters' updates round away (W + BA rounds to W), so the engines would sample "
                 "another policy than the learner trains (measured on SmolLM2: the probe 1.39 > 1.0 at "

@@ -228,7 +228,13 @@ class LoraConfig(Section):
 class LearnerConfig(Section):
     world_size: PositiveInt = Field(1, description="DeepSpeed ranks")
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage 0-3")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "float32", description="training dtype; the engines and the reference compute in it too. Unset, a "
+        "pretrained policy (model.path, or any task but randomwalks) takes auto. auto: on a GPU "
+        "bfloat16; on CPU the driver times the model's own matmuls (its MLP and LM head, forward and "
+        "backward, on the learner's threads) in both and takes bfloat16 only where it is at least 1.2x "
+        "faster (float32 for a model too small for its matmuls to count, and with learner.lora.sync merged); "
+        "the job's first lines give the figures")
     critic: Literal["value_head", "separate"] = Field(
         "value_head", description="value head or a separate critic")
     weight_sync: Literal["object_store", "nccl", "ipc"] = Field(
@@ -278,6 +284,11 @@ class RunConfig(Section):
     overwrite: bool = Field(False, description="replace an existing run directory")
     resume: str | None = Field(None, description="continue from a checkpoint: 'latest' or its directory")
     eval_every: PositiveInt = Field(5, description="evaluate every N iterations (and at the end)")
+    eval_max_episodes: PositiveInt | None = Field(
+        None, description="the most episodes an evaluation runs: the first rows of the task's evaluation "
+        "set, each rollout.eval_samples_per_prompt times; none = every row for a prompt task, and for an "
+        "environment or agent task (whose evaluation rows may be many, and each episode several turns) at "
+        "most 2 x rollout.batch_size. The job's first lines say what an evaluation runs against an iteration")
     eval_before_training: bool = Field(
         True, description="evaluate the initial policy before the first iteration: the start that curves.png "
         "and summary.json's eval_start show (off: neither has one); a resume keeps its run's")
