@@ -142,11 +142,14 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 def keep_followed_defaults(saved: dict, cfg: JobConfig) -> None:
     """A resume keeps what the run's followed defaults were (``JobConfig.followed_defaults``): an unset
     ``ppo.lr``, ``ppo.epochs``, ``ppo.minibatch_size`` or ``rollout.chunk_size`` takes the checkpoint's value,
-    which a version of tether with other defaults may have resolved differently."""
+    which a version of tether with other defaults may have resolved differently, and ``learner.dtype`` auto
+    the dtype it chose."""
     for section, name, _ in FOLLOWED_DEFAULTS:
         holder, value = getattr(cfg, section), saved.get(section, {}).get(name)
         if value is not None and name not in holder.model_fields_set and getattr(holder, name) != value:
             follow(holder, name, value)
+    if cfg.learner.dtype == "auto":  # the dtype the run's auto chose: a resume does not measure again
+        follow(cfg.learner, "dtype", saved.get("learner", {}).get("dtype", "float32"))
 
 
 def check_compatible(saved: dict, cfg: JobConfig, ckpt: RunStorage) -> None:

@@ -296,8 +296,8 @@ def evaluation_rows(cfg: JobConfig, rows: list, response_width: int, log) -> lis
     samples, cap = cfg.rollout.eval_samples_per_prompt, cfg.eval_episode_cap
     kept = rows if cap is None or len(rows) * samples <= cap else rows[:max(1, cap // samples)]
     episodes, batch = len(kept) * samples, cfg.rollout.batch_size
-    capped = "" if len(kept) == len(rows) else (f" (the first {len(kept)} of {len(rows)} rows: "
-                                                 f"run.eval_max_episodes={cap})")
+    capped = "" if len(kept) == len(rows) else (f"; the first {len(kept)} of {len(rows)} rows: "
+                                                 f"run.eval_max_episodes={cap}")
     log(f"evaluation: {episodes} episodes of up to {response_width} response tokens ({len(kept)} rows x "
         f"{samples}{capped}), {episodes / batch:.1f}x a training iteration's {batch}, every "
         f"{cfg.run.eval_every} iteration(s)")
@@ -333,8 +333,6 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
         # presence and sizes; the ranks check sha256 on download
         resume_state = checkpoint.verify(resume_from)
         checkpoint.keep_followed_defaults(resume_state["config"], cfg)
-        if cfg.learner.dtype == "auto":  # a resumed run goes on in the dtype it chose
-            follow(cfg.learner, "dtype", resume_state["config"]["learner"]["dtype"])
         checkpoint.check_compatible(resume_state["config"], cfg, resume_from)
     if followed := cfg.followed_defaults():
         log(followed)
