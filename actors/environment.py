@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from actors.base import starting_up
+from actors.base import starting_up, take_cpu_priority
 from actors.specs import EnvironmentSpec
 from services.model_source import as_source
 
@@ -48,6 +48,7 @@ class EnvironmentWorker:
         from services.environments import load_environment_factory
         from services.models import load_tokenizer
 
+        take_cpu_priority("cpu")  # the user's priority, as every other role's
         # its name, in errors
         self.index, self.environment, self.kwargs = index, spec.environment, spec.kwargs
         self.step_timeout_s = spec.step_timeout_s
