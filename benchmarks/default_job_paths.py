@@ -3,14 +3,17 @@ default job (30 iterations) with an evaluation every 5 iterations:
 
 - ``local``: ``python -m learner.main`` on the local Ray it starts itself;
 - ``submit``: ``deploy/local-cluster.sh up``, then ``ray job submit --working-dir . -- python -m
-  learner.main`` (the job joins the head: Ray's one thread per actor).
+  learner.main`` (the job joins the head: Ray's one thread per actor);
+- ``two_nodes``: the test suite's two-node cluster on this machine (``tests/test_two_nodes.py``: a head on
+  127.0.0.2, a worker on 127.0.0.3 in its own mount namespace, blind to the driver's model cache), every role
+  pinned to the worker by its resource.
 
 Reports per run the final and the best evaluation, the iteration of the best, and the response KL and beta at
 the end; per path the range of the finals and how many reached 0.95.
 
     .venv/bin/python benchmarks/default_job_paths.py [--paths local submit] [--seeds 1 2 3 4 5]
 
-Writes ``benchmarks/results/default_job_paths.json`` and ``default_job_paths.md``.
+Writes ``benchmarks/results/default_job_paths.json`` and ``default_job_paths.md`` (``--name``: another name).
 """
 
 from __future__ import annotations
@@ -76,25 +79,59 @@ class LocalCluster:
         return summary(work / name, time.perf_counter() - start)
 
 
+class TwoNodes:
+    """The suite's ``TwoNodeCluster``, the driver's model cache (the SFT starts, copied) hidden from the
+    worker, and a run directory both nodes see."""
+
+    def __init__(self, work: Path) -> None:
+        import shutil
+
+        from tests.test_two_nodes import TwoNodeCluster
+
+        (work / "driver-only").mkdir()
+        shutil.copytree(Path("~/.cache/tether/sft").expanduser(), work / "driver-only" / "cache" / "sft")
+        self.work, self.cluster = work, TwoNodeCluster(work / "driver-only")
+
+    def run(self, seed: int) -> dict:
+        from tests.test_two_nodes import CLUSTER_ENV
+
+        name, start = f"two_nodes-{seed}", time.perf_counter()
+        pinned = [arg for role in ("rollout", "reference", "reward", "learner")
+                  for arg in (f"--cluster.{role}.num_cpus", "0.25", f"--cluster.{role}.resources",
+                              '{"worker": 0.1}')]
+        cache = self.work / "driver-only" / "cache"
+        with open(self.work / f"{name}.log", "w") as log:
+            subprocess.run([sys.executable, *job_args(seed, self.work, name), "--cluster.address",
+                            self.cluster.address, "--model.cache_dir", str(cache), *pinned], cwd=ROOT,
+                           stdout=log, stderr=subprocess.STDOUT, check=True,
+                           env={**os.environ, **CLUSTER_ENV})
+        return summary(self.work / name, time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--paths", nargs="+", default=["local", "submit"], choices=["local", "submit"])
+    parser.add_argument("--paths", nargs="+", default=["local", "submit", "two_nodes"],
+                        choices=["local", "submit", "two_nodes"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--name", default="default_job_paths", help="the results' file name")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="default-job-paths-"))
     runs: dict[str, dict[int, dict]] = {}
     for path in args.paths:
-        cluster = LocalCluster(work) if path == "submit" else None
+        cluster = {"submit": LocalCluster, "two_nodes": TwoNodes}.get(path, lambda _: None)(work)
         try:
             for seed in args.seeds:
-                result = cluster.submit(seed, work) if cluster else run_local(seed, work)
+                result = (cluster.submit(seed, work) if path == "submit" else cluster.run(seed)
+                          if path == "two_nodes" else run_local(seed, work))
                 runs.setdefault(path, {})[seed] = result
                 print(f"[default_job_paths] {path} seed {seed}: {result}", flush=True)
         finally:
-            if cluster:
+            if path == "submit":
                 cluster.script("down")
+            elif path == "two_nodes":
+                cluster.cluster.stop()
     results = {**stamp(), "cpu_flags": cpu_flags(), "runs": runs}
     table = [
         (f"The default job (30 iterations, an evaluation every 5), per path and run seed; "
@@ -115,7 +152,7 @@ def main() -> None:
         finals = [r["final"] for r in by_seed.values()]
         table.append(f"- {path}: finals {min(finals):.3f} .. {max(finals):.3f}, "
                      f"{sum(f >= TARGET for f in finals)} of {len(finals)} at >= {TARGET}")
-    json_path, md_path = write_results(args.out, "default_job_paths", results, table)
+    json_path, md_path = write_results(args.out, args.name, results, table)
     print("\n".join(table), flush=True)
     print(f"[default_job_paths] {json_path} {md_path} (CPU {cpu_model()})", flush=True)
 
