@@ -138,7 +138,9 @@ class JobConfig(BaseSettings):
         followed = []
         for section, name, sources in FOLLOWED_DEFAULTS:
             holder = getattr(self, section)
-            if (name not in holder.model_fields_set
+            user_set = any(source.split(".")[1] in getattr(self, source.split(".")[0]).model_fields_set
+                           for source in sources)  # the default job's own recipe is not a follow to report
+            if (name not in holder.model_fields_set and user_set
                     and getattr(holder, name) != type(holder).model_fields[name].default):
                 shown = ", ".join(f"{source}={attrgetter(source)(self)}" for source in sources)
                 value = getattr(holder, name)
