@@ -133,9 +133,10 @@ def test_options_default_to_tethers_behaviour_and_validate():
 
     from services.config import JobConfig, load_config
 
-    cfg = JobConfig()
+    cfg = JobConfig()  # GAE's rate anneals (its followed default); a rate the user sets stays constant
     assert (cfg.ppo.whiten_rewards, cfg.ppo.lr_schedule, cfg.reward.missing_eos_penalty) == \
-        (False, "constant", None)
+        (False, "linear", None)
+    assert load_config(None, {"ppo": {"lr": 1e-4}}).ppo.lr_schedule == "constant"
     cfg = load_config(None, {"ppo": {"whiten_rewards": True, "lr_schedule": "linear"},
                              "reward": {"missing_eos_penalty": -1}})
     assert (cfg.ppo.whiten_rewards, cfg.ppo.lr_schedule, cfg.reward.missing_eos_penalty) == \
