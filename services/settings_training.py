@@ -50,8 +50,8 @@ class PPOConfig(Section):
     lr_schedule: Literal["constant", "linear"] = Field(
         "constant", description="linear: lr * (1 - (i - 1) / run.iterations) at iteration i, falling "
         "linearly toward 0 as in lm-human-preferences, from lr at the first iteration to lr / run.iterations "
-        "at the last; constant: lr throughout. Unset, with ppo.lr unset too: grpo's rate is linear, the "
-        "others' constant")
+        "at the last; constant: lr throughout. Unset, with ppo.lr unset too: gae's and grpo's rates are "
+        "linear, the others' constant")
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     weight_decay: float = Field(1e-6, ge=0, description="AdamW weight decay")
     clip_range: PositiveFloat = Field(0.2, description="policy ratio clip epsilon")
