@@ -378,9 +378,11 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
                                 cfg.rollout.max_new_tokens or task.max_new_tokens)
     response_width = cfg.rollout.max_trajectory_tokens if episodic else sampling.max_new_tokens
     model_dir = model.resolve("driver")
+    from learner.cluster import ClusterSpec
+
+    cluster = ClusterSpec.of(cfg)
     if cfg.learner.dtype == "auto":
-        choose_learner_dtype(cfg, model_dir, (cfg.cluster.num_cpus or os.cpu_count()) if local_ray else None,
-                             log)
+        choose_learner_dtype(cfg, model_dir, cluster.local_cpus if local_ray else None, log)
     positions = model_positions(model_dir)
     # a dataset's prompts, task.max_prompt_tokens unset: as long as the model's context leaves room for
     prompt_limit = cfg.task.max_prompt_tokens
@@ -411,9 +413,6 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
                          f"{'rollout.max_trajectory_tokens' if episodic else 'rollout.max_new_tokens'}="
                          f"{response_width} + 1 = {max_model_len} tokens do not fit the model's "
                          f"{positions} positions")
-    from learner.cluster import ClusterSpec
-
-    cluster = ClusterSpec.of(cfg)
     task_options = task.reward_actor_options()  # its shipments go to the object store once Ray is up
     shipments = tuple(v for v in (task_options or {}).values() if isinstance(v, Shipment))
     return Plan(models, prompts, eval_prompts, probe_set,
