@@ -51,6 +51,7 @@ class Request:
     seed: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
+    ignore_eos: bool = False
     scored_from: int = 0  # score: the prompt's length; the tokens after it are scored
     ids: list[int] = field(default_factory=list)  # sampled so far (sample)
     logprobs: list[float] = field(default_factory=list)
@@ -185,7 +186,7 @@ class EngineLoop:
         else:
             sampled = len(r.ids)
             params = SamplingParams(temperature=r.temperature, top_p=r.top_p,
-                                    max_tokens=r.max_tokens - sampled, logprobs=0,
+                                    max_tokens=r.max_tokens - sampled, logprobs=0, ignore_eos=r.ignore_eos,
                                     seed=r.seed if not sampled else continuation_seed(r.seed, sampled))
             prompt = r.prompt + r.ids
         try:
@@ -235,7 +236,7 @@ class InFlightEngine:
                  max_new_tokens: list[int] | None = None) -> list[Generation]:
         caps = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
         requests = [self.loop.submit(Request("sample", list(p), min(cap, sampling.max_new_tokens), seed,
-                                             sampling.temperature, sampling.top_p))
+                                             sampling.temperature, sampling.top_p, sampling.ignore_eos))
                     for p, seed, cap in zip(prompts, seeds, caps, strict=True)]
         return [r.wait() for r in requests]
 

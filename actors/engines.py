@@ -20,7 +20,7 @@ from services.errors import TetherError
 
 @dataclass
 class Generation:
-    response_ids: list[int]  # up to and including the first EOS
+    response_ids: list[int]  # up to and including the first EOS (past it: ignore_eos)
     logprobs: list[float]  # sampled-token log-probs after temperature
     finish_reason: int  # FINISH_STOP or FINISH_LENGTH
     # in-flight updates: each token's policy version; None: the engine's one
@@ -32,6 +32,7 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
+    ignore_eos: bool = False  # benchmarks: every response runs to its cap
 
 
 class Engine(Protocol):
@@ -174,6 +175,7 @@ class VLLMEngine:
             SamplingParams(
                 temperature=sampling.temperature, top_p=sampling.top_p,
                 max_tokens=min(cap, sampling.max_new_tokens), logprobs=0, seed=seed,
+                ignore_eos=sampling.ignore_eos,
             )
             for seed, cap in zip(seeds, caps, strict=True)
         ]

@@ -375,7 +375,7 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
     models = Models(model, reward_model, teacher)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p,
-                                cfg.rollout.max_new_tokens or task.max_new_tokens)
+                                cfg.rollout.max_new_tokens or task.max_new_tokens, cfg.rollout.ignore_eos)
     response_width = cfg.rollout.max_trajectory_tokens if episodic else sampling.max_new_tokens
     model_dir = model.resolve("driver")
     from learner.cluster import ClusterSpec

@@ -169,6 +169,30 @@ def minibatch_splits_over_ranks(cfg: Any) -> str | None:
 IN_FLIGHT = {"rollout": {"mode": "async", "in_flight_updates": "keep_kv"}}
 
 
+@rule("rollout.ignore_eos", "rollout.engine", "task.name",
+      example={"rollout": {"ignore_eos": True, "engine": "hf"}})
+def ignore_eos_in_vllm_single_turn(cfg: Any) -> str | None:
+    if not cfg.rollout.ignore_eos:
+        return None
+    if cfg.rollout.engine != "vllm":
+        return ("rollout.ignore_eos is vLLM's sampling setting; transformers' generate "
+                "(rollout.engine='hf') stops at EOS: use rollout.engine='vllm'")
+    if cfg.task.name in EPISODIC_TASKS:
+        return (f"rollout.ignore_eos times fixed-length responses; task.name={cfg.task.name!r} runs episodes "
+                "whose turns end at EOS: unset it")
+    return None
+
+
+@rule("rollout.ignore_eos", "reward.missing_eos_penalty",
+      example={"rollout": {"ignore_eos": True}, "reward": {"missing_eos_penalty": -1.0}})
+def ignore_eos_leaves_no_eos_to_miss(cfg: Any) -> str | None:
+    if cfg.rollout.ignore_eos and cfg.reward.missing_eos_penalty is not None:
+        return (f"rollout.ignore_eos runs every response to rollout.max_new_tokens, so "
+                f"reward.missing_eos_penalty={cfg.reward.missing_eos_penalty} would score every one; set "
+                "reward.missing_eos_penalty=null")
+    return None
+
+
 @rule("rollout.in_flight_updates", "rollout.mode", example={"rollout": {"in_flight_updates": "partial"}})
 def in_flight_updates_are_async(cfg: Any) -> str | None:
     r = cfg.rollout

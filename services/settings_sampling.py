@@ -157,6 +157,11 @@ class RolloutConfig(Section):
                          "accepted: the learner and the reference score the full softmax")
     max_new_tokens: PositiveInt | None = Field(None, description="response length cap (one turn's, in "
                                                "multi-turn episodes); none = the task's")
+    ignore_eos: bool = Field(
+        False, description="benchmarks only: every response runs to max_new_tokens, EOS sampled and kept as "
+        "any other token (vLLM's ignore_eos), so that two systems are timed at equal lengths; the responses "
+        "have no end, so refused beside reward.missing_eos_penalty, and with rollout.engine 'hf' or an "
+        "episodic task")
     kv_cache_mib: PositiveInt = Field(256, description="vLLM KV cache size in MiB (CPU)")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="vLLM's share of each of its GPUs (CUDA only); none = 0.9 of the share "

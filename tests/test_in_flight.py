@@ -145,3 +145,25 @@ def test_a_request_the_engine_refuses_fails_its_caller_alone(engine):
     with pytest.raises(Exception, match="(?i)length|long|max_model_len"):
         refused.wait()
     assert 1 <= len(kept.wait().response_ids) <= 4
+
+
+def test_ignore_eos_samples_past_eos_as_the_same_draws_in_both_paths(engine):
+    """rollout.ignore_eos (benchmarks at equal lengths): every response runs to its cap, and up to its first
+    EOS it is the response the same seed gives without the setting: EOS sampled and kept, the distribution
+    unchanged. The same through the engine's call and through the stepped loop."""
+    from actors.engines import SamplingSettings
+    from services.experience import FINISH_LENGTH
+
+    prompts, seeds = [[1, 2, 3], [4, 5, 6, 7], [2, 9, 4], [3, 1], [5, 5, 2], [7, 2, 8]], list(range(11, 17))
+    ended = engine.generate(prompts, SamplingSettings(max_new_tokens=16), seeds)
+    assert any(g.response_ids[-1] == engine.eos_id for g in ended), "none ended: the test would show nothing"
+    loop = InFlightEngine(engine, "keep_kv", start=False).loop
+    stepped = [loop.submit(Request("sample", p, 16, seed=s, ignore_eos=True))
+               for p, s in zip(prompts, seeds, strict=True)]
+    until_done(loop, stepped)
+    for through in (engine.generate(prompts, SamplingSettings(max_new_tokens=16, ignore_eos=True), seeds),
+                    [r.result for r in stepped]):
+        for short, full in zip(ended, through, strict=True):
+            assert len(full.response_ids) == 16 and full.finish_reason == FINISH_LENGTH
+            assert full.response_ids[:len(short.response_ids)] == short.response_ids
+    assert any(engine.eos_id in g.response_ids[:-1] for g in through)  # sampled past an EOS
