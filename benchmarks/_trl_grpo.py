@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient; > 0 loads a reference model")
     parser.add_argument("--max-completion-length", type=int, help="default: the task's")
     parser.add_argument("--missing-eos-penalty", type=float, help="reward of a completion without EOS")
+    parser.add_argument("--ignore-eos", action="store_true", help="every completion runs to the cap: EOS is "
+                        "never sampled (generate's min_new_tokens; TRL masks what follows a sampled EOS)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--lora-rank", type=int, default=0, help="> 0: train PEFT LoRA adapters of this rank "
                         "on every linear layer (the reference is then the base model, adapters disabled)")
@@ -110,6 +112,7 @@ def main() -> None:
         bf16=args.dtype == "bfloat16",
         seed=args.seed,
         dataloader_num_workers=0,
+        generation_kwargs={"min_new_tokens": max_completion} if args.ignore_eos else None,
     )
     peft_config = None
     if args.lora_rank:

@@ -38,15 +38,16 @@ from _bench import RESULTS, ROOT, MeasuredJob, read_records, stamp, write_result
 
 NAME = "kl_scope_smollm2"
 PRESET = ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml"
-TARGET, HORIZON = 6.0, 128
+TARGET, HORIZON, INIT_KL_COEF = 6.0, 128, 0.15
 FED = {"response_sum": "kl_response_mean", "token_mean": "kl_token_mean"}
 
 
-def run(scope: str, target: float, seed: int, iterations: int, eval_every: int, out_dir: str,
-        extra: list[str]) -> dict:
+def run(scope: str, target: float, init_kl_coef: float, seed: int, iterations: int, eval_every: int,
+        out_dir: str, extra: list[str]) -> dict:
     name = f"{scope}-{seed}"
     args = ["--config", str(PRESET), "--kl.scope", scope, "--kl.target", f"{target:.6g}",
-            "--kl.horizon", str(HORIZON), "--run.seed", str(seed), "--run.iterations", str(iterations),
+            "--kl.horizon", str(HORIZON), "--kl.init_kl_coef", str(init_kl_coef), "--run.seed", str(seed),
+            "--run.iterations", str(iterations),
             "--run.eval_every", str(eval_every), *extra]
     job = MeasuredJob(["--run.output_dir", out_dir, "--run.name", name, "--checkpoint.every", "0",
                        *args]).run(timeout_s=3 * 3600)
@@ -55,7 +56,7 @@ def run(scope: str, target: float, seed: int, iterations: int, eval_every: int, 
     last = [kl for i, kl in evals if i > iterations * 2 / 3]
     tail = [r for r in records if r["iteration"] > iterations * 2 / 3]
     return {
-        "args": args, "target": target, "wall_seconds": job.wall_seconds,
+        "args": args, "target": target, "init_kl_coef": init_kl_coef, "wall_seconds": job.wall_seconds,
         "per_iteration": [{"iteration": r["iteration"], "fed": r[FED[scope]], "kl_coef": r["kl_coef"],
                            "kl_response_mean": r["kl_response_mean"], "kl_token_mean": r["kl_token_mean"],
                            "score_mean": r["score_mean"], "response_length_mean": r["response_length_mean"],
@@ -81,7 +82,7 @@ def table(results: dict, command: str) -> list[str]:
              "response length the response_sum runs settle at; the evaluation's on-policy response KL every "
              f"few iterations, its last third against the target; `{command}`"), "",
             ("| scope | seed | controller's target | eval response KL, last third (nats) | mean abs "
-             "deviation from 6 nats | beta end (from 0.05) | score, last third | "
+             "deviation from 6 nats | beta start -> end | score, last third | "
              "response tokens, last third |"),
             "|---|---|---|---|---|---|---|---|"]
     for key, r in sorted(results.items()):
@@ -90,7 +91,8 @@ def table(results: dict, command: str) -> list[str]:
         scope, seed = key.split("/")
         unit = "nats per response" if scope == "response_sum" else "nats per token"
         rows.append(f"| {scope} | {seed} | {r['target']:.4g} {unit} | {r['settled_eval_kl']:.2f} | "
-                    f"{r['mean_abs_deviation']:.1%} | {r['kl_coef_final']:.4f} | {r['settled_score']:.3f} | "
+                    f"{r['mean_abs_deviation']:.1%} | {r['init_kl_coef']:g} -> {r['kl_coef_final']:.4f} | "
+                    f"{r['settled_score']:.3f} | "
                     f"{r['settled_response_length']:.1f} |")
     return rows
 
@@ -130,15 +132,18 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--iterations", type=int, default=45)
     parser.add_argument("--eval-every", type=int, default=3)
+    parser.add_argument("--init-kl-coef", type=float, default=INIT_KL_COEF)
+    parser.add_argument("--name", default=NAME, help="the results' name")
     parser.add_argument("--fresh", action="store_true", help="run again what the results already hold")
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
     args = parser.parse_args()
-    earlier = RESULTS / f"{NAME}.json"
+    earlier = RESULTS / f"{args.name}.json"
     results = ({k: v for k, v in json.loads(earlier.read_text()).items() if "/" in k}
                if earlier.is_file() and not args.fresh else {})
     command = "python benchmarks/kl_scope_smollm2.py" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in (("iterations", args.iterations),
-                                                      ("eval_every", args.eval_every)))
+                                                      ("eval_every", args.eval_every),
+                                                      ("init_kl_coef", args.init_kl_coef)))
     with tempfile.TemporaryDirectory() as out:
         for scope in sorted(args.scopes):  # response_sum first: token_mean's target is its settled length
             target = TARGET if scope == "response_sum" else token_target(results)
@@ -147,11 +152,11 @@ def main() -> None:
             for seed in args.seeds:
                 if f"{scope}/{seed}" in results:
                     continue
-                results[f"{scope}/{seed}"] = run(scope, target, seed, args.iterations, args.eval_every, out,
-                                                 args.extra)
+                results[f"{scope}/{seed}"] = run(scope, target, args.init_kl_coef, seed, args.iterations,
+                                                 args.eval_every, out, args.extra)
                 results |= stamp()
-                write_results(RESULTS, NAME, results, table(results, command))  # a partial run keeps its rows
-                plot(results, RESULTS / f"{NAME}.png")
+                write_results(RESULTS, args.name, results, table(results, command))  # partial: its rows kept
+                plot(results, RESULTS / f"{args.name}.png")
     print("\n".join(table(results, command)))
 
 

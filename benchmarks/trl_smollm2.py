@@ -3,6 +3,7 @@ same machine, at the same batch (64 completions of at most 32 tokens: 8 prompts 
 each batch for both, beta 0.05 with a reference model for both; and each against the FLOP bound.
 
     .venv/bin/python benchmarks/trl_smollm2.py [--steps 4] [--dtypes float32 bfloat16] [--lora-rank 16]
+        [--fixed-length]
 
 - TRL 1.16 in its own virtualenv (``trl_compare.trl_python``, with peft), its defaults otherwise (gradient
   checkpointing on, as TRL's GRPOConfig sets it), 2 threads, ``benchmarks/_trl_grpo.py``.
@@ -15,6 +16,10 @@ each batch for both, beta 0.05 with a reference model for both; and each against
   ``LORA_LR`` (tether ``learner.lora``, TRL ``peft_config``), and both take the reference from the base model
   with the adapters disabled; ``--lora-sync`` sets tether's ``learner.lora.sync``. Results go to
   ``trl_smollm2-lora{R}-{sync}-sync`` (with ``-tether-only`` or ``-trl-only`` for one side).
+- ``--fixed-length``: every response is exactly the cap on both sides (tether ``rollout.ignore_eos``: vLLM
+  samples EOS as any other token and goes on; TRL ``min_new_tokens``: EOS is never sampled, since TRL masks
+  what follows one) and no missing-EOS penalty on either, so the two sides train the same tokens a step and
+  their seconds compare directly. Results go to ``trl_smollm2-fixed-length``.
 - Trained response tokens/s: the batch's response tokens over the seconds of a step, both as medians over the
   steps (iterations) after the first; tether's iterations that evaluate are left out. Episodes/s flatters
   whichever side writes shorter responses, so the ratio is per token, at the same dtype.
@@ -85,15 +90,17 @@ def prompt_tokens_mean(model: Path) -> float:
     return sum(lengths) / len(lengths)
 
 
-def run_trl(python: Path, model: Path, steps: int, dtype: str, lora_rank: int, work: Path) -> dict:
+def run_trl(python: Path, model: Path, steps: int, dtype: str, lora_rank: int, work: Path,
+            fixed_length: bool = False) -> dict:
     out = work / f"trl-{dtype}"
     lora = ["--lora-rank", str(lora_rank), "--lora-alpha", str(2 * lora_rank)] if lora_rank else []
+    eos = ["--ignore-eos"] if fixed_length else ["--missing-eos-penalty", "-1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
     seconds = timed([str(python), str(ROOT / "benchmarks" / "_trl_grpo.py"), "--task", "smollm2-sentiment",
                      "--model", str(model), "--steps", str(steps), "--prompts-per-step", str(PROMPTS),
                      "--samples-per-prompt", str(SAMPLES), "--beta", str(BETA),
                      "--lr", str(LORA_LR if lora_rank else LR), "--max-completion-length", str(NEW_TOKENS),
-                     "--missing-eos-penalty", "-1", "--dtype", dtype, "--out", str(out), *lora],
+                     *eos, "--dtype", dtype, "--out", str(out), *lora],
                     work / f"trl-{dtype}.log", env=env)
     timings = json.loads((out / "timings.json").read_text())
     step = statistics.median(timings["step_seconds"][1:])
@@ -106,7 +113,7 @@ def run_trl(python: Path, model: Path, steps: int, dtype: str, lora_rank: int, w
 
 
 def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: Path,
-               lora_sync: str = "auto") -> dict:
+               lora_sync: str = "auto", fixed_length: bool = False) -> dict:
     args = ["--config", str(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml"),
             "--rollout.batch_size", str(PROMPTS * SAMPLES), "--rollout.samples_per_prompt", str(SAMPLES),
             "--rollout.chunk_size", str(PROMPTS * SAMPLES // 2), "--rollout.max_new_tokens", str(NEW_TOKENS),
@@ -116,6 +123,8 @@ def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: P
             "--run.name", f"tether-{dtype}"]
     if pack_tokens:
         args += ["--learner.max_tokens_per_microbatch", str(pack_tokens)]
+    if fixed_length:
+        args += ["--rollout.ignore_eos", "--reward.missing_eos_penalty", "null"]
     if lora_rank:
         # the base model is the reference: no reference actor, so the preset's reference threads go
         # back to default
@@ -155,6 +164,8 @@ def main() -> None:
                         help="> 0: both sides train LoRA adapters of this rank")
     parser.add_argument("--lora-sync", choices=["auto", "adapter", "merged"], default="auto",
                         help="tether's learner.lora.sync (auto: merged weights on CPU)")
+    parser.add_argument("--fixed-length", action="store_true",
+                        help="every response exactly the cap on both sides (EOS ignored), no EOS penalty")
     parser.add_argument("--pack-tokens", type=int, default=PACK_TOKENS,
                         help="tether's learner.max_tokens_per_microbatch; 0: the padded layout")
     args, cache = parse_args(parser)
@@ -167,8 +178,9 @@ def main() -> None:
         for dtype in args.dtypes:
             for side in args.sides:
                 run = (run_tether(args.steps, dtype, args.lora_rank, args.pack_tokens, Path(tmp),
-                                  args.lora_sync) if side == "tether"
-                       else run_trl(python, model, args.steps + 1, dtype, args.lora_rank, Path(tmp)))
+                                  args.lora_sync, args.fixed_length) if side == "tether"
+                       else run_trl(python, model, args.steps + 1, dtype, args.lora_rank, Path(tmp),
+                                    args.fixed_length))
                 print(f"[trl_smollm2] {json.dumps({k: v for k, v in run.items() if k != 'args'})}",
                       flush=True)
                 runs.append(run)
@@ -186,10 +198,12 @@ def main() -> None:
             f"both sides, reference = the base model, tether's learner.lora.sync {args.lora_sync}; TRL with "
             f"peft {PEFT_VERSION}" if args.lora_rank else
             f"full fine-tuning, lr {LR}")
+    lengths = ("every response exactly" if args.fixed_length else "completions of <=")
     packing = (f"tether packed ({args.pack_tokens}-token micro-batches)" if args.pack_tokens
                else "tether padded")
     table = [
-        (f"smollm2-sentiment, {PROMPTS} prompts x {SAMPLES} completions of <= {NEW_TOKENS} tokens a step, "
+        (f"smollm2-sentiment, {PROMPTS} prompts x {SAMPLES} completions a step, {lengths} {NEW_TOKENS} "
+         "tokens, "
          f"one gradient pass, beta {BETA} with a reference model; {lora}; tether (GRPO estimator, its own "
          f"local Ray, {packing}) against TRL {TRL_VERSION} GRPOTrainer "
          "(its defaults: gradient checkpointing), 2 threads; median step after the first; FLOP bound: "
@@ -197,10 +211,12 @@ def main() -> None:
          f"(best SmolLM2-shaped matmul, 2 threads) over 5 forward passes of {params / 1e6:.0f}M parameters "
          f"per episode; {results['date']}, {results['machine']}, CPU flags: {results['cpu_flags']}; "
          "`.venv/bin/python benchmarks/trl_smollm2.py"
-         f"{f' --lora-rank {args.lora_rank}' if args.lora_rank else ''}`"),
+         f"{f' --lora-rank {args.lora_rank}' if args.lora_rank else ''}"
+         f"{' --fixed-length' if args.fixed_length else ''}"
+         f"{f' --pack-tokens {args.pack_tokens}' if args.pack_tokens else ''}`"),
         "",
         ("| side | dtype | steady step | response tokens | trained tokens/s | tether / TRL per token | "
-         "episodes/s | times the FLOP bound | peak RSS | step: generate / reference / update |"),
+         "episodes/s | times the FLOP bound | peak RSS | step: generate / reference / update / sync |"),
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
@@ -208,12 +224,14 @@ def main() -> None:
         against = f"{run['tokens_per_second'] / base['tokens_per_second']:.2f}x" if base else "n/a"
         parts = run.get("breakdown_seconds")
         split = (f"{parts['generate_seconds']:.1f} / {parts['reference_seconds']:.1f} / "
-                 f"{parts['learner_update_seconds']:.1f} s" if parts else "one process")
+                 f"{parts['learner_update_seconds']:.1f} / {run['weight_sync_seconds']:.2f} s" if parts
+                 else "one process")
         table.append(f"| {run['side']} | {run['dtype']} | {run['steady_step_seconds']:.1f} s | "
                      f"{run['response_length_mean']:.1f} | {run['tokens_per_second']:.1f} | {against} | "
                      f"{run['episodes_per_second']:.2f} | {run['times_the_bound']:.1f}x | "
                      f"{run['peak_rss_gib']:.1f} GiB | {split} |")
     name = f"trl_smollm2-lora{args.lora_rank}-{args.lora_sync}-sync" if args.lora_rank else "trl_smollm2"
+    name += "-fixed-length" if args.fixed_length else ""
     name += "" if set(args.sides) == {"tether", "trl"} else f"-{args.sides[0]}-only"
     write_results(args.out, name, results, table)
     print("\n".join(table), flush=True)
