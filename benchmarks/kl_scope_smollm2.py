@@ -2,11 +2,16 @@
 response KL (``kl.scope: response_sum``, tether's default) or the per-token mean (``token_mean``, trlX's and
 its heirs' choice)?
 
-The ``smollm2-sentiment`` preset (SmolLM2-135M-Instruct, VADER's score, a missing EOS scored -1) with the
-controller sized to bind within the run: 32 episodes a batch, ``kl.horizon`` 128 (beta moves by up to
-0.2 x 32/128 = 5% a batch, where the preset's 640 moves it 1%), so that over ``--iterations`` (45) beta can
-move by up to e^(0.05 x 45) ~ 9x; the preset's own run at beta 0.05 overshot its 6 nats by 35% in 12
-iterations with beta unmoved. Two runs a scope (run seeds), one after the other:
+The ``smollm2-sentiment`` preset (SmolLM2-135M-Instruct, VADER's score of the response) with the controller
+sized to bind within the run: 32 episodes a batch, ``kl.horizon`` 128 (beta moves by up to 0.2 x 32/128 = 5%
+a batch, where the preset's 640 moves it 1%), so that over ``--iterations`` (45) beta can move by up to
+e^(0.05 x 45) ~ 9x; the preset's own run at beta 0.05 overshot its 6 nats by 35% in 12 iterations with beta
+unmoved. Beta starts at 0.15 (``--init-kl-coef``). ``--eos-penalty`` keeps the preset's missing-EOS penalty
+(a response cut at the cap scores -1); by default it is off (``reward.missing_eos_penalty`` null): with it the
+policy learns to end its responses early, an EOS the reference gives little probability, and measured
+(results/kl_scope_smollm2-eos-penalty.md) the response KL then stayed at 7-8.5 nats while beta rose from 0.15
+to 0.56, and from beta 0.05 at 9-10 nats (results/kl_scope_smollm2-init-0.05.md). Two runs a scope (run
+seeds), one after the other:
 
 - ``response_sum`` at the per-response target (6 nats, the preset's and lm-human-preferences');
 - ``token_mean`` at that target over the mean response length the response-level runs settle at (their
@@ -42,10 +47,11 @@ TARGET, HORIZON, INIT_KL_COEF = 6.0, 128, 0.15
 FED = {"response_sum": "kl_response_mean", "token_mean": "kl_token_mean"}
 
 
-def run(scope: str, target: float, init_kl_coef: float, seed: int, iterations: int, eval_every: int,
-        out_dir: str, extra: list[str]) -> dict:
+def run(scope: str, target: float, init_kl_coef: float, eos_penalty: bool, seed: int, iterations: int,
+        eval_every: int, out_dir: str, extra: list[str]) -> dict:
     name = f"{scope}-{seed}"
-    args = ["--config", str(PRESET), "--kl.scope", scope, "--kl.target", f"{target:.6g}",
+    args = ["--config", str(PRESET), *([] if eos_penalty else ["--reward.missing_eos_penalty", "null"]),
+            "--kl.scope", scope, "--kl.target", f"{target:.6g}",
             "--kl.horizon", str(HORIZON), "--kl.init_kl_coef", str(init_kl_coef), "--run.seed", str(seed),
             "--run.iterations", str(iterations),
             "--run.eval_every", str(eval_every), *extra]
@@ -76,8 +82,9 @@ def token_target(results: dict) -> float | None:
     return TARGET / (sum(lengths) / len(lengths)) if lengths else None
 
 
-def table(results: dict, command: str) -> list[str]:
-    rows = [(f"smollm2-sentiment preset, kl.horizon {HORIZON} (32 episodes a batch: beta moves up to 5% a "
+def table(results: dict, command: str, eos_penalty: bool) -> list[str]:
+    rows = [(f"smollm2-sentiment preset ({'with' if eos_penalty else 'without'} its missing-EOS penalty), "
+             f"kl.horizon {HORIZON} (32 episodes a batch: beta moves up to 5% a "
              f"batch), per-response target {TARGET:g} nats; token_mean aims at the same target over the "
              "response length the response_sum runs settle at; the evaluation's on-policy response KL every "
              f"few iterations, its last third against the target; `{command}`"), "",
@@ -133,6 +140,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=45)
     parser.add_argument("--eval-every", type=int, default=3)
     parser.add_argument("--init-kl-coef", type=float, default=INIT_KL_COEF)
+    parser.add_argument("--eos-penalty", action="store_true", help="keep the preset's missing-EOS penalty")
     parser.add_argument("--name", default=NAME, help="the results' name")
     parser.add_argument("--fresh", action="store_true", help="run again what the results already hold")
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
@@ -143,7 +151,8 @@ def main() -> None:
     command = "python benchmarks/kl_scope_smollm2.py" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in (("iterations", args.iterations),
                                                       ("eval_every", args.eval_every),
-                                                      ("init_kl_coef", args.init_kl_coef)))
+                                                      ("init_kl_coef", args.init_kl_coef))) + (
+        " --eos-penalty" if args.eos_penalty else "")
     with tempfile.TemporaryDirectory() as out:
         for scope in sorted(args.scopes):  # response_sum first: token_mean's target is its settled length
             target = TARGET if scope == "response_sum" else token_target(results)
@@ -152,12 +161,13 @@ def main() -> None:
             for seed in args.seeds:
                 if f"{scope}/{seed}" in results:
                     continue
-                results[f"{scope}/{seed}"] = run(scope, target, args.init_kl_coef, seed, args.iterations,
-                                                 args.eval_every, out, args.extra)
+                results[f"{scope}/{seed}"] = run(scope, target, args.init_kl_coef, args.eos_penalty, seed,
+                                                 args.iterations, args.eval_every, out, args.extra)
                 results |= stamp()
-                write_results(RESULTS, args.name, results, table(results, command))  # partial: its rows kept
+                rows = table(results, command, args.eos_penalty)
+                write_results(RESULTS, args.name, results, rows)  # a partial run keeps its rows
                 plot(results, RESULTS / f"{args.name}.png")
-    print("\n".join(table(results, command)))
+    print("\n".join(table(results, command, args.eos_penalty)))
 
 
 if __name__ == "__main__":
