@@ -114,11 +114,12 @@ def run_trl(python: Path, model: Path, steps: int, dtype: str, lora_rank: int, w
 
 def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: Path,
                lora_sync: str = "auto", fixed_length: bool = False) -> dict:
+    # a warm-up, ``steps`` steady iterations, and the last, which runs the final evaluation and is left out
     args = ["--config", str(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml"),
             "--rollout.batch_size", str(PROMPTS * SAMPLES), "--rollout.samples_per_prompt", str(SAMPLES),
             "--rollout.chunk_size", str(PROMPTS * SAMPLES // 2), "--rollout.max_new_tokens", str(NEW_TOKENS),
             "--ppo.advantage", "grpo", "--ppo.epochs", "1", "--ppo.minibatch_size", str(PROMPTS * SAMPLES),
-            "--kl.init_kl_coef", str(BETA), "--learner.dtype", dtype, "--run.iterations", str(steps + 1),
+            "--kl.init_kl_coef", str(BETA), "--learner.dtype", dtype, "--run.iterations", str(steps + 2),
             "--run.eval_every", str(100 * steps), "--run.output_dir", str(work),
             "--run.name", f"tether-{dtype}"]
     if pack_tokens:
