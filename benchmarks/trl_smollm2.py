@@ -214,6 +214,7 @@ def main() -> None:
          "`.venv/bin/python benchmarks/trl_smollm2.py"
          f"{f' --lora-rank {args.lora_rank}' if args.lora_rank else ''}"
          f"{' --fixed-length' if args.fixed_length else ''}"
+         f"{f' --steps {args.steps}' if args.steps != 4 else ''}"
          f"{f' --pack-tokens {args.pack_tokens}' if args.pack_tokens else ''}`"),
         "",
         ("| side | dtype | steady step | response tokens | trained tokens/s | tether / TRL per token | "

@@ -169,15 +169,18 @@ def minibatch_splits_over_ranks(cfg: Any) -> str | None:
 IN_FLIGHT = {"rollout": {"mode": "async", "in_flight_updates": "keep_kv"}}
 
 
-@rule("rollout.ignore_eos", "rollout.engine", "task.name",
-      example={"rollout": {"ignore_eos": True, "engine": "hf"}})
-def ignore_eos_in_vllm_single_turn(cfg: Any) -> str | None:
-    if not cfg.rollout.ignore_eos:
-        return None
-    if cfg.rollout.engine != "vllm":
+@rule("rollout.ignore_eos", "rollout.engine", example={"rollout": {"ignore_eos": True, "engine": "hf"}})
+def ignore_eos_in_vllm(cfg: Any) -> str | None:
+    if cfg.rollout.ignore_eos and cfg.rollout.engine != "vllm":
         return ("rollout.ignore_eos is vLLM's sampling setting; transformers' generate "
                 "(rollout.engine='hf') stops at EOS: use rollout.engine='vllm'")
-    if cfg.task.name in EPISODIC_TASKS:
+    return None
+
+
+@rule("rollout.ignore_eos", "task.name",
+      example={**AGENT, "rollout": {**AGENT["rollout"], "ignore_eos": True}})
+def ignore_eos_single_turn(cfg: Any) -> str | None:
+    if cfg.rollout.ignore_eos and cfg.task.name in EPISODIC_TASKS:
         return (f"rollout.ignore_eos times fixed-length responses; task.name={cfg.task.name!r} runs episodes "
                 "whose turns end at EOS: unset it")
     return None
