@@ -47,12 +47,12 @@ TARGET, HORIZON, INIT_KL_COEF = 6.0, 128, 0.15
 FED = {"response_sum": "kl_response_mean", "token_mean": "kl_token_mean"}
 
 
-def run(scope: str, target: float, init_kl_coef: float, eos_penalty: bool, seed: int, iterations: int,
-        eval_every: int, out_dir: str, extra: list[str]) -> dict:
+def run(scope: str, target: float, init_kl_coef: float, horizon: int, eos_penalty: bool, seed: int,
+        iterations: int, eval_every: int, out_dir: str, extra: list[str]) -> dict:
     name = f"{scope}-{seed}"
     args = ["--config", str(PRESET), *([] if eos_penalty else ["--reward.missing_eos_penalty", "null"]),
             "--kl.scope", scope, "--kl.target", f"{target:.6g}",
-            "--kl.horizon", str(HORIZON), "--kl.init_kl_coef", str(init_kl_coef), "--run.seed", str(seed),
+            "--kl.horizon", str(horizon), "--kl.init_kl_coef", str(init_kl_coef), "--run.seed", str(seed),
             "--run.iterations", str(iterations),
             "--run.eval_every", str(eval_every), *extra]
     job = MeasuredJob(["--run.output_dir", out_dir, "--run.name", name, "--checkpoint.every", "0",
@@ -62,7 +62,8 @@ def run(scope: str, target: float, init_kl_coef: float, eos_penalty: bool, seed:
     last = [kl for i, kl in evals if i > iterations * 2 / 3]
     tail = [r for r in records if r["iteration"] > iterations * 2 / 3]
     return {
-        "args": args, "target": target, "init_kl_coef": init_kl_coef, "wall_seconds": job.wall_seconds,
+        "args": args, "target": target, "init_kl_coef": init_kl_coef, "horizon": horizon,
+        "wall_seconds": job.wall_seconds,
         "per_iteration": [{"iteration": r["iteration"], "fed": r[FED[scope]], "kl_coef": r["kl_coef"],
                            "kl_response_mean": r["kl_response_mean"], "kl_token_mean": r["kl_token_mean"],
                            "score_mean": r["score_mean"], "response_length_mean": r["response_length_mean"],
@@ -82,9 +83,9 @@ def token_target(results: dict) -> float | None:
     return TARGET / (sum(lengths) / len(lengths)) if lengths else None
 
 
-def table(results: dict, command: str, eos_penalty: bool) -> list[str]:
+def table(results: dict, command: str, eos_penalty: bool, horizon: int) -> list[str]:
     rows = [(f"smollm2-sentiment preset ({'with' if eos_penalty else 'without'} its missing-EOS penalty), "
-             f"kl.horizon {HORIZON} (32 episodes a batch: beta moves up to 5% a "
+             f"kl.horizon {horizon} (32 episodes a batch: beta moves up to {0.2 * 32 / horizon:.0%} a "
              f"batch), per-response target {TARGET:g} nats; token_mean aims at the same target over the "
              "response length the response_sum runs settle at; the evaluation's on-policy response KL every "
              f"few iterations, its last third against the target; `{command}`"), "",
@@ -140,6 +141,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=45)
     parser.add_argument("--eval-every", type=int, default=3)
     parser.add_argument("--init-kl-coef", type=float, default=INIT_KL_COEF)
+    parser.add_argument("--horizon", type=int, default=HORIZON, help="kl.horizon")
     parser.add_argument("--eos-penalty", action="store_true", help="keep the preset's missing-EOS penalty")
     parser.add_argument("--name", default=NAME, help="the results' name")
     parser.add_argument("--fresh", action="store_true", help="run again what the results already hold")
@@ -151,7 +153,8 @@ def main() -> None:
     command = "python benchmarks/kl_scope_smollm2.py" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in (("iterations", args.iterations),
                                                       ("eval_every", args.eval_every),
-                                                      ("init_kl_coef", args.init_kl_coef))) + (
+                                                      ("init_kl_coef", args.init_kl_coef),
+                                                      ("horizon", args.horizon))) + (
         " --eos-penalty" if args.eos_penalty else "")
     with tempfile.TemporaryDirectory() as out:
         for scope in sorted(args.scopes):  # response_sum first: token_mean's target is its settled length
@@ -161,13 +164,14 @@ def main() -> None:
             for seed in args.seeds:
                 if f"{scope}/{seed}" in results:
                     continue
-                results[f"{scope}/{seed}"] = run(scope, target, args.init_kl_coef, args.eos_penalty, seed,
-                                                 args.iterations, args.eval_every, out, args.extra)
+                results[f"{scope}/{seed}"] = run(scope, target, args.init_kl_coef, args.horizon,
+                                                 args.eos_penalty, seed, args.iterations, args.eval_every,
+                                                 out, args.extra)
                 results |= stamp()
-                rows = table(results, command, args.eos_penalty)
+                rows = table(results, command, args.eos_penalty, args.horizon)
                 write_results(RESULTS, args.name, results, rows)  # a partial run keeps its rows
                 plot(results, RESULTS / f"{args.name}.png")
-    print("\n".join(table(results, command, args.eos_penalty)))
+    print("\n".join(table(results, command, args.eos_penalty, args.horizon)))
 
 
 if __name__ == "__main__":

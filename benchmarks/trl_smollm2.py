@@ -23,9 +23,10 @@ each batch for both, beta 0.05 with a reference model for both; and each against
 - Trained response tokens/s: the batch's response tokens over the seconds of a step, both as medians over the
   steps (iterations) after the first; tether's iterations that evaluate are left out. Episodes/s flatters
   whichever side writes shorter responses, so the ratio is per token, at the same dtype.
-- The FLOP bound: the best of a few SmolLM2-shaped matmuls at the dtype on 2 threads, measured here, against
-  5 forward passes' worth of FLOPs per episode (2 x parameters x tokens each: generation, the reference's
-  forward and a training pass of forward and backward, 3), at the prompt and response lengths measured.
+- The FLOP bound: the best of a few SmolLM2-shaped matmuls at the dtype on 2 threads, timed here before
+  the runs and after (the faster kept), against 5 forward passes' worth of FLOPs per episode (2 x parameters
+  x tokens each: generation, the reference's forward and a training pass of forward and backward, 3), at the
+  prompt and response lengths measured.
 - Peak RSS: TRL's one process; tether's every process (driver, Ray, actors) and its learner rank alone.
 
 Writes ``benchmarks/results/trl_smollm2[-lora{R}].json`` and ``.md`` (the docs site shows the .md).
@@ -113,11 +114,12 @@ def run_trl(python: Path, model: Path, steps: int, dtype: str, lora_rank: int, w
 
 
 def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: Path,
-               lora_sync: str = "auto", fixed_length: bool = False) -> dict:
+               lora_sync: str = "auto", fixed_length: bool = False, chunks: int = 2) -> dict:
     # a warm-up, ``steps`` steady iterations, and the last, which runs the final evaluation and is left out
     args = ["--config", str(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml"),
             "--rollout.batch_size", str(PROMPTS * SAMPLES), "--rollout.samples_per_prompt", str(SAMPLES),
-            "--rollout.chunk_size", str(PROMPTS * SAMPLES // 2), "--rollout.max_new_tokens", str(NEW_TOKENS),
+            "--rollout.chunk_size", str(PROMPTS * SAMPLES // chunks),
+            "--rollout.max_new_tokens", str(NEW_TOKENS),
             "--ppo.advantage", "grpo", "--ppo.epochs", "1", "--ppo.minibatch_size", str(PROMPTS * SAMPLES),
             "--kl.init_kl_coef", str(BETA), "--learner.dtype", dtype, "--run.iterations", str(steps + 2),
             "--run.eval_every", str(100 * steps), "--run.output_dir", str(work),
@@ -169,23 +171,28 @@ def main() -> None:
                         help="every response exactly the cap on both sides (EOS ignored), no EOS penalty")
     parser.add_argument("--pack-tokens", type=int, default=PACK_TOKENS,
                         help="tether's learner.max_tokens_per_microbatch; 0: the padded layout")
+    parser.add_argument("--chunks", type=int, default=2, choices=[1, 2, 4, 8],
+                        help="tether streams each batch in this many chunks (rollout.chunk_size)")
     args, cache = parse_args(parser)
     python = (trl_python(cache, extra=("vadersentiment>=3.3", f"peft=={PEFT_VERSION}")) if "trl" in args.sides
               else None)
     model = smollm2_model()
     params, prompt_len = count_params(model), prompt_tokens_mean(model)
     runs = []
+    # the bound is the best the machine gives: timed before the runs and after, the faster kept (a job's
+    # processes still exiting slowed the one after to 348 GFLOP/s in bf16, against ~900 quiet)
+    quiet = {dtype: matmul_gflops(dtype) for dtype in args.dtypes}
     with tempfile.TemporaryDirectory(prefix="trl-smollm2-", dir=cache) as tmp:
         for dtype in args.dtypes:
             for side in args.sides:
                 run = (run_tether(args.steps, dtype, args.lora_rank, args.pack_tokens, Path(tmp),
-                                  args.lora_sync, args.fixed_length) if side == "tether"
+                                  args.lora_sync, args.fixed_length, args.chunks) if side == "tether"
                        else run_trl(python, model, args.steps + 1, dtype, args.lora_rank, Path(tmp),
                                     args.fixed_length))
                 print(f"[trl_smollm2] {json.dumps({k: v for k, v in run.items() if k != 'args'})}",
                       flush=True)
                 runs.append(run)
-    bounds = {dtype: matmul_gflops(dtype) for dtype in args.dtypes}
+    bounds = {dtype: max(quiet[dtype], matmul_gflops(dtype)) for dtype in args.dtypes}
     for run in runs:
         episode_gflop = 5 * 2 * params * (prompt_len + run["response_length_mean"]) / 1e9
         run["episode_gflop"] = episode_gflop
@@ -194,6 +201,7 @@ def main() -> None:
     trl = {r["dtype"]: r for r in runs if r["side"] == "TRL GRPO"}
     results = {**stamp(), "cpu_flags": cpu_flags(), "parameters": params, "prompt_tokens_mean": prompt_len,
                "matmul_gflops": bounds, "lora_rank": args.lora_rank, "pack_tokens": args.pack_tokens,
+               "chunks": args.chunks,
                "runs": runs}
     lora = (f"LoRA rank {args.lora_rank} (alpha {2 * args.lora_rank}, every linear layer, lr {LORA_LR}) on "
             f"both sides, reference = the base model, tether's learner.lora.sync {args.lora_sync}; TRL with "
@@ -201,7 +209,7 @@ def main() -> None:
             f"full fine-tuning, lr {LR}")
     lengths = ("every response exactly" if args.fixed_length else "completions of <=")
     packing = (f"tether packed ({args.pack_tokens}-token micro-batches)" if args.pack_tokens
-               else "tether padded")
+               else "tether padded") + f", the batch in {args.chunks} chunk(s)"
     table = [
         (f"smollm2-sentiment, {PROMPTS} prompts x {SAMPLES} completions a step, {lengths} {NEW_TOKENS} "
          "tokens, "
@@ -215,7 +223,8 @@ def main() -> None:
          f"{f' --lora-rank {args.lora_rank}' if args.lora_rank else ''}"
          f"{' --fixed-length' if args.fixed_length else ''}"
          f"{f' --steps {args.steps}' if args.steps != 4 else ''}"
-         f"{f' --pack-tokens {args.pack_tokens}' if args.pack_tokens else ''}`"),
+         f"{f' --pack-tokens {args.pack_tokens}' if args.pack_tokens else ''}"
+         f"{f' --chunks {args.chunks}' if args.chunks != 2 else ''}`"),
         "",
         ("| side | dtype | steady step | response tokens | trained tokens/s | tether / TRL per token | "
          "episodes/s | times the FLOP bound | peak RSS | step: generate / reference / update / sync |"),

@@ -63,7 +63,6 @@ from learner.policy_losses import POLICY_LOSSES, PolicyLoss, policy_loss
 from learner.ppo import (
     LOCAL,
     Reducer,
-    entropy_from_logits,
     global_loss_denominator,
     masked_mean,
     overlong_penalty,
@@ -362,13 +361,13 @@ class Algorithm:
                 "correction_masked_tokens": (beyond if cut == "masked" else 0.0)
                 + float(round(float(stats.get("masked_token_fraction", 0.0)) * tokens))}
 
-    def loss(self, mb: RolloutBatch, forward: tuple[Tensor, Tensor | None, Tensor], counts: dict[str, Tensor],
-             kl_coef: float) -> tuple[Tensor, dict]:
+    def loss(self, mb: RolloutBatch, forward: tuple[Tensor, Tensor | None, Tensor | None],
+             counts: dict[str, Tensor], kl_coef: float) -> tuple[Tensor, dict]:
         """The PPO loss of the rows ``mb`` (a minibatch, or a micro-batch of whole episodes), each term's sum
         over them divided by the minibatch's global ``counts``.
 
         Args: mb: rows with old_logprobs, old_values (gae), ref_logprobs, advantages, returns; forward: the
-            current policy's (log-probs [b, T] with grad, values [b, T] or None, logits [b, T, V]) of those
+            current policy's (log-probs [b, T] with grad, values [b, T] or None, entropy [b, T]) of those
             rows.
         Returns (loss, {name: (value, count)}): the losses with count None (summed over the micro-batches, one
         count a step), token statistics with this micro-batch's tokens, and the rollout correction's sequence
@@ -383,7 +382,7 @@ class Algorithm:
         controller's statistic.
         """
         p, aggregation, denominator = self.ppo, self.ppo.loss_aggregation, counts["denominator"]
-        logprobs, values, logits = forward
+        logprobs, values, entropy = forward
         device = logprobs.device
         view = episode_view(mb)
         row_mask = mb.action_mask.to(device)
@@ -415,8 +414,7 @@ class Algorithm:
                                            counts["kl_count"])
             loss, losses["kl_loss"] = loss + kl_coef * kl_term, kl_term
         losses["loss"] = loss
-        with torch.no_grad():
-            stats["entropy"] = masked_mean(entropy_from_logits(logits), row_mask)
+        stats["entropy"] = masked_mean(entropy, row_mask)
         tokens = row_mask.sum().double()  # stays on the device: the stats reach the host once, at the end
         sequences = (mask.sum(-1) > 0).sum().double()  # episodes with a token: what the fractions count
         return loss, {**{k: (v, None) for k, v in losses.items()},

@@ -23,9 +23,10 @@ from services.storage import RunStorage
 # learner.lora.reference: the base model's log-probs from the learner's forward or from a reference actor,
 #   the same KL
 # reference.placement, reward.placement: the same scoring in an actor of its own or in the learner ranks
+# learner.attention: the same attention by another kernel (auto measures again on resume)
 RESUMABLE_CHANGES = ("run.iterations", "run.resume", "run.overwrite", "run.eval_every",
                      "run.eval_before_training", "run.output_dir", "cluster", "metrics", "checkpoint",
-                     "run.probe_every", "learner.torch_threads", "learner.world_size",
+                     "run.probe_every", "learner.torch_threads", "learner.world_size", "learner.attention",
                      "learner.lora.reference", "reference.placement", "reward.placement")
 
 

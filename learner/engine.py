@@ -23,15 +23,15 @@ from torch import Tensor, nn
 
 from learner.policy_model import PolicyWithValueHead
 from learner.ppo import DistributedReducer, Reducer
-from services.logprobs import token_logprobs
+from services.logprobs import token_logprobs_and_entropy
 
 if TYPE_CHECKING:
     from learner.plan import RankSpec
     from services.config import LearnerConfig, PPOConfig
     from services.experience import RolloutBatch
 
-# (log-probs [B, T], values [B, T] or None, logits [B, T, V]) of a batch's sampled response tokens
-Forward = tuple[Tensor, Tensor | None, Tensor]
+# (log-probs [B, T], values [B, T] or None, entropy [B, T] or None) of a batch's sampled response tokens
+Forward = tuple[Tensor, Tensor | None, Tensor | None]
 
 
 class TrainingEngine(Protocol):
@@ -88,8 +88,9 @@ class PolicyEngine:
         return self.policy.lm
 
     def forward(self, batch: RolloutBatch, grad: bool) -> Forward:
-        """(log-probs [B, T], values [B, T] or None, logits [B, T, V]) of ``batch``'s rows; without ``grad``
-        detached, log-probs and values on the CPU. Packed (``max_tokens_per_microbatch``), the rows run in
+        """(log-probs [B, T], values [B, T] or None, entropy [B, T] or None) of ``batch``'s rows, at the
+        engines' temperature; with ``grad`` the entropy too (no gradient), without it detached, log-probs and
+        values on the CPU and no entropy. Packed (``max_tokens_per_microbatch``), the rows run in
         micro-batches of at most that many tokens (with gradients, those of the one step of ``single_step``,
         each graph kept for its backward; the PPO loop's micro-batches already fit); under ZeRO-3 as one pack,
         so that the ranks' forwards pair up."""
@@ -111,16 +112,17 @@ class PolicyEngine:
         with torch.set_grad_enabled(grad):
             if self.budget is not None:
                 packed = pack(batch).to(self.device)
-                logits, values = self.module(None, None, None, 0, self.temperature, packed=packed)
+                logits, values = self.module(None, None, None, 0, packed=packed)
             else:
                 input_ids, attention_mask, position_ids = (x.to(self.device) for x in model_inputs(batch))
                 logits, values = self.module(input_ids, attention_mask, position_ids,
-                                             batch.prompt_ids.shape[1], self.temperature)
-            logprobs = token_logprobs(logits, batch.response_ids.to(self.device))
+                                             batch.prompt_ids.shape[1])
+            logprobs, entropy = token_logprobs_and_entropy(logits, batch.response_ids.to(self.device),
+                                                           self.temperature, entropy=grad)
         if not grad:
             values = values.detach().cpu() if values is not None else None
-            return logprobs.detach().cpu(), values, logits.detach()
-        return logprobs, values, logits
+            return logprobs.detach().cpu(), values, None
+        return logprobs, values, entropy
 
     def sequence_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
         """The policy's log-probs (temperature 1) of each sequence's tokens after its first
@@ -166,8 +168,8 @@ class PolicyEngine:
         """A micro-batch this rank does not have, where another rank has one: a forward and backward of
         nothing (a loss of 0 with the graph of every output), so that the ranks' gathers and reductions pair
         up."""
-        _, values, logits = self._forward(placeholder_batch(), grad=True)
-        self.backward(0.0 * logits.sum() + (0.0 * values.sum() if values is not None else 0.0), boundary)
+        logprobs, values, _ = self._forward(placeholder_batch(), grad=True)
+        self.backward(0.0 * logprobs.sum() + (0.0 * values.sum() if values is not None else 0.0), boundary)
 
 
 def build_policy(model_dir: str, learner: LearnerConfig, has_critic: bool, seed: int) -> PolicyWithValueHead:
@@ -178,8 +180,10 @@ def build_policy(model_dir: str, learner: LearnerConfig, has_critic: bool, seed:
 
     torch.manual_seed(seed)  # the same value-head init on every rank
     separate = has_critic and learner.critic == "separate"
-    critic = load_causal_lm(model_dir, "float32") if separate else None
-    lm = load_causal_lm(model_dir, "float32")
+    # sdpa is transformers' default; auto is resolved by a job's plan, and is the default elsewhere (tests)
+    attention = "eager" if learner.attention == "eager" else None
+    critic = load_causal_lm(model_dir, "float32", attention) if separate else None
+    lm = load_causal_lm(model_dir, "float32", attention)
     if learner.lora.rank > 0:  # only the adapters train (and a value head or critic, when there is one)
         from learner.lora import add_adapters
 

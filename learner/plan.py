@@ -289,6 +289,27 @@ def choose_learner_dtype(cfg: JobConfig, model_dir: str, machine_cpus: int | Non
     log(f"learner.dtype auto: {chosen} ({why})")
 
 
+def choose_learner_attention(cfg: JobConfig, model_dir: str, sequence_tokens: int, machine_cpus: int | None,
+                             log) -> None:
+    """``learner.attention`` auto, resolved (``services.attention_choice``) and said in a line: sdpa on a GPU
+    or for a model too small to time; on CPU the faster at the learner's dtype and threads over the job's
+    ``sequence_tokens`` (its longest sequence, or a packed micro-batch), timed on this (the driver's) node."""
+    from services.attention_choice import attention_shape, choose, time_attention
+    from services.dtype_choice import MIN_TIMED_FLOPS, model_widths, pass_flops
+
+    if cfg.device("learner") != "cpu":
+        chosen, why = "sdpa", "the learner on a GPU"
+    elif (flops := pass_flops(model_widths(model_dir))) < MIN_TIMED_FLOPS:
+        chosen, why = "sdpa", f"a pass of the model's matmuls: {flops / 1e6:.0f} MFLOP, too small to time"
+    else:
+        timing = time_attention(attention_shape(model_dir), cfg.learner.dtype, sequence_tokens,
+                                learner_threads(cfg, machine_cpus) or 1,
+                                packed=cfg.learner.max_tokens_per_microbatch is not None)
+        chosen, why = choose(timing), f"{timing.describe()} at {cfg.learner.dtype}; eager only at >= 1.3x"
+    follow(cfg.learner, "attention", chosen)
+    log(f"learner.attention auto: {chosen} ({why})")
+
+
 def evaluation_rows(cfg: JobConfig, rows: list, response_width: int, log) -> list:
     """The evaluation's rows, the first ``cfg.eval_episode_cap`` episodes' worth, and a line on what an
     evaluation runs against a training iteration (its generation, the task's scoring, and the learner's and
@@ -404,6 +425,9 @@ def plan(cfg: JobConfig, log: Callable[[str], None] = print, local_ray: bool = F
     probe_set = ([p + [(7 * j + 3 * k) % len(tokenizer) for k in range(sampling.max_new_tokens)]
                   for j, p in enumerate(probe_prompts)], [len(p) for p in probe_prompts])
     max_model_len = prompt_limit + response_width + 1
+    if cfg.learner.attention == "auto":
+        choose_learner_attention(cfg, model_dir, cfg.learner.max_tokens_per_microbatch or max_model_len - 1,
+                                 cluster.local_cpus if local_ray else None, log)
     if cfg.learner.lora.rank:  # the target modules against the architecture, before any actor starts
         check_lora_model(model_dir, cfg.learner.lora)
     if notice := cfg.tiny_model_settings_notice(parameter_count(model_dir)):

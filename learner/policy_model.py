@@ -27,9 +27,9 @@ class PolicyWithValueHead(nn.Module):
                            if value_head else None)
 
     def forward(self, input_ids: Tensor | None, attention_mask: Tensor | None, position_ids: Tensor | None,
-                prompt_width: int, temperature: float = 1.0,
-                packed: Packed | None = None) -> tuple[Tensor, Tensor | None]:
-        """Returns (logits [B, T, V] predicting each response token, values [B, T] or None without a head).
+                prompt_width: int, packed: Packed | None = None) -> tuple[Tensor, Tensor | None]:
+        """Returns (logits [B, T, V] predicting each response token, in the model's dtype and before any
+        sampling temperature, values [B, T] or None without a head).
         ``packed``: the rows packed without padding (``learner.max_tokens_per_microbatch``) instead of the
         padded [B, P + T] inputs."""
         from services.experience import packed_logits, response_logits
@@ -42,7 +42,6 @@ class PolicyWithValueHead(nn.Module):
 
         shared = self.value_head is not None and self.critic is None
         logits, hidden = run(self.lm, shared)
-        logits = logits.float() / temperature
         if self.value_head is None:
             return logits, None
         if self.critic is not None:

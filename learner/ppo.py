@@ -276,16 +276,6 @@ def value_loss(
     return loss, stats
 
 
-def entropy_from_logits(logits: Tensor, chunk_rows: int = 128) -> Tensor:
-    """[B, T] float32 entropy of the categorical distributions given by ``logits`` [B, T, V], ``chunk_rows``
-    positions at a time: no [B, T, V] log-softmax is built."""
-    parts = []
-    for chunk in logits.reshape(-1, logits.shape[-1]).split(chunk_rows):
-        log_p = torch.log_softmax(chunk.float(), dim=-1)
-        parts.append(-(log_p.exp() * log_p).sum(dim=-1))
-    return torch.cat(parts).reshape(logits.shape[:-1])
-
-
 def explained_variance_moments(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """[5] float64 (count, sum R, sum R^2, sum R-V, sum (R-V)^2) of ``values`` and ``returns`` [B, T] over
     masked positions: additive, so W ranks' moments sum to the whole batch's."""

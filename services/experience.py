@@ -341,12 +341,11 @@ def response_forward(model, batch: RolloutBatch, temperature: float = 1.0, hidde
     """One forward over prompt + response.
 
     Returns (logprobs [B, T] of the sampled response tokens under ``softmax(logits / temperature)``,
-    logits [B, T, V] that predict each response token, last hidden states [B, T, H] or None).
+    logits [B, T, V] that predict each response token (the model's dtype, before the temperature), last
+    hidden states [B, T, H] or None).
     """
     logits, states = response_logits(model, *model_inputs(batch), batch.prompt_ids.shape[1], hidden)
-    logits = logits.float() / temperature
-    logprobs = token_logprobs(logits, batch.response_ids)
-    return logprobs, logits, states
+    return token_logprobs(logits, batch.response_ids, temperature), logits, states
 
 
 def packed_response_logprobs(model, batch: RolloutBatch, max_tokens: int, temperature: float = 1.0) -> Tensor:
@@ -357,5 +356,5 @@ def packed_response_logprobs(model, batch: RolloutBatch, max_tokens: int, temper
     for part in plan_micro_batches(sequence_lengths(batch), max_tokens):
         rows = batch[part]
         logits, _ = packed_logits(model, pack(rows).to(device))
-        out[part] = token_logprobs(logits.float() / temperature, rows.response_ids.to(device)).cpu()
+        out[part] = token_logprobs(logits, rows.response_ids.to(device), temperature).cpu()
     return out * batch.response_mask

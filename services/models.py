@@ -248,9 +248,12 @@ def parameter_count(path: str | Path) -> int | None:
     return total
 
 
-def load_causal_lm(path: str | Path, dtype: str = "float32"):
+def load_causal_lm(path: str | Path, dtype: str = "float32", attention: str | None = None):
+    """The causal LM at ``path`` in ``dtype``, in eval mode, with ``attention`` (transformers'
+    attn_implementation; None: its default, sdpa where the architecture has it)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
+                                                 attn_implementation=attention)
     model.eval()
     return with_fused_activations(model)

@@ -238,6 +238,14 @@ class LearnerConfig(Section):
         "backward, on the learner's threads) in both and takes bfloat16 only where it is at least 1.2x "
         "faster (float32 for a model too small for its matmuls to count, and with learner.lora.sync merged); "
         "the job's first lines give the figures")
+    attention: Literal["auto", "sdpa", "eager"] = Field(
+        "auto", description="the policy's attention in the learner (transformers' attn_implementation): "
+        "sdpa (torch's fused kernel) or eager (two batched matmuls and a softmax). auto: on a GPU sdpa; "
+        "on CPU the driver times one layer's attention of the model's shape at the learner's dtype over "
+        "the job's longest sequence (or learner.max_tokens_per_microbatch), forward and backward, both "
+        "ways, and takes eager only where it is at least 1.3x faster (on short sequences in bfloat16 "
+        "torch's CPU kernel is slow); sdpa for a model too small to time. The job's first lines give the "
+        "figures")
     critic: Literal["value_head", "separate"] = Field(
         "value_head", description="value head or a separate critic")
     weight_sync: Literal["object_store", "nccl", "ipc"] = Field(

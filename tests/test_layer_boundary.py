@@ -264,7 +264,7 @@ _g = torch.Generator().manual_seed(1)
 CURRENT = (BATCH.old_logprobs + 0.6 * torch.randn(BATCH.old_logprobs.shape, generator=_g)) * BATCH.action_mask
 CURRENT_VALUES = ((BATCH.old_values + 0.3 * torch.randn(BATCH.old_values.shape, generator=_g))
                   * BATCH.action_mask)
-LOGITS = torch.randn(*BATCH.old_logprobs.shape, 5, generator=_g)
+ENTROPY = torch.rand(BATCH.old_logprobs.shape, generator=_g)
 
 
 def canonical(x) -> object:
@@ -295,7 +295,7 @@ def run_layer(cfg) -> dict[str, object]:
     values = CURRENT_VALUES.clone().requires_grad_(True) if algorithm.has_critic else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # grpo_token_k3 warns by design
-        loss, _ = algorithm.loss(batch, (logprobs, values, LOGITS), counts, KL_COEF)
+        loss, _ = algorithm.loss(batch, (logprobs, values, ENTROPY), counts, KL_COEF)
     grads = torch.autograd.grad(loss, [logprobs] + ([values] if values is not None else []))
     out |= {"loss_counts": counts, "loss": loss, "gradient": grads}
     return {k: canonical(v) for k, v in out.items()}

@@ -115,9 +115,9 @@ def test_packed_micro_batches_give_the_padded_gradient(tiny_model_dir):
 
         part = batch[rows]
         if packed:
-            logits, values = model(None, None, None, 0, 1.0, packed=pack(part))
+            logits, values = model(None, None, None, 0, packed=pack(part))
         else:
-            logits, values = model(*model_inputs(part), part.prompt_ids.shape[1], 1.0)
+            logits, values = model(*model_inputs(part), part.prompt_ids.shape[1])
         logprobs = token_logprobs(logits, part.response_ids)
         pg, _ = policy_loss(logprobs, old_logprobs[rows], advantages[rows], part.action_mask,
                             PPOConfig(clip_range=0.2), "token_mean", denominator)

@@ -5,7 +5,6 @@ import torch
 
 from learner.policy_losses import cispo_weight, policy_loss, sapo_gate
 from learner.ppo import (
-    entropy_from_logits,
     gae_advantages,
     masked_mean,
     masked_whiten,
@@ -258,8 +257,10 @@ def test_value_loss_golden():
 
 
 def test_entropy_and_explained_variance():
-    logits = torch.zeros(2, 3, 4)
-    assert torch.allclose(entropy_from_logits(logits), torch.full((2, 3), torch.log(torch.tensor(4.0))))
+    from services.logprobs import token_logprobs_and_entropy
+
+    _, entropy = token_logprobs_and_entropy(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long))
+    assert torch.allclose(entropy, torch.full((2, 3), torch.log(torch.tensor(4.0))))
     returns = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
@@ -304,8 +305,9 @@ def test_global_whiten_without_a_group_is_masked_whiten_and_moments_add_over_sha
 @pytest.mark.parametrize("chunk_rows", [1, 5, 256])
 def test_token_logprobs_and_entropy_match_a_full_log_softmax(temperature, chunk_rows):
     """The chunked logsumexp form gives log_softmax(logits / temperature) at the ids, and its gradient,
-    within float32 tolerance; entropy too. 3 x 7 rows do not divide into chunks of 5: a partial last one."""
-    from services.logprobs import token_logprobs
+    within float32 tolerance; the entropy of softmax(logits / temperature) too, from the same pass. 3 x 7
+    rows do not divide into chunks of 5: a partial last one."""
+    from services.logprobs import token_logprobs, token_logprobs_and_entropy
 
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(3, 7, 50, generator=g) * 4).requires_grad_(True)
@@ -318,21 +320,32 @@ def test_token_logprobs_and_entropy_match_a_full_log_softmax(temperature, chunk_
     assert got.dtype == torch.float32 and got.shape == (3, 7)
     torch.testing.assert_close(got, full, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_grad, full_grad, rtol=1e-5, atol=1e-6)
-    log_p = torch.log_softmax(logits.detach().double(), dim=-1)
-    entropy = -(log_p.exp() * log_p).sum(-1)
-    torch.testing.assert_close(entropy_from_logits(logits.detach(), chunk_rows=chunk_rows).double(), entropy,
-                               rtol=0, atol=1e-5)
+    both, entropy = token_logprobs_and_entropy(logits, ids, temperature, chunk_rows=chunk_rows)
+    torch.testing.assert_close(both, got, rtol=0, atol=0)
+    log_p = torch.log_softmax(logits.detach().double() / temperature, dim=-1)
+    assert not entropy.requires_grad
+    torch.testing.assert_close(entropy.double(), -(log_p.exp() * log_p).sum(-1), rtol=0, atol=1e-5)
 
 
 def test_token_logprobs_of_bfloat16_logits_run_in_float32_and_take_an_empty_batch():
-    from services.logprobs import token_logprobs
+    """bf16 logits, as a bf16 policy's LM head gives them: the log-probs in float32 (at a temperature too),
+    and the gradient, in the logits' dtype, the float64 reference's within one bf16 rounding."""
+    from services.logprobs import token_logprobs, token_logprobs_and_entropy
 
     g = torch.Generator().manual_seed(4)
-    logits = torch.randn(2, 4, 1000, generator=g).to(torch.bfloat16)
+    logits = (torch.randn(2, 4, 1000, generator=g) * 3).to(torch.bfloat16).requires_grad_(True)
     ids = torch.randint(0, 1000, (2, 4), generator=g)
-    reference = torch.log_softmax(logits.double(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    got = token_logprobs(logits, ids, chunk_rows=3)
-    assert got.dtype == torch.float32
-    assert float((got.double() - reference).abs().max()) < 1e-5
+    weights = torch.randn(2, 4, generator=g)
+    for temperature in (1.0, 0.7):
+        exact = logits.detach().double().requires_grad_(True)
+        reference = torch.log_softmax(exact / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        (want,) = torch.autograd.grad((reference * weights).sum(), exact)
+        got = token_logprobs(logits, ids, temperature, chunk_rows=3)
+        (grad,) = torch.autograd.grad((got * weights).sum(), logits)
+        assert got.dtype == torch.float32 and grad.dtype == torch.bfloat16
+        assert float((got.double() - reference.detach()).abs().max()) < 1e-5
+        # within one bf16 rounding of the exact gradient
+        torch.testing.assert_close(grad.double(), want, rtol=2**-7, atol=1e-6)
     assert token_logprobs(torch.zeros(0, 4, 10), torch.zeros(0, 4, dtype=torch.long)).shape == (0, 4)
-    assert entropy_from_logits(torch.zeros(2, 0, 10)).shape == (2, 0)
+    _, entropy = token_logprobs_and_entropy(torch.zeros(2, 0, 10), torch.zeros(2, 0, dtype=torch.long))
+    assert entropy.shape == (2, 0)

@@ -140,7 +140,7 @@ def test_the_layer_counts_mask_fractions_of_sequences_by_episodes():
     batch.advantages = torch.tensor([[-1.0, -1.0], [1.0, 0.0], [1.0, 1.0]])
     current = torch.tensor([[-1.5, -1.5], [-1.0, 0.0], [-1.0, -1.0]], requires_grad=True)  # row 0 moved away
     counts = algorithm.loss_counts(batch)
-    _, stats = algorithm.loss(batch, (current, torch.zeros(3, 2), torch.zeros(3, 2, 4)), counts, 0.1)
+    _, stats = algorithm.loss(batch, (current, torch.zeros(3, 2), torch.zeros(3, 2)), counts, 0.1)
     fraction, episodes = stats["masked_sequence_fraction"]
     assert float(fraction) == pytest.approx(1 / 3) and float(episodes) == 3
     fraction, tokens = stats["masked_token_fraction"]

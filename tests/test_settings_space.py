@@ -414,7 +414,7 @@ class TabularEngine:
         zero = self.values.new_zeros(())
         values = torch.stack([torch.stack([self.values[STATES[s]] if s is not None else zero for s in row]
                                           + [zero] * (WIDTH - len(row))) for row in states])
-        return logprobs, values, torch.zeros(*logprobs.shape, 3, dtype=torch.float64)
+        return logprobs, values, torch.zeros(logprobs.shape, dtype=torch.float64)  # entropy: stats only
 
     def backward(self, loss: Tensor, boundary: bool | None = None) -> None:
         loss.backward()
@@ -604,8 +604,8 @@ def layer_gradient(algorithm: Algorithm, e: Enumeration, at: torch.Tensor,
     theta = at.expand(batch.shape[0], *at.shape).clone().requires_grad_(True)
     logprobs = logprob_rows(theta, states, ids)
     values = batch.old_values.clone() if algorithm.has_critic else None
-    logits = torch.zeros(*logprobs.shape, 3, dtype=torch.float64)
-    loss, _ = algorithm.loss(batch, (logprobs, values, logits), counts, kl_coef)
+    entropy = torch.zeros(logprobs.shape, dtype=torch.float64)
+    loss, _ = algorithm.loss(batch, (logprobs, values, entropy), counts, kl_coef)
     (per_row,) = torch.autograd.grad(loss, theta)
     return expected_step(algorithm, per_row, weight, e.group_size, counts, kl_coef), sums
 
