@@ -145,7 +145,7 @@ class VLLMEngine:
         self.eager = device == "cpu" and bool((engine_args or {}).get("enforce_eager", True))
         self.llm = build_llm(
             model_dir, spec.seed, spec.max_model_len, spec.kv_cache_mib, spec.dtype, device, engine_args,
-            spec.cpu_core,
+            spec.cpu_core, spec.cpu_threads,
             # log-probs of the distribution actually sampled from (after temperature)
             logprobs_mode="processed_logprobs",
             **in_flight_args(spec.in_flight),

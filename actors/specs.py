@@ -23,7 +23,7 @@ class EngineSpec:
     max_model_len: int = 64  # the longest prompt plus response (or trajectory) the job makes, plus one
     kv_cache_mib: int = 64
     dtype: str = "float32"  # learner.dtype: engines compute in the learner's dtype
-    cpu_core: int | None = None  # the core vLLM's CPU worker binds to (one per engine on one machine)
+    cpu_core: int | None = None  # the engine's index on its machine: vLLM's CPU worker binds from there
     device: str = "cpu"  # the device the role reserved
     engine_args: dict | None = None  # extra vLLM ``LLM(...)`` arguments (rollout.vllm_engine_args)
     # learner.weight_sync 'nccl' | 'ipc': vLLM's transfer; None: object store
@@ -31,6 +31,7 @@ class EngineSpec:
     lora_rank: int | None = None  # learner.lora.rank: vLLM starts with LoRA on where its model takes adapters
     # rollout.in_flight_updates: 'keep_kv' | 'partial' step vLLM in a loop (actors/engine_loop.py)
     in_flight: str = "off"
+    cpu_threads: int = 1  # rollout.engine_threads: vLLM's CPU worker binds that many cores
 
 
 @dataclass(frozen=True)

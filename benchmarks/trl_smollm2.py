@@ -114,12 +114,13 @@ def run_trl(python: Path, model: Path, steps: int, dtype: str, lora_rank: int, w
 
 
 def run_tether(steps: int, dtype: str, lora_rank: int, pack_tokens: int, work: Path,
-               lora_sync: str = "auto", fixed_length: bool = False, chunks: int = 2) -> dict:
+               lora_sync: str = "auto", fixed_length: bool = False, chunks: int = 2,
+               engine_threads: int = 1) -> dict:
     # a warm-up, ``steps`` steady iterations, and the last, which runs the final evaluation and is left out
     args = ["--config", str(ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml"),
             "--rollout.batch_size", str(PROMPTS * SAMPLES), "--rollout.samples_per_prompt", str(SAMPLES),
             "--rollout.chunk_size", str(PROMPTS * SAMPLES // chunks),
-            "--rollout.max_new_tokens", str(NEW_TOKENS),
+            "--rollout.max_new_tokens", str(NEW_TOKENS), "--rollout.engine_threads", str(engine_threads),
             "--ppo.advantage", "grpo", "--ppo.epochs", "1", "--ppo.minibatch_size", str(PROMPTS * SAMPLES),
             "--kl.init_kl_coef", str(BETA), "--learner.dtype", dtype, "--run.iterations", str(steps + 2),
             "--run.eval_every", str(100 * steps), "--run.output_dir", str(work),
@@ -173,6 +174,7 @@ def main() -> None:
                         help="tether's learner.max_tokens_per_microbatch; 0: the padded layout")
     parser.add_argument("--chunks", type=int, default=2, choices=[1, 2, 4, 8],
                         help="tether streams each batch in this many chunks (rollout.chunk_size)")
+    parser.add_argument("--engine-threads", type=int, default=1, help="tether's rollout.engine_threads")
     args, cache = parse_args(parser)
     python = (trl_python(cache, extra=("vadersentiment>=3.3", f"peft=={PEFT_VERSION}")) if "trl" in args.sides
               else None)
@@ -186,7 +188,8 @@ def main() -> None:
         for dtype in args.dtypes:
             for side in args.sides:
                 run = (run_tether(args.steps, dtype, args.lora_rank, args.pack_tokens, Path(tmp),
-                                  args.lora_sync, args.fixed_length, args.chunks) if side == "tether"
+                                  args.lora_sync, args.fixed_length, args.chunks, args.engine_threads)
+                       if side == "tether"
                        else run_trl(python, model, args.steps + 1, dtype, args.lora_rank, Path(tmp),
                                     args.fixed_length))
                 print(f"[trl_smollm2] {json.dumps({k: v for k, v in run.items() if k != 'args'})}",
@@ -201,7 +204,7 @@ def main() -> None:
     trl = {r["dtype"]: r for r in runs if r["side"] == "TRL GRPO"}
     results = {**stamp(), "cpu_flags": cpu_flags(), "parameters": params, "prompt_tokens_mean": prompt_len,
                "matmul_gflops": bounds, "lora_rank": args.lora_rank, "pack_tokens": args.pack_tokens,
-               "chunks": args.chunks,
+               "chunks": args.chunks, "engine_threads": args.engine_threads,
                "runs": runs}
     lora = (f"LoRA rank {args.lora_rank} (alpha {2 * args.lora_rank}, every linear layer, lr {LORA_LR}) on "
             f"both sides, reference = the base model, tether's learner.lora.sync {args.lora_sync}; TRL with "
@@ -209,7 +212,8 @@ def main() -> None:
             f"full fine-tuning, lr {LR}")
     lengths = ("every response exactly" if args.fixed_length else "completions of <=")
     packing = (f"tether packed ({args.pack_tokens}-token micro-batches)" if args.pack_tokens
-               else "tether padded") + f", the batch in {args.chunks} chunk(s)"
+               else "tether padded") + (f", the batch in {args.chunks} chunk(s), vLLM on "
+                                        f"{args.engine_threads} core(s)")
     table = [
         (f"smollm2-sentiment, {PROMPTS} prompts x {SAMPLES} completions a step, {lengths} {NEW_TOKENS} "
          "tokens, "
@@ -224,7 +228,8 @@ def main() -> None:
          f"{' --fixed-length' if args.fixed_length else ''}"
          f"{f' --steps {args.steps}' if args.steps != 4 else ''}"
          f"{f' --pack-tokens {args.pack_tokens}' if args.pack_tokens else ''}"
-         f"{f' --chunks {args.chunks}' if args.chunks != 2 else ''}`"),
+         f"{f' --chunks {args.chunks}' if args.chunks != 2 else ''}"
+         f"{f' --engine-threads {args.engine_threads}' if args.engine_threads != 1 else ''}`"),
         "",
         ("| side | dtype | steady step | response tokens | trained tokens/s | tether / TRL per token | "
          "episodes/s | times the FLOP bound | peak RSS | step: generate / reference / update / sync |"),

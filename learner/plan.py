@@ -232,7 +232,7 @@ def fleet_spec(cfg: JobConfig, models: Models, sampling: SamplingSettings, pad_i
                                       cfg.rollout.kv_cache_mib, dtype, i, cfg.device("rollout"),
                                       cfg.rollout_vllm_engine_args(), sync.transfer,
                                       cfg.engine_lora_rank if cfg.rollout.engine == "vllm" else None,
-                                      cfg.rollout.in_flight_updates))
+                                      cfg.rollout.in_flight_updates, cfg.rollout.engine_threads))
         for i in range(counts["rollout"]))
     references = tuple(
         ReferenceSpec(model, cfg.reference.backend, dtype, max_model_len, 128, cfg.rollout.temperature,

@@ -34,15 +34,22 @@ def vllm_device_args(device: str, max_model_len: int, kv_cache_mib: int,
     return args
 
 
+def cpu_binding(engine: int, threads: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for engine ``engine`` of a machine, each engine ``threads`` cores of its
+    own: "2" or "2-3"."""
+    first = engine * threads
+    return str(first) if threads == 1 else f"{first}-{first + threads - 1}"
+
+
 def build_llm(model_dir: str, seed: int, max_model_len: int, kv_cache_mib: int, dtype: str, device: str,
-              engine_args: dict | None = None, cpu_core: int | None = None, **llm_args):
+              engine_args: dict | None = None, cpu_core: int | None = None, cpu_threads: int = 1,
+              **llm_args):
     """vLLM's ``LLM`` in this process (single-process mode: 2-5 s starts, tensors pass directly), on
     ``device`` with the config's ``engine_args`` (``vllm_device_args``) and any other ``LLM(...)``
-    arguments."""
+    arguments. On CPU engine ``cpu_core`` binds ``cpu_threads`` cores from ``cpu_core x cpu_threads``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if device == "cpu":
-        # 'auto' pins every engine to core 0; pin each engine to its own core instead
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cpu_core if cpu_core is not None else 0))
+    if device == "cpu":  # 'auto' pins every engine to core 0; each engine binds cores of its own instead
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(cpu_core or 0, cpu_threads))
     from services.console import quiet_vllm, verbose
 
     quiet_vllm()  # before vLLM loads: the warnings tether knows to be harmless stay out of the console

@@ -196,6 +196,23 @@ def ignore_eos_leaves_no_eos_to_miss(cfg: Any) -> str | None:
     return None
 
 
+@rule("rollout.engine_threads", "rollout.engine", example={"rollout": {"engine_threads": 2, "engine": "hf"}})
+def engine_threads_in_vllm(cfg: Any) -> str | None:
+    if cfg.rollout.engine_threads > 1 and cfg.rollout.engine != "vllm":
+        return (f"rollout.engine_threads={cfg.rollout.engine_threads} binds vLLM's CPU worker; transformers' "
+                "generate (rollout.engine='hf') runs on torch's threads: unset it")
+    return None
+
+
+@rule("rollout.engine_threads", "cluster.rollout.num_gpus",
+      example={"rollout": {"engine_threads": 2}, "cluster": {"rollout": {"num_gpus": 1}}})
+def engine_threads_on_cpu(cfg: Any) -> str | None:
+    if cfg.rollout.engine_threads > 1 and cfg.device("rollout") != "cpu":
+        return (f"rollout.engine_threads={cfg.rollout.engine_threads} binds vLLM's CPU worker to cores, but "
+                "the engines run on GPUs (cluster.rollout.num_gpus > 0): unset it")
+    return None
+
+
 @rule("rollout.in_flight_updates", "rollout.mode", example={"rollout": {"in_flight_updates": "partial"}})
 def in_flight_updates_are_async(cfg: Any) -> str | None:
     r = cfg.rollout

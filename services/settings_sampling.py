@@ -163,6 +163,12 @@ class RolloutConfig(Section):
         "have no end, so refused beside reward.missing_eos_penalty, and with rollout.engine 'hf' or an "
         "episodic task")
     kv_cache_mib: PositiveInt = Field(256, description="vLLM KV cache size in MiB (CPU)")
+    engine_threads: PositiveInt = Field(
+        1, description="vLLM on CPU: each engine's threads, bound to that many cores (engine i from core "
+        "i x engine_threads: VLLM_CPU_OMP_THREADS_BIND, unless the environment sets it). A synchronous job "
+        "whose engine generates a batch alone (rollout.chunk_size = rollout.batch_size: nothing scores "
+        "beside it) can give it every core; where another role runs beside it, their threads wait on each "
+        "other")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="vLLM's share of each of its GPUs (CUDA only); none = 0.9 of the share "
         "the role reserved per GPU (cluster.rollout.num_gpus over rollout.tensor_parallel_size, at most 1)")

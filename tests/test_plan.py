@@ -91,6 +91,7 @@ def test_the_plan_gives_each_engine_its_seed_core_and_the_learners_dtype():
     from actors.engines import SamplingSettings
     from learner.plan import Models, SyncSpec, fleet_spec
     from services.config import load_config
+    from services.devices import cpu_binding
 
     cfg = load_config(None, {"rollout": {"num_engines": 2}, "learner": {"dtype": "bfloat16"},
                              "run": {"seed": 7}, "reward": {"num_actors": 2},
@@ -107,6 +108,11 @@ def test_the_plan_gives_each_engine_its_seed_core_and_the_learners_dtype():
     assert spec.rewards == (RewardSpec("randomwalks", cfg.task.options(), "/models/policy"),) * 2
     assert spec.roles == [("rollout", 0), ("rollout", 1), ("reference", 0), ("reward", 0), ("reward", 1)]
     assert (spec.teachers, spec.environments, spec.engine_restarts) == ((), (), cfg.run.actor_max_restarts)
+    threads = load_config(None, {"rollout": {"num_engines": 2, "engine_threads": 2}})
+    threaded = fleet_spec(threads, Models("/m"), SamplingSettings(), 0, 40).rollouts
+    assert [r.engine.cpu_threads for r in threaded] == [2, 2]
+    assert [cpu_binding(e.cpu_core, e.cpu_threads) for e in (r.engine for r in spec.rollouts)] == ["0", "1"]
+    assert [cpu_binding(i, 2) for i in range(2)] == ["0-1", "2-3"]  # each engine cores of its own
     nccl = load_config(None, {"learner": {"weight_sync": "nccl"}, "rollout": {"gpu_memory_utilization": 0.3},
                               "cluster": {"rollout": {"num_gpus": 1}, "learner": {"num_gpus": 1}}})
     # NCCL takes none back
