@@ -3,14 +3,16 @@ response KL (``kl.scope: response_sum``, tether's default) or the per-token mean
 its heirs' choice)?
 
 The ``smollm2-sentiment`` preset (SmolLM2-135M-Instruct, VADER's score of the response) with the controller
-sized to bind within the run: 32 episodes a batch, ``kl.horizon`` 128 (beta moves by up to 0.2 x 32/128 = 5%
-a batch, where the preset's 640 moves it 1%), so that over ``--iterations`` (45) beta can move by up to
-e^(0.05 x 45) ~ 9x; the preset's own run at beta 0.05 overshot its 6 nats by 35% in 12 iterations with beta
-unmoved. Beta starts at 0.15 (``--init-kl-coef``). ``--eos-penalty`` keeps the preset's missing-EOS penalty
-(a response cut at the cap scores -1); by default it is off (``reward.missing_eos_penalty`` null): with it the
-policy learns to end its responses early, an EOS the reference gives little probability, and measured
-(results/kl_scope_smollm2-eos-penalty.md) the response KL then stayed at 7-8.5 nats while beta rose from 0.15
-to 0.56, and from beta 0.05 at 9-10 nats (results/kl_scope_smollm2-init-0.05.md). Two runs a scope (run
+sized to bind within the run: 32 episodes a batch, ``kl.horizon`` 64 (``--horizon``: beta moves by up to
+0.2 x 32/64 = 10% a batch, where the preset's 640 moves it 1%), so that over ``--iterations`` (45) beta can
+move by up to e^(0.1 x 45), about 90x; the preset's own run at beta 0.05 overshot its 6 nats by 35% in 12
+iterations with beta unmoved, and at horizon 128 (5% a batch) the policy's KL outran beta's return
+(results/kl_scope_smollm2-horizon-128.md: 18.4% and 24.3% off the target). Beta starts at 0.15
+(``--init-kl-coef``). ``--eos-penalty`` keeps the preset's missing-EOS penalty (a response cut at the cap
+scores -1); by default it is off (``reward.missing_eos_penalty`` null): with it the policy learns to end its
+responses early, an EOS the reference gives little probability, and measured at horizon 128
+(results/kl_scope_smollm2-eos-penalty.md) the response KL then stayed at 7-8.5 nats while beta rose from
+0.15 to 0.56, and from beta 0.05 at 9-10 nats (results/kl_scope_smollm2-init-0.05.md). Two runs a scope (run
 seeds), one after the other:
 
 - ``response_sum`` at the per-response target (6 nats, the preset's and lm-human-preferences');
@@ -24,10 +26,10 @@ The figure: its mean absolute deviation from the per-response target over the ru
 response length.
 
     .venv/bin/python benchmarks/kl_scope_smollm2.py [--scopes response_sum token_mean] [--seeds 1 2]
-        [--iterations 45] [--eval-every 3] [-- extra learner.main args]
+        [--iterations 45] [--eval-every 3] [--horizon 64] [-- extra learner.main args]
 
-Writes benchmarks/results/kl_scope_smollm2.json, .md and .png; a partial run keeps its rows, and a run
-already in the results is not run again (``--fresh`` runs them all).
+Writes benchmarks/results/kl_scope_smollm2-horizon-<H>.json, .md and .png (``--name`` another name); a
+partial run keeps its rows, and a run already in the results is not run again (``--fresh`` runs them all).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from _bench import RESULTS, ROOT, MeasuredJob, read_records, stamp, write_result
 
 NAME = "kl_scope_smollm2"
 PRESET = ROOT / "deploy" / "configs" / "smollm2-sentiment.yaml"
-TARGET, HORIZON, INIT_KL_COEF = 6.0, 128, 0.15
+TARGET, HORIZON, INIT_KL_COEF = 6.0, 64, 0.15
 FED = {"response_sum": "kl_response_mean", "token_mean": "kl_token_mean"}
 
 
@@ -143,11 +145,12 @@ def main() -> None:
     parser.add_argument("--init-kl-coef", type=float, default=INIT_KL_COEF)
     parser.add_argument("--horizon", type=int, default=HORIZON, help="kl.horizon")
     parser.add_argument("--eos-penalty", action="store_true", help="keep the preset's missing-EOS penalty")
-    parser.add_argument("--name", default=NAME, help="the results' name")
+    parser.add_argument("--name", help="the results' name (default: kl_scope_smollm2-horizon-<H>)")
     parser.add_argument("--fresh", action="store_true", help="run again what the results already hold")
     parser.add_argument("extra", nargs="*", help="extra learner.main arguments (after --)")
     args = parser.parse_args()
-    earlier = RESULTS / f"{args.name}.json"
+    name = args.name or f"{NAME}-horizon-{args.horizon}"
+    earlier = RESULTS / f"{name}.json"
     results = ({k: v for k, v in json.loads(earlier.read_text()).items() if "/" in k}
                if earlier.is_file() and not args.fresh else {})
     command = "python benchmarks/kl_scope_smollm2.py" + "".join(
@@ -169,8 +172,8 @@ def main() -> None:
                                                  out, args.extra)
                 results |= stamp()
                 rows = table(results, command, args.eos_penalty, args.horizon)
-                write_results(RESULTS, args.name, results, rows)  # a partial run keeps its rows
-                plot(results, RESULTS / f"{args.name}.png")
+                write_results(RESULTS, name, results, rows)  # a partial run keeps its rows
+                plot(results, RESULTS / f"{name}.png")
     print("\n".join(table(results, command, args.eos_penalty, args.horizon)))
 
 
