@@ -78,9 +78,13 @@ class Progress:
 
     def update(self, r: dict, samples: list[dict] | None = None) -> None:
         """An iteration's record, and the samples of its evaluation if it had one."""
-        target = self.cfg.kl.target
+        target, per_token = self.cfg.kl.target, self.cfg.kl.scope == "token_mean"
+        # the KL against its target in the controller's scope (kl.scope token_mean: nats per token)
+        fed = r["kl_token_mean"] if per_token else r["kl_response_mean"]
+        kl = (f"kl {r['kl_response_mean']:.3f} nats, {fed:.4f}/{target or 0:.4g} per token" if per_token
+              else f"kl {fed:.3f}/{target or 0:.1f} nats")
         line = (f"iter {r['iteration']}/{self.cfg.run.iterations} | reward {r['reward_mean']:.3f} | "
-                f"score {r['score_mean']:.3f} | kl {r['kl_response_mean']:.3f}/{target or 0:.1f} nats | "
+                f"score {r['score_mean']:.3f} | {kl} | "
                 f"beta {r['kl_coef']:.4f} | "
                 + (f"turns {r['turns_mean']:.2f} | env {r['environment_seconds']:.2f}s | "
                    if "turns_mean" in r else "")
@@ -96,7 +100,7 @@ class Progress:
         else:
             self.bar.write(f"[tether] {line}")
             self.bar.set_postfix(reward=f"{r['reward_mean']:.3f}",
-                                 kl=f"{r['kl_response_mean']:.2f}/{target or 0:g}",
+                                 kl=f"{fed:.3g}/{target or 0:g}",
                                  beta=f"{r['kl_coef']:.4f}", sec=f"{r['iteration_seconds']:.1f}")
             self.bar.update(1)
         self.tracker.log(r)

@@ -77,3 +77,19 @@ def test_default_job_console_is_short_and_has_no_warning(default_run):
                   "[tether] summary: final optimality"):
         assert any(line.startswith(start) for line in lines), start
     assert lines[-1].startswith("[tether] summary:") and lines[-1].endswith(str(run_dir / "summary.json"))
+
+
+@pytest.mark.filterwarnings("ignore:kl.scope='token_mean'")
+@pytest.mark.parametrize("scope, shown", [("response_sum", "kl 7.500/6.0 nats |"),
+                                          ("token_mean", "kl 7.500 nats, 0.2500/0.2 per token |")])
+def test_the_iteration_line_shows_the_kl_the_controller_is_fed_against_its_target(scope, shown, capsys):
+    """kl.scope token_mean: the per-token mean against the per-token target, beside the response KL."""
+    from learner.main import Progress
+    from services.config import load_config
+
+    target = 6.0 if scope == "response_sum" else 0.2
+    cfg = load_config(None, {"kl": {"scope": scope, "target": target}, "metrics": {"report_to": []}})
+    record = {"iteration": 1, "reward_mean": 0.1, "score_mean": 0.2, "kl_response_mean": 7.5,
+              "kl_token_mean": 0.25, "kl_coef": 0.05, "iteration_seconds": 1.0}
+    Progress(cfg, None).update(record)
+    assert shown in capsys.readouterr().out
