@@ -294,7 +294,7 @@ def choose_learner_attention(cfg: JobConfig, model_dir: str, sequence_tokens: in
     """``learner.attention`` auto, resolved (``services.attention_choice``) and said in a line: sdpa on a GPU
     or for a model too small to time; on CPU the faster at the learner's dtype and threads over the job's
     ``sequence_tokens`` (its longest sequence, or a packed micro-batch), timed on this (the driver's) node."""
-    from services.attention_choice import attention_shape, choose, time_attention
+    from services.attention_choice import EAGER_MIN_SPEEDUP, attention_shape, choose, time_attention
     from services.dtype_choice import MIN_TIMED_FLOPS, model_widths, pass_flops
 
     if cfg.device("learner") != "cpu":
@@ -305,7 +305,8 @@ def choose_learner_attention(cfg: JobConfig, model_dir: str, sequence_tokens: in
         timing = time_attention(attention_shape(model_dir), cfg.learner.dtype, sequence_tokens,
                                 learner_threads(cfg, machine_cpus) or 1,
                                 packed=cfg.learner.max_tokens_per_microbatch is not None)
-        chosen, why = choose(timing), f"{timing.describe()} at {cfg.learner.dtype}; eager only at >= 1.3x"
+        chosen = choose(timing)
+        why = f"{timing.describe()} at {cfg.learner.dtype}; eager only at >= {EAGER_MIN_SPEEDUP}x"
     follow(cfg.learner, "attention", chosen)
     log(f"learner.attention auto: {chosen} ({why})")
 

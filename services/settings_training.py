@@ -243,7 +243,7 @@ class LearnerConfig(Section):
         "sdpa (torch's fused kernel) or eager (two batched matmuls and a softmax). auto: on a GPU sdpa; "
         "on CPU the driver times one layer's attention of the model's shape at the learner's dtype over "
         "the job's longest sequence (or learner.max_tokens_per_microbatch), forward and backward, both "
-        "ways, and takes eager only where it is at least 1.3x faster (on short sequences in bfloat16 "
+        "ways, and takes eager only where it is at least 1.2x faster (on short sequences in bfloat16 "
         "torch's CPU kernel is slow); sdpa for a model too small to time. The job's first lines give the "
         "figures")
     critic: Literal["value_head", "separate"] = Field(
