@@ -273,16 +273,16 @@ def choose_learner_dtype(cfg: JobConfig, model_dir: str, machine_cpus: int | Non
     CPU the faster of the two on the model's own matmuls at the learner's threads, timed on this (the
     driver's) node, float32 for a model too small to time or with LoRA's merged sync. The rules that read the
     dtype run again on the choice."""
-    from services.dtype_choice import MIN_TIMED_FLOPS, choose, model_widths, pass_flops, time_dtypes
+    from services.dtype_choice import choose, model_widths, time_dtypes, too_small_to_time
 
     if cfg.device("learner") != "cpu":
         chosen, why = "bfloat16", "the learner on a GPU"
     elif cfg.learner.lora.rank and cfg.learner.lora.sync == "merged":
         chosen, why = "float32", "learner.lora.sync merged keeps the engines' weights in float32"
-    elif (flops := pass_flops(widths := model_widths(model_dir))) < MIN_TIMED_FLOPS:
-        chosen, why = "float32", f"a pass of the model's matmuls: {flops / 1e6:.0f} MFLOP, too small to time"
+    elif small := too_small_to_time(model_dir):
+        chosen, why = "float32", small
     else:
-        timing = time_dtypes(widths, learner_threads(cfg, machine_cpus) or 1)
+        timing = time_dtypes(model_widths(model_dir), learner_threads(cfg, machine_cpus) or 1)
         chosen, why = choose(timing), timing.describe() + " on the driver's node; bfloat16 only at >= 1.2x"
     follow(cfg.learner, "dtype", chosen)
     JOB_RULES.enforce(cfg)
@@ -295,12 +295,12 @@ def choose_learner_attention(cfg: JobConfig, model_dir: str, sequence_tokens: in
     or for a model too small to time; on CPU the faster at the learner's dtype and threads over the job's
     ``sequence_tokens`` (its longest sequence, or a packed micro-batch), timed on this (the driver's) node."""
     from services.attention_choice import EAGER_MIN_SPEEDUP, attention_shape, choose, time_attention
-    from services.dtype_choice import MIN_TIMED_FLOPS, model_widths, pass_flops
+    from services.dtype_choice import too_small_to_time
 
     if cfg.device("learner") != "cpu":
         chosen, why = "sdpa", "the learner on a GPU"
-    elif (flops := pass_flops(model_widths(model_dir))) < MIN_TIMED_FLOPS:
-        chosen, why = "sdpa", f"a pass of the model's matmuls: {flops / 1e6:.0f} MFLOP, too small to time"
+    elif small := too_small_to_time(model_dir):
+        chosen, why = "sdpa", small
     else:
         timing = time_attention(attention_shape(model_dir), cfg.learner.dtype, sequence_tokens,
                                 learner_threads(cfg, machine_cpus) or 1,

@@ -12,8 +12,6 @@ learner's dtype and the job's sequence shape, each way in turn, and takes ``eage
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,26 +92,10 @@ def time_attention(shape: tuple[int, int, int], dtype: str, length: int, threads
                    rounds: int = 5) -> AttentionTiming:
     """``attention_ways`` over ``TOKENS // length`` rows, forward and backward, each way in turn, on
     ``threads`` threads (medians of ``rounds``)."""
-    import torch
+    from services.dtype_choice import seconds_in_turn
 
     rows = max(1, TOKENS // length)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        ways, _ = attention_ways(shape, dtype, length, packed, rows)
-
-        def one_pass(attention) -> float:
-            start = time.perf_counter()
-            attention().float().sum().backward()
-            return time.perf_counter() - start
-
-        for attention in ways.values():  # warm-up: the kernels' first call
-            one_pass(attention)
-        seconds = {name: [] for name in ways}
-        for _ in range(rounds):
-            for name, attention in ways.items():
-                seconds[name].append(one_pass(attention))
-    finally:
-        torch.set_num_threads(before)
-    return AttentionTiming(statistics.median(seconds["sdpa"]), statistics.median(seconds["eager"]), rows,
-                           length)
+    ways, _ = attention_ways(shape, dtype, length, packed, rows)
+    seconds = seconds_in_turn({name: lambda f=f: f().float().sum().backward() for name, f in ways.items()},
+                              threads, rounds)
+    return AttentionTiming(seconds["sdpa"], seconds["eager"], rows, length)

@@ -55,6 +55,14 @@ def model_widths(model_dir: str | Path) -> tuple[int, int, int]:
     return hidden, inner, config["vocab_size"]
 
 
+def too_small_to_time(model_dir: str | Path) -> str | None:
+    """Why the model's kernels are not worth timing (a pass of its matmuls under ``MIN_TIMED_FLOPS``), or
+    None."""
+    flops = pass_flops(model_widths(model_dir))
+    return (f"a pass of the model's matmuls: {flops / 1e6:.0f} MFLOP, too small to time"
+            if flops < MIN_TIMED_FLOPS else None)
+
+
 def pass_flops(widths: tuple[int, int, int]) -> float:
     """FLOPs of one pass of ``time_dtypes``: each matmul forward and its two backward."""
     return sum(3 * 2 * TOKENS * k * n for k, n in matmul_shapes(widths))
@@ -66,35 +74,48 @@ def matmul_shapes(widths: tuple[int, int, int]) -> list[tuple[int, int]]:
     return [(hidden, inner), (inner, hidden), (hidden, vocab)]
 
 
+def seconds_in_turn(passes: dict, threads: int, rounds: int) -> dict:
+    """{name: median seconds of ``passes[name]()``} on ``threads`` torch threads: each pass once to warm up
+    (the kernels' first call), then ``rounds`` rounds of every pass in turn, so that a machine's drift falls
+    on all of them."""
+    import torch
+
+    def seconds(one_pass) -> float:
+        start = time.perf_counter()
+        one_pass()
+        return time.perf_counter() - start
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for one_pass in passes.values():
+            one_pass()
+        timed = {name: [] for name in passes}
+        for _ in range(rounds):
+            for name, one_pass in passes.items():
+                timed[name].append(seconds(one_pass))
+    finally:
+        torch.set_num_threads(before)
+    return {name: statistics.median(values) for name, values in timed.items()}
+
+
 def time_dtypes(widths: tuple[int, int, int], threads: int, rounds: int = 3) -> DtypeTiming:
     """Both dtypes timed in turn (fp32, bf16, fp32, ...), so that a machine's drift falls on both."""
     import torch
 
-    shapes = matmul_shapes(widths)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        generator = torch.Generator().manual_seed(0)
-        data = {dtype: [(torch.randn(TOKENS, k, generator=generator).to(dtype),
-                         torch.randn(k, n, generator=generator).to(dtype),
-                         torch.randn(TOKENS, n, generator=generator).to(dtype)) for k, n in shapes]
-                for dtype in (torch.float32, torch.bfloat16)}
+    generator = torch.Generator().manual_seed(0)
+    data = {dtype: [(torch.randn(TOKENS, k, generator=generator).to(dtype),
+                     torch.randn(k, n, generator=generator).to(dtype),
+                     torch.randn(TOKENS, n, generator=generator).to(dtype)) for k, n in matmul_shapes(widths)]
+            for dtype in (torch.float32, torch.bfloat16)}
 
-        def one_pass(dtype) -> float:
-            start = time.perf_counter()
+    def one_pass(dtype):
+        def run() -> None:
             for x, w, grad in data[dtype]:
                 x @ w  # forward
                 grad @ w.T  # backward: the input's gradient
                 x.T @ grad  # ... and the weight's
-            return time.perf_counter() - start
+        return run
 
-        for dtype in data:  # warm-up: the kernels' first call
-            one_pass(dtype)
-        seconds = {dtype: [] for dtype in data}
-        for _ in range(rounds):
-            for dtype in data:
-                seconds[dtype].append(one_pass(dtype))
-    finally:
-        torch.set_num_threads(before)
-    return DtypeTiming(statistics.median(seconds[torch.float32]), statistics.median(seconds[torch.bfloat16]),
-                       pass_flops(widths), threads)
+    seconds = seconds_in_turn({dtype: one_pass(dtype) for dtype in data}, threads, rounds)
+    return DtypeTiming(seconds[torch.float32], seconds[torch.bfloat16], pass_flops(widths), threads)
